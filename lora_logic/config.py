@@ -1,0 +1,130 @@
+"""LoRA hyper-parameters: one validated dataclass, convertible to and from PEFT's config."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+DEFAULT_TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+def lora_scaling(alpha: float, r: int, use_rslora: bool) -> float:
+    """PEFT's scaling: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+@dataclass
+class LoraConfig:
+    """What to adapt and how strongly.
+
+    r: rank of the update B A; A is [r, in], B is [out, r].
+    alpha: scale numerator; the update is multiplied by `alpha / r`
+        (`alpha / sqrt(r)` with rsLoRA), exactly as PEFT computes it.
+    dropout: dropout probability on the LoRA branch's input only (the base path never drops).
+    target_modules: `nn.Linear` names matched by suffix, e.g. "q_proj" matches
+        "model.layers.0.self_attn.q_proj". Every target must match at least one layer.
+    use_rslora: rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023), which keeps the
+        update's magnitude steady as r grows.
+    """
+
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    use_rslora: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
+            raise ValueError(f"lora.r must be a positive integer, got {self.r!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise ValueError(f"lora.alpha must be a positive number, got {self.alpha!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
+        if isinstance(self.target_modules, str):
+            # A lone string is a common YAML slip ("target_modules: q_proj"); accept it as one name.
+            self.target_modules = [self.target_modules]
+        targets = list(self.target_modules)
+        if not targets or not all(isinstance(t, str) and t.strip() for t in targets):
+            raise ValueError(
+                f"lora.target_modules must be a non-empty list of module names, got {self.target_modules!r}"
+            )
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"lora.target_modules has duplicates: {targets!r}")
+        self.target_modules = targets
+        if not isinstance(self.use_rslora, bool):
+            raise ValueError(f"lora.use_rslora must be true or false, got {self.use_rslora!r}")
+
+    @property
+    def scaling(self) -> float:
+        """The factor on B A x: alpha / r, or alpha / sqrt(r) with rsLoRA (PEFT's formula)."""
+        return lora_scaling(self.alpha, self.r, self.use_rslora)
+
+    def to_peft_dict(self, base_model_name_or_path: str) -> dict:
+        """The `adapter_config.json` PEFT and vLLM read; fields we do not use get PEFT's defaults."""
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model_name_or_path,
+            "r": self.r,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": list(self.target_modules),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "use_rslora": self.use_rslora,
+            "use_dora": False,
+            "modules_to_save": None,
+            "init_lora_weights": True,
+            "inference_mode": True,
+            "layers_to_transform": None,
+            "layers_pattern": None,
+            "rank_pattern": {},
+            "alpha_pattern": {},
+            "revision": None,
+        }
+
+    @classmethod
+    def from_peft_dict(cls, data: dict, source: str = "adapter_config.json") -> "LoraConfig":
+        """Read a PEFT LoRA config, refusing features this implementation does not have."""
+        if data.get("peft_type", "LORA") != "LORA":
+            raise ValueError(f"{source}: peft_type is {data.get('peft_type')!r}; only LORA adapters are supported")
+        unsupported = {
+            "use_dora": (False, None),
+            "fan_in_fan_out": (False, None),
+            "bias": ("none", None),
+            "rank_pattern": ({}, None),
+            "alpha_pattern": ({}, None),
+            "modules_to_save": (None, []),
+            "layers_to_transform": (None,),
+        }
+        for key, allowed in unsupported.items():
+            if key in data and data[key] not in allowed:
+                raise ValueError(
+                    f"{source}: {key}={data[key]!r} is not supported by lora_logic "
+                    f"(supported: {allowed[0]!r}); merge or re-train the adapter without it"
+                )
+        targets = data.get("target_modules")
+        if isinstance(targets, str) and not targets.isidentifier():
+            # PEFT reads a string as a regular expression over full module names.
+            raise ValueError(
+                f"{source}: target_modules is the regular expression {targets!r}; lora_logic matches "
+                "module names by suffix, so list the names instead (e.g. [\"q_proj\", \"v_proj\"])"
+            )
+        try:
+            return cls(
+                r=data["r"],
+                alpha=data["lora_alpha"],
+                dropout=data.get("lora_dropout", 0.0),
+                target_modules=data["target_modules"],
+                use_rslora=data.get("use_rslora", False),
+            )
+        except KeyError as missing:
+            raise ValueError(f"{source}: required field {missing} is missing") from None

@@ -1,0 +1,122 @@
+"""`LoRALinear`: a frozen `nn.Linear` plus a trainable low-rank update."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lora_logic.config import lora_scaling
+
+
+def init_lora_A_(weight: torch.Tensor) -> None:
+    """Kaiming-uniform with a=sqrt(5): `nn.Linear`'s own default init, which PEFT and the LoRA
+    paper's reference code use for A. Bound = 1/sqrt(in_features)."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+
+
+def init_lora_B_(weight: torch.Tensor) -> None:
+    """Zeros (LoRA paper, section 4.1): B A = 0, so the wrapped model equals the base at step 0."""
+    nn.init.zeros_(weight)
+
+
+class LoRALinear(nn.Module):
+    """y = W0 x + b0 + scaling * B(A(dropout(x))), with W0, b0 frozen and A, B trainable.
+
+    Wraps (does not subclass) `base_layer`, so any `nn.Linear` (bias or not, any dtype) works
+    and the base stays reachable as `self.base_layer`, the name PEFT gives it too.
+
+    Shapes: x [..., in] -> A: [r, in] -> [..., r] -> B: [out, r] -> [..., out]. The update is
+    applied as two thin matmuls; the [out, in] product B A is only formed by `merge()`.
+
+    Dtypes: the base weights may be bf16 while `lora_A`/`lora_B` hold fp32 master weights
+    (AdamW's moments and small updates need fp32). The LoRA branch computes in the
+    activation's dtype: the [r, in] and [out, r] weights are cast down (cheap) instead of
+    casting the [batch, seq, in] activations up (costly), and the cast is differentiable, so
+    gradients arrive in fp32 on the master weights. With fp32 activations everything is fp32.
+
+    `merged` is True after `merge()`: W0 then holds W0 + scaling * B A and the forward skips
+    the branch. `merge()`/`unmerge()` are idempotent and never write NaN/inf into W0.
+    """
+
+    def __init__(
+        self,
+        base_layer: nn.Linear,
+        r: int,
+        alpha: float,
+        dropout: float = 0.0,
+        use_rslora: bool = False,
+        lora_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if not isinstance(base_layer, nn.Linear):
+            raise TypeError(f"LoRALinear wraps nn.Linear, got {type(base_layer).__name__}")
+        if r <= 0:
+            raise ValueError(f"r must be positive, got {r}")
+        self.base_layer = base_layer
+        self.r = r
+        self.alpha = alpha
+        self.use_rslora = use_rslora
+        self.scaling = lora_scaling(alpha, r, use_rslora)
+        self.in_features = base_layer.in_features
+        self.out_features = base_layer.out_features
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        device = base_layer.weight.device
+        self.lora_A = nn.Linear(self.in_features, r, bias=False, device=device, dtype=lora_dtype)
+        self.lora_B = nn.Linear(r, self.out_features, bias=False, device=device, dtype=lora_dtype)
+        self.reset_lora_parameters()
+        for p in self.base_layer.parameters():
+            p.requires_grad_(False)
+        self.merged = False
+
+    def reset_lora_parameters(self) -> None:
+        init_lora_A_(self.lora_A.weight)
+        init_lora_B_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        if self.merged:
+            return y
+        h = self.lora_dropout(x)
+        a = self.lora_A.weight.to(h.dtype)  # [r, in]
+        b = self.lora_B.weight.to(h.dtype)  # [out, r]
+        return y + F.linear(F.linear(h, a), b) * self.scaling
+
+    def delta_weight(self) -> torch.Tensor:
+        """scaling * B A in fp32, [out, in]: what `merge()` adds to W0."""
+        return (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold the update into W0 (for export/inference). A no-op when already merged."""
+        if self.merged:
+            return
+        self._write_base(self.base_layer.weight.float() + self.delta_weight(), "merge")
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Subtract the update from W0 again. Exact up to rounding in W0's dtype: with a bf16
+        base, W0 comes back within one bf16 rounding step, not bitwise."""
+        if not self.merged:
+            return
+        self._write_base(self.base_layer.weight.float() - self.delta_weight(), "unmerge")
+        self.merged = False
+
+    def _write_base(self, new_weight: torch.Tensor, action: str) -> None:
+        new_weight = new_weight.to(self.base_layer.weight.dtype)
+        # Refuse rather than corrupt the base: a NaN in W0 survives every later unmerge.
+        if not bool(torch.isfinite(new_weight).all()):
+            raise ValueError(
+                f"refusing to {action} a LoRA update with NaN/inf values into the base weight "
+                f"[{self.out_features}, {self.in_features}]; the adapter is corrupt (check the training loss)"
+            )
+        self.base_layer.weight.copy_(new_weight)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.out_features}, r={self.r}, "
+            f"scaling={self.scaling:g}, merged={self.merged}"
+        )

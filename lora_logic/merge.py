@@ -1,0 +1,52 @@
+"""Fold every LoRA update of a model into its base weights, or take it out again."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lora_logic.inject import lora_modules
+
+
+def merge_lora(model: nn.Module) -> int:
+    """W0 <- W0 + scaling * B A in every LoRA layer; returns how many layers changed.
+
+    Idempotent (merged layers are skipped). Every adapter weight is checked for NaN/inf
+    before the first base weight is touched, so a corrupt adapter leaves the model unmerged.
+    """
+    modules = list(lora_modules(model))
+    if not modules:
+        raise ValueError("merge_lora: the model has no LoRA layers (call inject_lora or load_adapter first)")
+    with torch.no_grad():
+        bad = [
+            name
+            for name, m in modules
+            if not (bool(torch.isfinite(m.lora_A.weight).all()) and bool(torch.isfinite(m.lora_B.weight).all()))
+        ]
+    if bad:
+        raise ValueError(
+            f"refusing to merge: {len(bad)} LoRA layers hold NaN/inf (first: {bad[0]!r}); "
+            "the adapter is corrupt, the base weights were left untouched"
+        )
+    changed = 0
+    for name, module in modules:
+        if not module.merged:
+            try:
+                module.merge()
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
+            changed += 1
+    return changed
+
+
+def unmerge_lora(model: nn.Module) -> int:
+    """Undo `merge_lora`; returns how many layers changed. Idempotent."""
+    changed = 0
+    for name, module in lora_modules(model):
+        if module.merged:
+            try:
+                module.unmerge()
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
+            changed += 1
+    return changed

@@ -1,0 +1,73 @@
+"""Shared fixtures: CPU-only XLA, a seed, tiny causal LMs of several architectures."""
+
+from __future__ import annotations
+
+import os
+
+# Before anything imports torch_xla: run the real XLA path on the host CPU.
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GemmaConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
+
+from utils.xla_runtime import init_xla_device
+
+# Before any test runs a backward (see init_xla_device for why).
+init_xla_device()
+
+VOCAB = 128
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
+CONFIGS = {
+    "mistral": lambda: MistralConfig(**SHAPE, sliding_window=None),
+    "llama": lambda: LlamaConfig(**SHAPE),
+    "qwen2": lambda: Qwen2Config(**SHAPE),
+    "gemma": lambda: GemmaConfig(**SHAPE),
+    "gemma3": lambda: Gemma3TextConfig(**SHAPE, sliding_window=16),
+}
+ARCHITECTURES = list(CONFIGS)
+
+
+def tiny_causal_lm(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised 2-layer model of `arch`, fp32, in eval mode (no dropout)."""
+    torch.manual_seed(seed)
+    config = CONFIGS[arch]()
+    model_cls = Gemma3ForCausalLM if arch == "gemma3" else AutoModelForCausalLM
+    model = model_cls.from_config(config) if model_cls is AutoModelForCausalLM else model_cls(config)
+    return model.float().eval()
+
+
+def random_tokens(batch: int = 2, seq: int = 12, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, seq), generator=generator)
+
+
+@pytest.fixture
+def seed() -> int:
+    torch.manual_seed(1234)
+    return 1234
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The demo's tiny Mistral + tokenizer, built once per test session."""
+    from finetuning_pipeline.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "base", seed=0)
