@@ -1,0 +1,67 @@
+"""The embedded default base model: plain transformers loads it offline; same seed, same files."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dataset.chat_template import IM_END, IM_START
+from finetuning_pipeline import tiny_model
+
+
+def test_loads_with_plain_transformers(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    assert model.config.model_type == "mistral"
+    assert model.config.vocab_size == len(tokenizer) == tiny_model.VOCAB_SIZE
+    assert (tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (
+        0, 1, 2, 3,
+    )
+    text = "Reședința județului Cluj este municipiul Cluj-Napoca. 🏔"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text  # byte fallback: nothing becomes <unk>
+    assert tokenizer.unk_token_id not in ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), use_cache=False).logits
+    assert logits.shape == (1, len(ids), len(tokenizer))
+
+
+def test_chat_template_markers_are_single_tokens(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages = [
+        {"role": "system", "content": "Răspunde scurt."},
+        {"role": "user", "content": "Care este reședința județului Iași?"},
+        {"role": "assistant", "content": "Iași."},
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text == (
+        "<s><|im_start|>system\nRăspunde scurt.<|im_end|>\n<|im_start|>user\nCare este reședința județului "
+        "Iași?<|im_end|>\n<|im_start|>assistant\nIași.<|im_end|>\n"
+    )
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    start, end = tokenizer.convert_tokens_to_ids([IM_START, IM_END])
+    assert ids.count(start) == 3 and ids.count(end) == 3
+    prompt = tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    generation = json.loads((tiny_model_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [tokenizer.eos_token_id, end]
+
+
+def test_same_seed_same_files_other_seed_other_weights(tmp_path, tiny_model_dir):
+    again = tiny_model.write_tiny_model(tmp_path / "again", seed=0)
+    names = sorted(p.name for p in tiny_model_dir.iterdir())
+    assert names == sorted(p.name for p in again.iterdir())
+    assert "model.safetensors" in names and "tokenizer.json" in names
+    for name in names:
+        assert (tiny_model_dir / name).read_bytes() == (again / name).read_bytes(), name
+    other = tiny_model.write_tiny_model(tmp_path / "other", seed=1)
+    assert (other / "tokenizer.json").read_bytes() == (again / "tokenizer.json").read_bytes()
+    assert (other / "model.safetensors").read_bytes() != (again / "model.safetensors").read_bytes()
+
+
+def test_command_line(tmp_path, capsys):
+    tiny_model.main(["--out", str(tmp_path / "cli"), "--seed", "3"])
+    assert "wrote tiny Mistral model" in capsys.readouterr().out
+    assert (tmp_path / "cli" / "config.json").is_file()
