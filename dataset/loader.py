@@ -1,0 +1,141 @@
+"""Stream fixed-shape batches from prepared shards to one replica, resumably.
+
+Training order: the global stream is epoch 0's permutation of the N blocks, then epoch 1's,
+and so on, each drawn from (seed, epoch). Replica r of W takes global positions
+r, r + W, r + 2W, ... so the replicas' slices are disjoint, together they use every block
+exactly once per epoch, and an epoch boundary may fall inside a batch (no block is dropped
+or repeated to make shapes fit). The whole cursor is one integer, `position`: the number of
+global blocks consumed, equal on every replica, so a resumed run sees exactly the batches it
+would have seen.
+
+Batches are dicts of CPU int32 tensors [micro_batch, seq_len] ("input_ids", "labels",
+"position_ids"); int32 halves the host-to-device bytes, the trainer widens on device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dataset.encode import IGNORE_INDEX
+from dataset.errors import DataError
+from dataset.manifest import check_manifest, read_manifest
+from dataset.shards import ARRAYS, open_split
+
+
+def open_prepared(directory: str | Path, *, fingerprint: str | None = None, seq_len: int | None = None) -> dict:
+    """The manifest of a prepared dataset, checked against the run's tokenizer and seq_len."""
+    manifest = read_manifest(directory)
+    if fingerprint is not None and seq_len is not None:
+        check_manifest(manifest, fingerprint=fingerprint, seq_len=seq_len, source=str(Path(directory) / "manifest.json"))
+    return manifest
+
+
+class ShardLoader:
+    """An endless, deterministic, resumable stream of training batches for one replica."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        micro_batch: int,
+        *,
+        split: str = "train",
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.arrays = open_split(Path(directory) / split)
+        self.rows = self.arrays["input_ids"].shape[0]
+        if self.rows == 0:
+            raise DataError(f"{Path(directory) / split}: no blocks; prepare more data or lower --seq-len")
+        self.micro_batch = micro_batch
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
+        self.position = 0
+        self._orders: dict[int, np.ndarray] = {}
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The permutation of block indices for `epoch` (the same on every replica)."""
+        if epoch not in self._orders:
+            if len(self._orders) > 2:  # a batch spans at most two epochs
+                self._orders.pop(min(self._orders))
+            if self.shuffle:
+                self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.rows)
+            else:
+                self._orders[epoch] = np.arange(self.rows)
+        return self._orders[epoch]
+
+    @property
+    def epoch(self) -> float:
+        """Epochs completed, fractional (for logging)."""
+        return self.position / self.rows
+
+    def next_indices(self) -> np.ndarray:
+        """Block indices of this replica's next batch; advances the shared cursor by one global batch."""
+        positions = self.position + self.rank + self.world_size * np.arange(self.micro_batch)
+        epochs, offsets = np.divmod(positions, self.rows)
+        indices = np.empty(self.micro_batch, dtype=np.int64)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            indices[mask] = self.epoch_order(int(epoch))[offsets[mask]]
+        self.position += self.world_size * self.micro_batch
+        return indices
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        indices = self.next_indices()
+        return {name: torch.from_numpy(np.asarray(self.arrays[name][indices])) for name in ARRAYS}
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "rows": self.rows, "seed": self.seed, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("rows", "seed", "shuffle"):
+            if state.get(key) != getattr(self, key):
+                raise DataError(
+                    f"loader state was saved with {key}={state.get(key)!r} but this loader has {key}={getattr(self, key)!r}; "
+                    "resume with the same prepared data and seed"
+                )
+        self.position = int(state["position"])
+
+
+def iter_eval_batches(
+    directory: str | Path, micro_batch: int, *, pad_id: int, rank: int = 0, world_size: int = 1, split: str = "eval"
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Every eval block exactly once across replicas, in order, in fixed-shape batches.
+
+    Replica r gets blocks r, r + W, ...; the last batches are filled with padding rows whose
+    labels are all -100, so they add nothing to the loss, and every replica yields the same
+    number of batches (replicas must agree on the number of steps).
+    """
+    arrays = open_split(Path(directory) / split)
+    rows, seq_len = arrays["input_ids"].shape
+    mine = np.arange(rank, rows, world_size)
+    per_replica = -(-rows // world_size)
+    batches = -(-per_replica // micro_batch)
+    filler = {
+        "input_ids": np.full(seq_len, pad_id, dtype=np.int32),
+        "labels": np.full(seq_len, IGNORE_INDEX, dtype=np.int32),
+        "position_ids": np.arange(seq_len, dtype=np.int32),
+    }
+    for b in range(batches):
+        indices = mine[b * micro_batch : (b + 1) * micro_batch]
+        batch = {}
+        for name in ARRAYS:
+            data = np.asarray(arrays[name][indices])
+            missing = micro_batch - len(indices)
+            if missing:
+                data = np.concatenate([data, np.tile(filler[name], (missing, 1))])
+            batch[name] = torch.from_numpy(np.ascontiguousarray(data, dtype=np.int32))
+        yield batch

@@ -1,0 +1,60 @@
+"""manifest.json: what a prepared dataset was built from, so a mismatch is caught before a TPU.
+
+The trainer compares the manifest's `seq_len` and tokenizer fingerprint with its own and
+refuses to train on shards made by another tokenizer or for another sequence length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from dataset.encode import chat_template_of
+from dataset.errors import DataError
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 over what decides the token ids: the tokenizer's full definition (vocab, merges,
+    normalizer, added tokens), its special-token ids and the chat template. Paths and file
+    layout do not enter it, so a copied tokenizer has the same fingerprint."""
+    definition = tokenizer.backend_tokenizer.to_str()
+    special = {
+        "bos": tokenizer.bos_token_id,
+        "eos": tokenizer.eos_token_id,
+        "pad": tokenizer.pad_token_id,
+        "unk": tokenizer.unk_token_id,
+    }
+    payload = json.dumps(
+        {"tokenizer": definition, "special": special, "chat_template": chat_template_of(tokenizer)},
+        sort_keys=True,
+    )
+    return "sha256:" + hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def read_manifest(directory: str | Path) -> dict:
+    path = Path(directory) / MANIFEST_NAME
+    if not path.is_file():
+        raise DataError(f"{path}: no manifest; is {directory} the output of `python -m dataset.prepare`?")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}: not valid JSON ({err}); re-run `python -m dataset.prepare`") from None
+
+
+def check_manifest(manifest: dict, *, fingerprint: str, seq_len: int, source: str = MANIFEST_NAME) -> None:
+    """Refuse shards that do not match the trainer's tokenizer or seq_len, naming both values."""
+    if manifest.get("seq_len") != seq_len:
+        raise DataError(
+            f"{source}: shards were packed for seq_len {manifest.get('seq_len')}, but the run uses seq_len "
+            f"{seq_len}; re-run prepare with --seq-len {seq_len} or set the run's seq_len to match"
+        )
+    theirs = manifest.get("tokenizer", {}).get("fingerprint")
+    if theirs != fingerprint:
+        raise DataError(
+            f"{source}: shards were tokenized by tokenizer {theirs}, but the run's tokenizer is {fingerprint}; "
+            "re-run prepare with the run's tokenizer"
+        )

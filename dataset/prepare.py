@@ -1,0 +1,489 @@
+"""`python -m dataset.prepare`: validate, tokenize, mask and pack a dataset once, on CPU.
+
+    python -m dataset.prepare --format messages --input chat.jsonl --tokenizer MODEL_DIR \
+        --seq-len 512 --out data/phase2 [--phase 2] [--eval-fraction 0.05] [--skip-invalid]
+
+or the same keys from YAML (`--config prep.yaml`; command-line flags win). Writes, under OUT:
+  train/, eval/      input_ids.npy, labels.npy, position_ids.npy: int32 [N, seq_len], mmap-able
+  manifest.json      phase, seq_len, tokenizer fingerprint, sources with sha256, counts
+  stats.json         records read / kept / skipped by reason, tokens, truncated, fill ratio
+
+Bad records: by default the first `max_errors` problems are printed as FILE:LINE: reason and
+the command exits with status 2, writing nothing. `--skip-invalid` skips them, counts them
+by reason in stats.json, and carries on. The output directory appears only when complete
+(it is built next to OUT and renamed into place).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from dataset.accounting import RecordAccounts
+from dataset.encode import IGNORE_INDEX, encode_conversations, encode_documents
+from dataset.errors import DataError, InvalidRecord, RecordIssue
+from dataset.formats import PHASE_OF_FORMAT, RECORD_FORMATS, detect_format, normalize, remap_columns
+from dataset.hf_source import iter_hf_records
+from dataset.manifest import MANIFEST_NAME, MANIFEST_VERSION, tokenizer_fingerprint
+from dataset.packing import BestFitPacker, StreamPacker
+from dataset.readers import SourceFile, iter_file_records
+from dataset.shards import SplitWriter
+from utils.atomic_io import atomic_write_json
+
+FORMATS = (*RECORD_FORMATS, "hf", "auto")
+OVERLONG_POLICIES = ("truncate", "drop")
+
+
+@dataclass
+class PrepareOptions:
+    """Options of `prepare`; the YAML keys are these names, the flags their dashed forms.
+
+    inputs: input files (or, with format hf, dataset directories / files / hub names).
+    tokenizer: a Hugging Face tokenizer directory (usually the base model's).
+    seq_len: tokens per packed block; the trainer must use the same.
+    out: output directory.
+    format: text | messages | alpaca | hf | auto (detected per file from its first record).
+    phase: 1 (causal LM on every token) or 2 (assistant tokens only); default from the format.
+    eval_fraction: share of records held out for eval, drawn deterministically from `seed`.
+    skip_invalid: skip and count bad records instead of stopping at them.
+    seed: seeds the train/eval draw.
+    overlong: phase 2 conversations longer than seq_len are truncated or dropped (counted
+        either way). Phase 1 documents never are: they are concatenated and cut into blocks.
+    columns: our field name -> the input's column name, e.g. {"text": "content"}.
+    split / hf_name: the split and config name for format hf.
+    max_errors: how many problems to report before stopping (strict mode).
+    batch_size: records tokenized per batch (the tokenizer spreads a batch over all cores).
+    force: replace an existing OUT.
+    """
+
+    inputs: list[str] = field(default_factory=list)
+    tokenizer: str = ""
+    seq_len: int = 0
+    out: str = ""
+    format: str = "auto"
+    phase: int | None = None
+    eval_fraction: float = 0.05
+    skip_invalid: bool = False
+    seed: int = 0
+    overlong: str = "truncate"
+    columns: dict[str, str] = field(default_factory=dict)
+    split: str = "train"
+    hf_name: str | None = None
+    max_errors: int = 10
+    batch_size: int = 1024
+    force: bool = False
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inputs, str):
+            self.inputs = [self.inputs]
+        if not self.inputs:
+            raise DataError("inputs: no input given (--input FILE, repeatable)")
+        for key in ("tokenizer", "out"):
+            if not getattr(self, key):
+                raise DataError(f"{key}: required (--{key})")
+        if not isinstance(self.seq_len, int) or self.seq_len < 8:
+            raise DataError(f"seq_len: must be an integer >= 8, got {self.seq_len!r} (--seq-len)")
+        if self.format not in FORMATS:
+            raise DataError(f"format: {self.format!r} is not one of {list(FORMATS)}")
+        if self.phase not in (None, 1, 2):
+            raise DataError(f"phase: must be 1 or 2, got {self.phase!r}")
+        if self.format in PHASE_OF_FORMAT and self.phase not in (None, PHASE_OF_FORMAT[self.format]):
+            raise DataError(
+                f"phase: format {self.format} is phase {PHASE_OF_FORMAT[self.format]} data, but phase {self.phase} was asked for"
+            )
+        if not isinstance(self.eval_fraction, (int, float)) or not 0 <= self.eval_fraction < 1:
+            raise DataError(f"eval_fraction: must be in [0, 1), got {self.eval_fraction!r}")
+        if self.overlong not in OVERLONG_POLICIES:
+            raise DataError(f"overlong: must be one of {list(OVERLONG_POLICIES)}, got {self.overlong!r}")
+        if not isinstance(self.columns, dict):
+            raise DataError(f"columns: must be a mapping of our field name to the input's, got {self.columns!r}")
+        if self.max_errors < 1 or self.batch_size < 1:
+            raise DataError("max_errors and batch_size must be at least 1")
+
+
+class TooManyErrors(Exception):
+    pass
+
+
+@dataclass
+class Sample:
+    file_index: int
+    split: str
+    payload: object  # str (document) or list of turns (conversation)
+
+
+class Preparation:
+    """One run of prepare: reads, accounts, tokenizes, packs and writes. `run()` returns stats."""
+
+    def __init__(self, options: PrepareOptions) -> None:
+        self.options = options
+        self.tokenizer = load_tokenizer(options.tokenizer)
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.tokenizer.eos_token_id  # the usual fallback; pads are masked anyway
+        self.accounts = RecordAccounts()
+        self.issues: list[RecordIssue] = []
+        self.sources: list[dict] = []
+        self.phase = options.phase or PHASE_OF_FORMAT.get(options.format)
+        self.detected: dict[str, str] = {}  # path -> format found by auto-detection
+        self.current_source: SourceFile | None = None
+        self.bytes_done = 0  # bytes of the input files already read to the end
+        self.draw = random.Random(options.seed)
+        self.tokens = 0
+        self.pending: list[Sample] = []
+
+    # -- reading and validation ------------------------------------------------------------
+    def iter_records(self) -> Iterator[tuple[int, str, int, object]]:
+        """(file index, path, line, record or RecordIssue) over every input, in order."""
+        for name in self.options.inputs:
+            file_index = self.accounts.add_file(name)
+            if self.options.format == "hf":
+                rows = iter_hf_records(name, self.options.split, self.options.hf_name)
+                source = None
+            else:
+                source = SourceFile(name)
+                rows = iter_file_records(source)
+            self.current_source = source
+            seen = 0
+            for line, value in rows:
+                seen += 1
+                yield file_index, name, line, value
+            if seen == 0:
+                self.accounts.empty_files.append(name)
+                self.report(file_index, RecordIssue(name, 0, "empty_file", "empty file (no records)"), counted=False)
+            if source is not None:
+                self.sources.append({"path": str(source.path), "sha256": source.sha256, "bytes": source.bytes_read})
+                self.bytes_done += source.bytes_read
+                self.current_source = None
+            else:
+                self.sources.append({"path": name, "kind": "hf", "split": self.options.split})
+
+    def format_of(self, path: str, record: dict) -> str | None:
+        """The record format: explicit, or detected once per file from its first recognisable record."""
+        if self.options.format in RECORD_FORMATS:
+            return self.options.format
+        if path in self.detected:
+            return self.detected[path]
+        detected = detect_format(record)
+        if detected is None:
+            return None
+        if self.phase is None:
+            self.phase = PHASE_OF_FORMAT[detected]
+        elif PHASE_OF_FORMAT[detected] != self.phase:
+            raise DataError(
+                f"{path}: its records look like {detected} (phase {PHASE_OF_FORMAT[detected]} data) but this "
+                f"dataset is phase {self.phase}; prepare each phase's data separately"
+            )
+        self.detected[path] = detected
+        return detected
+
+    def report(self, file_index: int, issue: RecordIssue, counted: bool = True) -> None:
+        if counted:
+            self.accounts.skip(file_index, issue.reason)
+        if not self.options.skip_invalid:
+            self.issues.append(issue)
+            if len(self.issues) >= self.options.max_errors:
+                raise TooManyErrors
+
+    # -- tokenization and packing ----------------------------------------------------------
+    def flush_pending(self) -> None:
+        if not self.pending:
+            return
+        batch, self.pending = self.pending, []
+        if self.phase == 1:
+            encoded = encode_documents(self.tokenizer, [s.payload for s in batch])
+            for sample, ids in zip(batch, encoded):
+                self.accounts.keep(sample.file_index)
+                self.tokens += len(ids)
+                self.write(sample.split, self.packers[sample.split].add(ids))
+            return
+        encoded = encode_conversations(self.tokenizer, [s.payload for s in batch])
+        limit = self.options.seq_len
+        for sample, (ids, labels) in zip(batch, encoded):
+            if len(ids) > limit:
+                if self.options.overlong == "drop":
+                    self.accounts.skip(sample.file_index, "overlong_dropped")
+                    continue
+                ids, labels = ids[:limit], labels[:limit]
+                if not (labels != IGNORE_INDEX).any():
+                    self.accounts.skip(sample.file_index, "overlong_no_answer_left")
+                    continue
+                self.accounts.truncated += 1
+            self.accounts.keep(sample.file_index)
+            self.tokens += len(ids)
+            self.write(sample.split, self.packers[sample.split].add(ids, labels))
+
+    def write(self, split: str, blocks) -> None:
+        for block, real_tokens in blocks:
+            self.writers[split].write(block, real_tokens)
+
+    # -- the run ---------------------------------------------------------------------------
+    def run(self) -> dict:
+        options = self.options
+        out = Path(options.out)
+        if out.exists() and not options.force:
+            raise DataError(f"{out}: already exists; pass --force to replace it")
+        staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        started = time.perf_counter()
+        progress = Progress(options)
+        try:
+            self.writers = {split: SplitWriter(staging / split, options.seq_len) for split in ("train", "eval")}
+            self.packers = None
+            try:
+                for file_index, path, line, value in self.iter_records():
+                    self.accounts.read(file_index)
+                    if isinstance(value, RecordIssue):
+                        self.report(file_index, value)
+                        continue
+                    record = remap_columns(value, options.columns)
+                    record_format = self.format_of(path, record)
+                    if record_format is None:
+                        self.report(file_index, RecordIssue(path, line, "unknown_format",
+                                                            "record has none of the fields text, messages or instruction/output "
+                                                            "(map yours with --column)"))
+                        continue
+                    try:
+                        payload = normalize(record, record_format)
+                    except InvalidRecord as err:
+                        self.report(file_index, RecordIssue(path, line, err.reason, err.detail))
+                        continue
+                    if self.packers is None:
+                        self.packers = make_packers(self.phase, options.seq_len, self.pad_id)
+                    split = "eval" if self.draw.random() < options.eval_fraction else "train"
+                    self.pending.append(Sample(file_index, split, payload))
+                    if len(self.pending) >= options.batch_size:
+                        self.flush_pending()
+                        progress.update(self, started)
+            except TooManyErrors:
+                pass
+            if self.issues:
+                raise DataError(format_issues(self.issues, options.max_errors))
+            if self.packers is None:
+                raise DataError(f"no usable records in {options.inputs}; stats: {self.accounts.as_dict()['skipped_by_reason']}")
+            self.flush_pending()
+            for split, packer in self.packers.items():
+                self.write(split, packer.flush())
+            for writer in self.writers.values():
+                writer.close()
+            progress.update(self, started)
+            self.accounts.check_balanced()
+            stats = self.stats(time.perf_counter() - started)
+            atomic_write_json(staging / MANIFEST_NAME, self.manifest())
+            atomic_write_json(staging / "stats.json", stats)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(staging, out)
+            return stats
+        finally:
+            progress.close()
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def manifest(self) -> dict:
+        tok = self.tokenizer
+        return {
+            "version": MANIFEST_VERSION,
+            "created_by": "dataset.prepare",
+            "phase": self.phase,
+            "format": self.options.format,
+            "detected_formats": dict(self.detected),
+            "seq_len": self.options.seq_len,
+            "tokenizer": {
+                "path": str(self.options.tokenizer),
+                "fingerprint": tokenizer_fingerprint(tok),
+                "vocab_size": len(tok),
+                "bos_id": tok.bos_token_id,
+                "eos_id": tok.eos_token_id,
+                "pad_id": self.pad_id,
+            },
+            "sources": self.sources,
+            "counts": {split: w.rows for split, w in self.writers.items()},
+            "seed": self.options.seed,
+            "eval_fraction": self.options.eval_fraction,
+            "overlong": self.options.overlong,
+        }
+
+    def stats(self, seconds: float) -> dict:
+        splits = {}
+        for split, w in self.writers.items():
+            capacity = w.rows * self.options.seq_len
+            splits[split] = {
+                "blocks": w.rows,
+                "tokens": w.tokens,
+                "label_tokens": w.label_tokens,
+                "fill_ratio": round(w.tokens / capacity, 4) if capacity else 0.0,
+            }
+        all_capacity = sum(s["blocks"] for s in splits.values()) * self.options.seq_len
+        return {
+            "phase": self.phase,
+            "seq_len": self.options.seq_len,
+            "records": self.accounts.as_dict(),
+            "tokens": self.tokens,
+            "fill_ratio": round(self.tokens / all_capacity, 4) if all_capacity else 0.0,
+            "splits": splits,
+            "seconds": round(seconds, 3),
+            "tokens_per_sec": round(self.tokens / seconds) if seconds > 0 else None,
+        }
+
+
+def make_packers(phase: int, seq_len: int, pad_id: int) -> dict:
+    if phase == 1:
+        return {split: StreamPacker(seq_len, pad_id) for split in ("train", "eval")}
+    return {split: BestFitPacker(seq_len, pad_id) for split in ("train", "eval")}
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as err:  # transformers raises OSError, ValueError, ... for a bad directory
+        raise DataError(f"tokenizer: cannot load a tokenizer from {path!r} ({type(err).__name__}: {err})") from None
+
+
+def format_issues(issues: list[RecordIssue], max_errors: int) -> str:
+    lines = [str(issue) for issue in issues]
+    if len(issues) >= max_errors:
+        lines.append(f"(stopped after {max_errors} problems)")
+    lines.append("Fix the input, or pass --skip-invalid to skip such records (they are counted in stats.json).")
+    return "\n".join(lines)
+
+
+class Progress:
+    """A tqdm bar over input bytes with tokens/s; silent with --quiet."""
+
+    def __init__(self, options: PrepareOptions) -> None:
+        self.bar = None
+        if options.quiet:
+            return
+        from tqdm import tqdm
+
+        total = sum(os.path.getsize(p) for p in options.inputs if os.path.isfile(p)) if options.format != "hf" else None
+        self.bar = tqdm(total=total or None, unit="B", unit_scale=True, desc="prepare", file=sys.stderr)
+
+    def update(self, run: Preparation, started: float) -> None:
+        if self.bar is None:
+            return
+        current = run.current_source.bytes_read if run.current_source is not None else 0
+        self.bar.n = max(self.bar.n, run.bytes_done + current)
+        elapsed = max(time.perf_counter() - started, 1e-9)
+        self.bar.set_postfix(tokens=run.tokens, tok_s=f"{run.tokens / elapsed:,.0f}", refresh=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# -- command line ------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dataset.prepare",
+        description="Validate, tokenize, mask and pack a dataset into fixed-shape int32 shards "
+        "(train/ and eval/) with manifest.json and stats.json. Run once, on CPU, before training.",
+        epilog="Exit status: 0 on success, 2 on bad input or options (the message names the file and line).",
+    )
+    parser.add_argument("--config", help="YAML file with any of the options below (flags override it)")
+    parser.add_argument("--format", choices=FORMATS, help="input format (default: auto, detected per file)")
+    parser.add_argument("--input", dest="inputs", action="append", help="input file; repeat for several")
+    parser.add_argument("--tokenizer", help="tokenizer directory (usually the base model's)")
+    parser.add_argument("--seq-len", dest="seq_len", type=int, help="tokens per packed block")
+    parser.add_argument("--out", help="output directory")
+    parser.add_argument("--phase", type=int, choices=(1, 2), help="1: every token trained; 2: assistant tokens only")
+    parser.add_argument("--eval-fraction", dest="eval_fraction", type=float, help="held-out share (default 0.05)")
+    parser.add_argument("--skip-invalid", dest="skip_invalid", action="store_true", default=None,
+                        help="skip and count bad records instead of stopping")
+    parser.add_argument("--seed", type=int, help="seed of the train/eval split (default 0)")
+    parser.add_argument("--overlong", choices=OVERLONG_POLICIES, help="phase 2 samples over seq_len (default truncate)")
+    parser.add_argument("--column", dest="columns", action="append", metavar="OURS=THEIRS",
+                        help="map an input column to ours, e.g. --column text=content")
+    parser.add_argument("--split", help="split of an hf dataset (default train)")
+    parser.add_argument("--hf-name", dest="hf_name", help="config name of an hf hub dataset")
+    parser.add_argument("--max-errors", dest="max_errors", type=int, help="problems reported before stopping (default 10)")
+    parser.add_argument("--batch-size", dest="batch_size", type=int, help="records per tokenizer batch (default 1024)")
+    parser.add_argument("--force", action="store_true", default=None, help="replace an existing --out")
+    parser.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
+    return parser
+
+
+def options_from_args(argv: list[str] | None) -> PrepareOptions:
+    args = build_parser().parse_args(argv)
+    values: dict = {}
+    if args.config:
+        values.update(read_yaml_options(args.config))
+    for key, value in vars(args).items():
+        if key == "config" or value is None:
+            continue
+        if key == "columns":
+            value = parse_columns(value)
+        values[key] = value
+    return PrepareOptions(**values)
+
+
+def read_yaml_options(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such config file") from None
+    except yaml.YAMLError as err:
+        raise DataError(f"{path}: invalid YAML ({err})") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: expected a mapping of option names to values")
+    known = {f.name for f in fields(PrepareOptions)}
+    if "input" in data and "inputs" not in data:
+        data["inputs"] = data.pop("input")
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise DataError(f"{path}: unknown key(s) {unknown}; known keys: {sorted(known)}")
+    return data
+
+
+def parse_columns(pairs: list[str]) -> dict[str, str]:
+    columns = {}
+    for pair in pairs:
+        ours, sep, theirs = pair.partition("=")
+        if not sep or not ours or not theirs:
+            raise DataError(f"--column {pair!r}: expected OURS=THEIRS, e.g. text=content")
+        columns[ours] = theirs
+    return columns
+
+
+def summary(stats: dict, out: str) -> str:
+    records = stats["records"]
+    skipped = ", ".join(f"{k}: {v}" for k, v in records["skipped_by_reason"].items()) or "none"
+    splits = stats["splits"]
+    return (
+        f"wrote {out}: phase {stats['phase']}, seq_len {stats['seq_len']}\n"
+        f"  records: {records['read']} read, {records['kept']} kept, {records['skipped']} skipped ({skipped}), "
+        f"{records['truncated']} truncated\n"
+        f"  blocks: {splits['train']['blocks']} train, {splits['eval']['blocks']} eval; "
+        f"{stats['tokens']:,} tokens, fill ratio {stats['fill_ratio']:.3f}, {stats['tokens_per_sec'] or 0:,} tokens/s"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        options = options_from_args(argv)
+        stats = Preparation(options).run()
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; nothing was written", file=sys.stderr)
+        return 130
+    print(summary(stats, options.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Shared by the download scripts: convert rows to our JSONL, count what was skipped and why."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from dataset.errors import InvalidRecord
+
+
+def export_jsonl(
+    rows: Iterable[dict], convert: Callable[[dict], dict], out: str | Path, limit: int | None = None
+) -> dict:
+    """Write convert(row) for each row (up to `limit` written) to `out`, atomically.
+
+    `convert` raises InvalidRecord for a row it cannot use; such rows are counted by reason.
+    Returns {"read", "written", "skipped": {reason: count}}.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")
+    read, written, skipped = 0, 0, Counter()
+    with open(partial, "w", encoding="utf-8") as f:
+        for row in rows:
+            if limit is not None and written >= limit:
+                break
+            read += 1
+            try:
+                record = convert(row)
+            except InvalidRecord as err:
+                skipped[err.reason] += 1
+                continue
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            written += 1
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, out)
+    return {"read": read, "written": written, "skipped": dict(skipped)}
+
+
+def report(counts: dict, out: str | Path) -> str:
+    skipped = ", ".join(f"{k}: {v}" for k, v in sorted(counts["skipped"].items())) or "none"
+    return f"wrote {counts['written']} records to {out} ({counts['read']} read, skipped: {skipped})"

@@ -1,0 +1,86 @@
+"""Fixed-shape shards on disk: int32 [N, seq_len] `.npy` files, written streaming, read mmap'd.
+
+A split directory (`train/`, `eval/`) holds input_ids.npy, labels.npy and position_ids.npy,
+all [N, seq_len] int32, row i of each describing the same block. They are standard `.npy`
+files (`np.load(path, mmap_mode="r")` reads them). N is unknown until the input ends, so the
+writer reserves a fixed-size header, streams the rows, and patches N into the header last.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+ARRAYS = ("input_ids", "labels", "position_ids")
+HEADER_BYTES = 128  # multiple of 64, as the .npy format asks; room for any realistic N
+
+
+def npy_header(rows: int, seq_len: int) -> bytes:
+    """A version-1.0 .npy header for int32 [rows, seq_len], padded to HEADER_BYTES."""
+    text = f"{{'descr': '<i4', 'fortran_order': False, 'shape': ({rows}, {seq_len}), }}"
+    prefix = b"\x93NUMPY\x01\x00"
+    body_len = HEADER_BYTES - len(prefix) - 2
+    body = text.ljust(body_len - 1) + "\n"
+    return prefix + len(body).to_bytes(2, "little") + body.encode("latin1")
+
+
+class NpyRowWriter:
+    """Append int32 rows of length seq_len to a .npy file; `close()` writes the final shape."""
+
+    def __init__(self, path: str | Path, seq_len: int) -> None:
+        self.path = Path(path)
+        self.seq_len = seq_len
+        self.rows = 0
+        self.file = open(self.path, "wb")
+        self.file.write(npy_header(0, seq_len))
+
+    def write(self, row: np.ndarray) -> None:
+        self.file.write(np.ascontiguousarray(row, dtype="<i4").tobytes())
+        self.rows += 1
+
+    def close(self) -> None:
+        self.file.seek(0)
+        self.file.write(npy_header(self.rows, self.seq_len))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+
+class SplitWriter:
+    """The three arrays of one split, written row by row together."""
+
+    def __init__(self, directory: str | Path, seq_len: int) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.writers = [NpyRowWriter(self.directory / f"{name}.npy", seq_len) for name in ARRAYS]
+        self.rows = 0
+        self.tokens = 0  # non-pad tokens (position of real content), for the fill ratio
+        self.label_tokens = 0
+
+    def write(self, block: tuple[np.ndarray, np.ndarray, np.ndarray], real_tokens: int) -> None:
+        for writer, array in zip(self.writers, block):
+            writer.write(array)
+        self.rows += 1
+        self.tokens += real_tokens
+        self.label_tokens += int((block[1] != -100).sum())
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+
+
+def open_split(directory: str | Path) -> dict[str, np.ndarray]:
+    """The memory-mapped arrays of a split directory, checked for matching shapes."""
+    directory = Path(directory)
+    arrays = {}
+    for name in ARRAYS:
+        path = directory / f"{name}.npy"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing; re-run `python -m dataset.prepare`")
+        arrays[name] = np.load(path, mmap_mode="r")
+    shapes = {name: a.shape for name, a in arrays.items()}
+    if len(set(shapes.values())) != 1 or arrays["input_ids"].ndim != 2:
+        raise ValueError(f"{directory}: arrays disagree in shape {shapes}; re-run `python -m dataset.prepare`")
+    return arrays
