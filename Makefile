@@ -11,12 +11,13 @@ STAMP := $(VENV)/.installed
 PJRT_DEVICE ?= CPU
 export PJRT_DEVICE
 
-.PHONY: help setup test tiny-model clean
+.PHONY: help setup test tiny-model bench-prepare clean
 
 help:
 	@echo "make setup       create .venv with the pinned stack (torch 2.9.0 + torch_xla 2.9.0) and test tools"
 	@echo "make test        run the test suite on CPU (PJRT_DEVICE=CPU); sets up .venv first if needed"
 	@echo "make tiny-model  write the tiny demo base model + tokenizer to outputs/demo/base"
+	@echo "make bench-prepare  measure dataset.prepare throughput and peak memory (a few minutes)"
 	@echo "make clean       remove outputs/ and caches (keeps .venv)"
 
 setup: $(STAMP)
@@ -32,6 +33,9 @@ test: $(STAMP)
 
 tiny-model: $(STAMP)
 	$(BIN)/python -m finetuning_pipeline.tiny_model --out outputs/demo/base
+
+bench-prepare: $(STAMP)
+	$(BIN)/python -m benchmarks.prepare_throughput
 
 clean:
 	rm -rf outputs .pytest_cache

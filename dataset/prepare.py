@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from dataset.accounting import RecordAccounts
-from dataset.encode import IGNORE_INDEX, encode_conversations, encode_documents
+from dataset.encode import IGNORE_INDEX, ChatRenderer, encode_conversations, encode_documents
 from dataset.errors import DataError, InvalidRecord, RecordIssue
 from dataset.formats import PHASE_OF_FORMAT, RECORD_FORMATS, detect_format, normalize, remap_columns
 from dataset.hf_source import iter_hf_records
@@ -131,6 +131,7 @@ class Preparation:
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id  # the usual fallback; pads are masked anyway
+        self.render = ChatRenderer(self.tokenizer)
         self.accounts = RecordAccounts()
         self.issues: list[RecordIssue] = []
         self.sources: list[dict] = []
@@ -207,7 +208,7 @@ class Preparation:
                 self.tokens += len(ids)
                 self.write(sample.split, self.packers[sample.split].add(ids))
             return
-        encoded = encode_conversations(self.tokenizer, [s.payload for s in batch])
+        encoded = encode_conversations(self.tokenizer, [s.payload for s in batch], self.render)
         limit = self.options.seq_len
         for sample, (ids, labels) in zip(batch, encoded):
             if len(ids) > limit:

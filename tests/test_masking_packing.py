@@ -108,3 +108,27 @@ def test_packer_refuses_an_overlong_sample():
     packer = BestFitPacker(seq_len=8, pad_id=0)
     with pytest.raises(ValueError, match="longer than seq_len 8"):
         list(packer.add(np.zeros(9, np.int32), np.zeros(9, np.int32)))
+
+
+def test_fast_renderer_matches_apply_chat_template(tokenizer):
+    from dataset.encode import ChatRenderer
+
+    render = ChatRenderer(tokenizer)
+    assert render.compiled is not None  # the fast path is really in use on the pinned stack
+    for messages in conversations():
+        for cut in range(1, len(messages) + 1):
+            for generation_prompt in (False, True):
+                assert render(messages[:cut], generation_prompt) == tokenizer.apply_chat_template(
+                    messages[:cut], tokenize=False, add_generation_prompt=generation_prompt
+                )
+    assert render.compiled is not None  # and it never fell back
+
+
+def test_renderer_falls_back_when_the_fast_path_disagrees(tokenizer):
+    from dataset.encode import ChatRenderer
+
+    render = ChatRenderer(tokenizer)
+    render.context = {**render.context, "bos_token": "<wrong>"}
+    messages = conversations()[0]
+    assert render(messages, False) == tokenizer.apply_chat_template(messages, tokenize=False)
+    assert render.compiled is None

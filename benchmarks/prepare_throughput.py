@@ -1,0 +1,86 @@
+"""Benchmark `python -m dataset.prepare`: tokens/s and peak memory at two input sizes per phase.
+
+    make bench-prepare            # or: python -m benchmarks.prepare_throughput [--scale 1.0]
+
+The inputs are the bundled corpora repeated to the target size (300 MB of phase-1 text and
+100 MB of phase-2 chat at scale 1, and a tenth of each to show memory does not grow with the
+input). Repeated text is kinder to the tokenizer's word cache than fresh text would be; the
+figure is an upper bound of what a real corpus gets with the tiny tokenizer. Each run is a
+fresh process, so its peak RSS is its own. Results go to outputs/bench/bench_prepare.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from dataset.samples import CHAT_QA, DOMAIN_TEXT
+
+RUN_ONE = """
+import json, resource, sys
+from dataset.prepare import main
+code = main(sys.argv[1:])
+print(json.dumps({"exit": code, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def repeat_to_size(source: Path, target: Path, size_bytes: int) -> None:
+    chunk = source.read_bytes()
+    with open(target, "wb") as f:
+        while f.tell() < size_bytes:
+            f.write(chunk)
+
+
+def run_prepare(inputs: Path, tokenizer: Path, out: Path) -> dict:
+    args = ["--input", str(inputs), "--tokenizer", str(tokenizer), "--seq-len", "512", "--out", str(out), "--quiet", "--force"]
+    proc = subprocess.run([sys.executable, "-c", RUN_ONE, *args], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"prepare failed:\n{proc.stderr}")
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    stats = json.loads((out / "stats.json").read_text())
+    return {
+        "input_mb": round(inputs.stat().st_size / 1e6, 1),
+        "records": stats["records"]["read"],
+        "tokens": stats["tokens"],
+        "seconds": stats["seconds"],
+        "tokens_per_sec": stats["tokens_per_sec"],
+        "fill_ratio": stats["fill_ratio"],
+        "peak_rss_mb": round(measured["max_rss_mb"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply the input sizes (default 1)")
+    parser.add_argument("--out", default="outputs/bench/bench_prepare.json")
+    args = parser.parse_args(argv)
+    from finetuning_pipeline.tiny_model import write_tiny_model
+
+    results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        tokenizer = write_tiny_model(tmp / "base")
+        plan = [("1", DOMAIN_TEXT, 30e6), ("1", DOMAIN_TEXT, 300e6), ("2", CHAT_QA, 10e6), ("2", CHAT_QA, 100e6)]
+        for phase, source, size in plan:
+            inputs = tmp / f"phase{phase}_{int(size)}.jsonl"
+            repeat_to_size(source, inputs, int(size * args.scale))
+            run = {"phase": int(phase), **run_prepare(inputs, tokenizer, tmp / "out")}
+            results["runs"].append(run)
+            print(
+                f"phase {run['phase']}  {run['input_mb']:7.1f} MB  {run['tokens']:>12,} tokens  "
+                f"{run['tokens_per_sec']:>9,} tokens/s  peak RSS {run['peak_rss_mb']:>5} MB  fill {run['fill_ratio']:.3f}"
+            )
+            inputs.unlink()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
