@@ -11,11 +11,27 @@ STAMP := $(VENV)/.installed
 PJRT_DEVICE ?= CPU
 export PJRT_DEVICE
 
-.PHONY: help setup test tiny-model bench-prepare clean
+# The run config of `make phase1` / `make phase2`; extra overrides go in ARGS, e.g.
+#   make phase1 CONFIG=my.yaml ARGS="train.max_steps=500 output_dir=outputs/try2"
+DEMO_CONFIG := finetuning_pipeline/configs/demo.yaml
+CONFIG ?= $(DEMO_CONFIG)
+ARGS ?=
+DEMO := outputs/demo
+DEMO_BASE := $(DEMO)/base/config.json
+DEMO_DATA := $(DEMO)/data/phase1/manifest.json $(DEMO)/data/phase2/manifest.json
+SAMPLES := dataset/samples
+# The demo config's phases need the demo's base model and prepared data; other configs bring their own.
+PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
+
+.PHONY: help setup test tiny-model demo-data demo phase1 phase2 bench-prepare clean
 
 help:
 	@echo "make setup       create .venv with the pinned stack (torch 2.9.0 + torch_xla 2.9.0) and test tools"
 	@echo "make test        run the test suite on CPU (PJRT_DEVICE=CPU); sets up .venv first if needed"
+	@echo "make demo        the whole curriculum on the tiny model, on XLA:CPU: base model -> prepare ->"
+	@echo "                 phase 1 -> phase 2 -> merged export -> a generated answer -> loss.png (outputs/demo)"
+	@echo "make phase1      phase 1 of CONFIG (default: the demo config); extra overrides in ARGS=\"k=v ...\""
+	@echo "make phase2      phase 2 of CONFIG"
 	@echo "make tiny-model  write the tiny demo base model + tokenizer to outputs/demo/base"
 	@echo "make bench-prepare  measure dataset.prepare throughput and peak memory (a few minutes)"
 	@echo "make clean       remove outputs/ and caches (keeps .venv)"
@@ -32,7 +48,33 @@ test: $(STAMP)
 	PJRT_DEVICE=CPU $(BIN)/python -m pytest
 
 tiny-model: $(STAMP)
-	$(BIN)/python -m finetuning_pipeline.tiny_model --out outputs/demo/base
+	$(BIN)/python -m finetuning_pipeline.tiny_model --out $(DEMO)/base
+
+$(DEMO_BASE): $(STAMP) $(SAMPLES)/domain_text.jsonl $(SAMPLES)/chat_qa.jsonl $(SAMPLES)/alpaca.jsonl
+	$(BIN)/python -m finetuning_pipeline.tiny_model --out $(DEMO)/base
+
+$(DEMO)/data/phase1/manifest.json: $(DEMO_BASE) $(SAMPLES)/domain_text.jsonl
+	$(BIN)/python -m dataset.prepare --force --quiet --tokenizer $(DEMO)/base --seq-len 256 \
+		--input $(SAMPLES)/domain_text.jsonl --out $(DEMO)/data/phase1
+
+$(DEMO)/data/phase2/manifest.json: $(DEMO_BASE) $(SAMPLES)/chat_qa.jsonl $(SAMPLES)/alpaca.jsonl
+	$(BIN)/python -m dataset.prepare --force --quiet --tokenizer $(DEMO)/base --seq-len 256 \
+		--input $(SAMPLES)/chat_qa.jsonl --input $(SAMPLES)/alpaca.jsonl --out $(DEMO)/data/phase2
+
+demo-data: $(DEMO_DATA)
+
+demo: $(DEMO_DATA)
+	$(BIN)/python finetuning_pipeline/main.py --config $(DEMO_CONFIG) --resume never --force $(ARGS)
+	$(BIN)/python -m finetuning_pipeline.export --base $(DEMO)/base --adapter $(DEMO)/phase2/adapter --out $(DEMO)/merged
+	@echo "--- a question from the bundled chat data, answered by the merged model:"
+	$(BIN)/python -m finetuning_pipeline.generate --model $(DEMO)/merged --prompt "Care este reședința județului Cluj?"
+	@echo "--- outputs in $(DEMO)/: phase1/ phase2/ (adapter, checkpoints, metrics.jsonl, summary.json), merged/, loss.png"
+
+phase1: $(STAMP) $(PHASE_DEPS)
+	$(BIN)/python finetuning_pipeline/main.py --config $(CONFIG) --phase 1 $(ARGS)
+
+phase2: $(STAMP) $(PHASE_DEPS)
+	$(BIN)/python finetuning_pipeline/main.py --config $(CONFIG) --phase 2 $(ARGS)
 
 bench-prepare: $(STAMP)
 	$(BIN)/python -m benchmarks.prepare_throughput

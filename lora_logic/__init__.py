@@ -7,7 +7,7 @@ from lora_logic.adapter_io import load_adapter, read_adapter_config, save_adapte
 from lora_logic.config import DEFAULT_TARGET_MODULES, LoraConfig, lora_scaling
 from lora_logic.inject import inject_lora, lora_modules, lora_parameters, lora_state_dict, matches_target
 from lora_logic.layer import LoRALinear
-from lora_logic.merge import merge_lora, unmerge_lora
+from lora_logic.merge import merge_and_unload, merge_lora, unmerge_lora
 
 __all__ = [
     "DEFAULT_TARGET_MODULES",
@@ -20,6 +20,7 @@ __all__ = [
     "lora_scaling",
     "lora_state_dict",
     "matches_target",
+    "merge_and_unload",
     "merge_lora",
     "read_adapter_config",
     "save_adapter",

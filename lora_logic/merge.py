@@ -50,3 +50,17 @@ def unmerge_lora(model: nn.Module) -> int:
                 raise ValueError(f"{name}: {err}") from None
             changed += 1
     return changed
+
+
+def merge_and_unload(model: nn.Module) -> int:
+    """Merge every LoRA update into its base layer, then put the plain `nn.Linear` back in
+    the LoRA layer's place. Afterwards the model is an ordinary model again: its state dict
+    has the original key names (what a merged export needs), and `inject_lora` can start a
+    fresh adapter on it. Returns how many layers were unloaded."""
+    merge_lora(model)
+    modules = list(lora_modules(model))
+    for name, module in modules:
+        parent_name, _, child_name = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child_name, module.base_layer)
+    return len(modules)

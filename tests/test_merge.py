@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from conftest import random_tokens, tiny_causal_lm
-from lora_logic import LoraConfig, inject_lora, lora_modules, lora_parameters, merge_lora, unmerge_lora
+from lora_logic import (
+    LoraConfig,
+    LoRALinear,
+    inject_lora,
+    lora_modules,
+    lora_parameters,
+    merge_and_unload,
+    merge_lora,
+    unmerge_lora,
+)
 
 
 def trained_model(arch: str = "mistral", steps: int = 3):
@@ -105,3 +114,16 @@ def test_layer_merge_refuses_finite_weights_whose_product_overflows():
 def test_merge_without_lora_is_an_error():
     with pytest.raises(ValueError, match="no LoRA layers"):
         merge_lora(tiny_causal_lm("llama"))
+
+
+def test_merge_and_unload_gives_a_plain_model_with_the_same_output():
+    model, tokens = trained_model()
+    with torch.no_grad():
+        expected = model(tokens, use_cache=False).logits
+    assert merge_and_unload(model) == 14
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())
+    plain_keys = set(tiny_causal_lm("mistral").state_dict())
+    assert set(model.state_dict()) == plain_keys  # original key names, no base_layer / lora_*
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, use_cache=False).logits, expected, rtol=0, atol=1e-5)
+    inject_lora(model, LoraConfig(r=2, alpha=2))  # a fresh adapter can start on the merged model

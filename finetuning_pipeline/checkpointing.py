@@ -1,0 +1,164 @@
+"""Checkpoints: written atomically, marked complete last, never resumed from half-written.
+
+A checkpoint is `phaseN/checkpoints/step_XXXXXXXX/` with
+  adapter_config.json, adapter_model.safetensors   the LoRA weights (a loadable PEFT adapter)
+  optimizer.pt                                     AdamW state, on CPU
+  trainer_state.json                               step, loader position, phase, config hash
+  rng.pt                                           python, numpy, torch and XLA RNG states
+  COMPLETE                                         written last: {"step", "files": {name: sha256}}
+It is built in a hidden temporary directory, fsynced, renamed into place, and the parent
+directory fsynced; a crash at any moment leaves either no checkpoint or a complete one.
+Leftovers of an interrupted save (hidden temporaries, directories without COMPLETE) are
+removed on the next start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lora_logic import LoraConfig, load_adapter, save_adapter
+from utils.atomic_io import fsync_dir
+
+COMPLETE = "COMPLETE"
+PREFIX = "step_"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{PREFIX}{step:08d}"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def is_complete(path: Path) -> bool:
+    return (path / COMPLETE).is_file()
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and is_complete(p)]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def clean_partial_checkpoints(root: str | Path) -> list[str]:
+    """Remove what an interrupted save left behind; returns the names removed."""
+    root = Path(root)
+    removed = []
+    if not root.is_dir():
+        return removed
+    for path in root.iterdir():
+        if path.is_dir() and (path.name.startswith(".") or (path.name.startswith(PREFIX) and not is_complete(path))):
+            shutil.rmtree(path)
+            removed.append(path.name)
+    return removed
+
+
+def to_cpu(obj):
+    """A copy of a (nested) state with every tensor moved to contiguous CPU memory."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu").contiguous()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def rng_state() -> dict:
+    import torch_xla.core.xla_model as xm
+
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "xla": xm.get_rng_state(),
+    }
+
+
+def restore_rng_state(state: dict) -> None:
+    import torch_xla.core.xla_model as xm
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    xm.set_rng_state(state["xla"])
+
+
+def save_checkpoint(root: str | Path, step: int, *, model, optimizer, lora_config: LoraConfig,
+                    base_model: str, trainer_state: dict, keep: int) -> Path:
+    """Write checkpoint `step` under `root` (master only; call `torch_xla.sync()` first)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_name(step)
+    staging = root / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        save_adapter(model, staging, lora_config, base_model)
+        torch.save(to_cpu(optimizer.state_dict()), staging / "optimizer.pt")
+        torch.save(rng_state(), staging / "rng.pt")
+        (staging / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2) + "\n")
+        files = {p.name: sha256_file(p) for p in sorted(staging.iterdir())}
+        for name in files:
+            with open(staging / name, "rb") as f:
+                os.fsync(f.fileno())
+        marker = staging / COMPLETE
+        marker.write_text(json.dumps({"step": step, "files": files}, indent=2) + "\n")
+        with open(marker, "rb") as f:
+            os.fsync(f.fileno())
+        fsync_dir(staging)
+        if final.exists():  # a re-run of the same step (e.g. after a resume) replaces it
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    prune_checkpoints(root, keep)
+    return final
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    """Keep the `keep` newest complete checkpoints (never fewer than one)."""
+    for old in complete_checkpoints(root)[: -max(1, keep)]:
+        shutil.rmtree(old)
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """The COMPLETE marker's content, after checking every listed file's sha256."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such checkpoint directory")
+    if not is_complete(path):
+        raise ValueError(f"{path}: incomplete checkpoint (no {COMPLETE} marker); it was interrupted while saving")
+    marker = json.loads((path / COMPLETE).read_text())
+    for name, digest in marker["files"].items():
+        if not (path / name).is_file() or sha256_file(path / name) != digest:
+            raise ValueError(f"{path / name}: missing or corrupt (sha256 differs from the {COMPLETE} marker)")
+    return marker
+
+
+def load_checkpoint(path: str | Path, *, model, optimizer) -> dict:
+    """Restore LoRA weights, optimizer and RNG states from a complete checkpoint; returns the
+    trainer state (step, loader position, ...)."""
+    path = Path(path)
+    verify_checkpoint(path)
+    load_adapter(model, path)
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+    restore_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    return json.loads((path / "trainer_state.json").read_text())

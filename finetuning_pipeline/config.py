@@ -1,0 +1,304 @@
+"""Run configuration: one documented dataclass per concern, loaded from YAML with dotted
+`key=value` overrides, validated before any device is touched.
+
+    cfg = load_config("finetuning_pipeline/configs/demo.yaml", ["train.max_steps=20", "lora.r=4"])
+
+An unknown key, a wrongly typed value or an impossible setting is a `ConfigError` naming the
+key (and the file). Override values are parsed as YAML scalars, so `train.lr=3e-4`,
+`model.gradient_checkpointing=true` and `lora.target_modules=[q_proj,v_proj]` all work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from lora_logic import DEFAULT_TARGET_MODULES, LoraConfig
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message names the key and says what to do."""
+
+
+@dataclass
+class ModelConfig:
+    """path: local Hugging Face model directory (config.json + weights).
+    tokenizer: tokenizer directory; defaults to `path`.
+    dtype: weights' dtype on the device: bfloat16 on TPU; float32 for exact CPU tests.
+    gradient_checkpointing: recompute activations in backward (less HBM, ~30% more compute).
+    """
+
+    path: str = ""
+    tokenizer: str | None = None
+    dtype: str = "bfloat16"
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class LoraSection:
+    """The LoRA: see `lora_logic.LoraConfig` for each field."""
+
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    use_rslora: bool = False
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, shared by both phases unless a phase overrides max_steps or lr.
+
+    max_steps: optimizer steps per phase.
+    micro_batch: sequences per replica per forward (the per-chip batch).
+    grad_accum: micro-batches per optimizer step; global batch = micro_batch * grad_accum * replicas.
+    lr: peak learning rate (AdamW, LoRA parameters only).
+    warmup_steps: linear warm-up from lr/warmup_steps (never 0: a zero LR is a separate XLA graph).
+    min_lr_ratio: the cosine decay ends at lr * min_lr_ratio (> 0 for the same reason).
+    weight_decay, betas, eps: AdamW's.
+    max_grad_norm: global gradient-norm clip; 0 disables.
+    seed: model init of LoRA weights, dropout and data order.
+    warmup_compiles_steps: steps after which no new graph may compile (the recompile guard).
+    recompile_policy: "error" stops the run at a recompile after warm-up, "warn" logs it.
+    """
+
+    max_steps: int = 100
+    micro_batch: int = 4
+    grad_accum: int = 1
+    lr: float = 2e-4
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    warmup_compiles_steps: int = 2
+    recompile_policy: str = "error"
+
+
+@dataclass
+class EvalConfig:
+    """every: eval every N optimizer steps (and always at the start and end of a phase); 0: only those.
+    micro_batch: eval batch per replica; defaults to train.micro_batch.
+    max_batches: cap on eval batches per replica (None: the whole eval split)."""
+
+    every: int = 0
+    micro_batch: int | None = None
+    max_batches: int | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    """every: save every N optimizer steps (and at the end of each phase); 0: only at the end.
+    keep: how many complete checkpoints to keep per phase (the newest is never deleted)."""
+
+    every: int = 0
+    keep: int = 2
+
+
+@dataclass
+class LoggingConfig:
+    """every: log loss, lr, grad norm, tokens/s every N steps (through a step closure, no sync).
+    tensorboard: also write TensorBoard events under output_dir/phaseN/tb.
+    progress_bar: a tqdm bar on the master process."""
+
+    every: int = 10
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    """mode: "dp" (one process per chip, gradients averaged). "fsdp" (SPMD) is not built yet."""
+
+    mode: str = "dp"
+
+
+@dataclass
+class PhaseConfig:
+    """data: a directory written by `python -m dataset.prepare` for this phase.
+    max_steps, lr: override train.max_steps / train.lr for this phase.
+    init (phase 2 only): "continue" trains the phase-1 adapter further; "merge" merges it into
+    the base weights and starts a fresh adapter; "fresh" starts a fresh adapter on the
+    untouched base (instruction tuning only)."""
+
+    data: str = ""
+    max_steps: int | None = None
+    lr: float | None = None
+    init: str = "continue"
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "outputs/run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraSection = field(default_factory=LoraSection)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    phase1: PhaseConfig = field(default_factory=PhaseConfig)
+    phase2: PhaseConfig = field(default_factory=PhaseConfig)
+
+    def lora_config(self) -> LoraConfig:
+        return LoraConfig(**dataclasses.asdict(self.lora))
+
+    def phase(self, number: int) -> PhaseConfig:
+        return self.phase1 if number == 1 else self.phase2
+
+    def max_steps(self, number: int) -> int:
+        return self.phase(number).max_steps or self.train.max_steps
+
+    def lr(self, number: int) -> float:
+        return self.phase(number).lr or self.train.lr
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+# -- building from plain data, with keys named in every error ---------------------------------
+def _coerce(value, annotation, key: str):
+    """Check `value` against a field's annotation; ints are accepted where floats are expected."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is float and isinstance(value, str):
+        try:  # PyYAML reads "3e-4" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if annotation in (int, float, str, bool):
+        if not isinstance(value, annotation) or (annotation is int and isinstance(value, bool)):
+            raise ConfigError(f"{key}: expected {annotation.__name__}, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls, data: dict, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown key {prefix}{unknown[0]}; known keys under {prefix or 'the top level'}: {sorted(known)}")
+    kwargs = {}
+    for name, value in data.items():
+        annotation = hints[name]
+        if dataclasses.is_dataclass(annotation):
+            kwargs[name] = _build(annotation, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, annotation, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Apply one `dotted.key=value` to the nested dict `data` (value parsed as YAML)."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r}: expected key=value, e.g. train.max_steps=100")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    parts = key.split(".")
+    node = data
+    cls = RunConfig
+    for depth, part in enumerate(parts):
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in names:
+            where = ".".join(parts[:depth]) or "the top level"
+            raise ConfigError(f"override {key}: unknown key {part!r} under {where}; known: {sorted(names)}")
+        annotation = typing.get_type_hints(cls)[part]
+        if depth == len(parts) - 1:
+            node[part] = value
+        else:
+            if not dataclasses.is_dataclass(annotation):
+                raise ConfigError(f"override {key}: {'.'.join(parts[: depth + 1])} is not a section")
+            node = node.setdefault(part, {})
+            cls = annotation
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """The validated RunConfig from a YAML file (or defaults) and dotted overrides."""
+    data: dict = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: invalid YAML: {err}") from None
+    for override in overrides:
+        apply_override(data, override)
+    try:
+        config = _build(RunConfig, data, "")
+        validate(config)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}" if path else str(err)) from None
+    return config
+
+
+def validate(config: RunConfig) -> None:
+    """Checks that need no files; `preflight_checks` in main.py adds the ones that do."""
+    t = config.train
+    positive = {
+        "train.max_steps": t.max_steps, "train.micro_batch": t.micro_batch, "train.grad_accum": t.grad_accum,
+        "train.warmup_steps": t.warmup_steps, "checkpoint.keep": config.checkpoint.keep,
+        "logging.every": config.logging.every,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    for key, value in {"eval.every": config.eval.every, "checkpoint.every": config.checkpoint.every,
+                       "train.max_grad_norm": t.max_grad_norm, "train.weight_decay": t.weight_decay}.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    if not t.lr > 0:
+        raise ConfigError(f"train.lr must be > 0, got {t.lr}")
+    if not 0 < t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio must be in (0, 1] (a zero LR costs an extra XLA graph), got {t.min_lr_ratio}")
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        raise ConfigError(f"train.betas must be two numbers in [0, 1), got {t.betas}")
+    if t.recompile_policy not in ("error", "warn"):
+        raise ConfigError(f"train.recompile_policy must be 'error' or 'warn', got {t.recompile_policy!r}")
+    if config.model.dtype not in DTYPES:
+        raise ConfigError(f"model.dtype must be one of {list(DTYPES)}, got {config.model.dtype!r}")
+    if config.parallel.mode != "dp":
+        raise ConfigError(f"parallel.mode {config.parallel.mode!r} is not available yet; use dp")
+    if config.phase2.init not in ("continue", "merge", "fresh"):
+        raise ConfigError(f"phase2.init must be 'continue', 'merge' or 'fresh', got {config.phase2.init!r}")
+    for number in (1, 2):
+        phase = config.phase(number)
+        if phase.max_steps is not None and phase.max_steps < 1:
+            raise ConfigError(f"phase{number}.max_steps must be >= 1, got {phase.max_steps}")
+        if phase.lr is not None and not phase.lr > 0:
+            raise ConfigError(f"phase{number}.lr must be > 0, got {phase.lr}")
+    try:
+        config.lora_config()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None

@@ -1,0 +1,126 @@
+"""Evaluate a model (optionally with an adapter) on prepared data: loss, perplexity, samples.
+
+    python -m finetuning_pipeline.evaluate --model DIR [--adapter DIR] --data PREPARED_DIR
+        [--split eval] [--micro-batch 4] [--samples 3] [--device cpu|xla]
+
+The loss is the trainer's (mean next-token loss over label tokens, packed segments kept
+apart), so the figures compare with the eval records in metrics.jsonl. For chat data
+(phase 2), `--samples N` decodes the first N prompts of the split, generates an answer
+greedily and prints it beside the reference answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import numpy as np
+import torch
+
+from dataset.encode import IGNORE_INDEX
+from dataset.loader import iter_eval_batches, open_prepared
+from dataset.shards import open_split
+from finetuning_pipeline.step import eval_sums
+
+
+def load_model(model_dir: str, adapter: str | None, device):
+    from transformers import AutoModelForCausalLM
+
+    from lora_logic import load_adapter, merge_lora
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter:
+        load_adapter(model, adapter)
+        merge_lora(model)
+    return model.to(device)
+
+
+def loss_and_perplexity(model, data: str, split: str, micro_batch: int, pad_id: int, device) -> dict:
+    loss_sum, count = 0.0, 0.0
+    for batch in iter_eval_batches(data, micro_batch, pad_id=pad_id, split=split):
+        batch_loss, batch_count = eval_sums(model, {k: v.to(device) for k, v in batch.items()})
+        loss_sum += float(batch_loss)
+        count += float(batch_count)
+    loss = loss_sum / max(count, 1.0)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "label_tokens": int(count)}
+
+
+def chat_samples(model, tokenizer, data: str, split: str, n: int, max_new_tokens: int) -> list[dict]:
+    """The first n (prompt, reference, generated) triples of a phase-2 split.
+
+    In a packed block, a segment starts at position 0; its prompt is everything before its
+    first label token, its reference the label tokens of its first answer.
+    """
+    arrays = open_split(f"{data}/{split}")
+    samples = []
+    for ids, labels, positions in zip(arrays["input_ids"], arrays["labels"], arrays["position_ids"]):
+        starts = list(np.flatnonzero(positions == 0)) + [len(ids)]
+        for a, b in zip(starts, starts[1:]):
+            trained = np.flatnonzero(labels[a:b] != IGNORE_INDEX)
+            if len(trained) == 0:
+                continue
+            first = a + trained[0]
+            run_end = first
+            while run_end < b and labels[run_end] != IGNORE_INDEX:
+                run_end += 1
+            prompt = torch.tensor(ids[a:first], dtype=torch.long)[None]
+            with torch.no_grad():
+                out = model.generate(prompt.to(next(model.parameters()).device), max_new_tokens=max_new_tokens,
+                                     do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            samples.append({
+                "prompt": tokenizer.decode(ids[a:first], skip_special_tokens=False),
+                "reference": tokenizer.decode(ids[first:run_end], skip_special_tokens=True),
+                "generated": tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True),
+            })
+            if len(samples) >= n:
+                return samples
+    return samples
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--adapter")
+    parser.add_argument("--data", required=True, help="a directory written by `python -m dataset.prepare`")
+    parser.add_argument("--split", default="eval", choices=("eval", "train"))
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=3, help="chat samples to generate (phase-2 data only)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--device", choices=("cpu", "xla"), default="cpu")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    args = parser.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from dataset.errors import DataError
+    from dataset.manifest import tokenizer_fingerprint
+
+    try:
+        manifest = open_prepared(args.data)
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        open_prepared(args.data, fingerprint=tokenizer_fingerprint(tokenizer), seq_len=manifest["seq_len"])
+    except (DataError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.device == "xla":
+        from utils.xla_runtime import init_xla_device
+
+        device = init_xla_device()
+    else:
+        device = torch.device("cpu")
+    model = load_model(args.model, args.adapter, device)
+    result = loss_and_perplexity(model, args.data, args.split, args.micro_batch, manifest["tokenizer"]["pad_id"], device)
+    if manifest["phase"] == 2 and args.samples > 0:
+        result["samples"] = chat_samples(model.to("cpu"), tokenizer, args.data, args.split, args.samples, args.max_new_tokens)
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False, indent=2))
+        return 0
+    print(f"{args.split}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} over {result['label_tokens']} label tokens")
+    for sample in result.get("samples", []):
+        print(f"\n--- prompt ---\n{sample['prompt']}\n--- reference ---\n{sample['reference']}\n--- generated ---\n{sample['generated']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Merge adapters into the base and write a plain Hugging Face model directory.
+
+    python -m finetuning_pipeline.export --base BASE_DIR --adapter outputs/run/phase2/adapter --out MERGED_DIR
+
+With phase2.init=merge, phase 2's adapter sits on top of phase 1's: pass both, in order
+(`--adapter .../phase1/adapter --adapter .../phase2/adapter`). The output (safetensors,
+config, generation config, tokenizer) loads with `AutoModelForCausalLM.from_pretrained` and
+needs neither this project nor PEFT. It appears only when complete (written next to --out,
+then renamed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from lora_logic import load_adapter, merge_and_unload
+
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_merged(base: str, adapters: list[str], out: str, dtype: str = "auto", tokenizer: str | None = None) -> Path:
+    """Merge `adapters` (in order) into `base` and save to `out`; returns `out`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_path = Path(out)
+    # Merge in fp32 (each W0 + s B A is rounded once, into the output dtype, at save time).
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    saved_dtype = DTYPES[dtype] or getattr(model.config, "dtype", None) or torch.float32
+    if isinstance(saved_dtype, str):
+        saved_dtype = getattr(torch, saved_dtype)
+    for adapter in adapters:
+        load_adapter(model, adapter)
+        merge_and_unload(model)
+    model.to(saved_dtype)
+    staging = out_path.with_name(f".{out_path.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        model.save_pretrained(staging)
+        AutoTokenizer.from_pretrained(tokenizer or base).save_pretrained(staging)
+        if out_path.exists():
+            shutil.rmtree(out_path)
+        os.replace(staging, out_path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="base Hugging Face model directory")
+    parser.add_argument("--adapter", action="append", required=True, help="adapter directory (repeat to stack, in order)")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto", help="saved dtype (default: the base's)")
+    parser.add_argument("--tokenizer", help="tokenizer directory (default: --base)")
+    args = parser.parse_args(argv)
+    try:
+        out = export_merged(args.base, args.adapter, args.out, args.dtype, args.tokenizer)
+    except (FileNotFoundError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote merged model to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

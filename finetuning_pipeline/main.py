@@ -1,0 +1,194 @@
+"""Train LoRA adapters through the two-phase curriculum on TPU (or XLA:CPU).
+
+    PJRT_DEVICE=TPU python finetuning_pipeline/main.py --config CONFIG.yaml [--phase 1|2|all]
+        [--resume auto|never|CHECKPOINT_DIR] [--force] [key=value ...]
+
+Phase 1 continues pretraining on raw domain text (every token is trained on); phase 2 tunes
+on chat Q&A (assistant tokens only). Each phase reads data written by `python -m
+dataset.prepare` and writes, under output_dir/phaseN/: adapter/ (PEFT layout),
+checkpoints/, metrics.jsonl, summary.json; the run writes output_dir/loss.png.
+
+One process per TPU chip is started with torch_xla.launch (PJRT); on a CPU the world is one
+process. Everything that can be checked without a device (config, paths, data manifests
+against the tokenizer, sequence length against the model) is checked first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: python finetuning_pipeline/main.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dataset.errors import DataError  # noqa: E402
+from finetuning_pipeline.checkpointing import complete_checkpoints, verify_checkpoint  # noqa: E402
+from finetuning_pipeline.config import ConfigError, RunConfig, load_config  # noqa: E402
+
+
+@dataclass
+class PhasePlan:
+    phase: int
+    resume_from: Path | None  # a complete checkpoint, or None to start the phase fresh
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python finetuning_pipeline/main.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="Overrides are dotted config keys, e.g. train.max_steps=200 lora.r=8 output_dir=outputs/try2. "
+        "Unknown keys are an error. Exit status: 0 done (or stopped cleanly), 2 bad config or data.",
+    )
+    parser.add_argument("--config", required=True, help="YAML run config (see finetuning_pipeline/configs/)")
+    parser.add_argument("--phase", choices=("1", "2", "all"), default="all", help="which phase(s) to run (default all)")
+    parser.add_argument("--resume", default="auto",
+                        help="auto (default): continue the unfinished phase from its newest complete checkpoint and "
+                        "skip finished phases; never: start fresh; or a checkpoint directory to resume from")
+    parser.add_argument("--force", action="store_true", help="with --resume never: replace an existing run's outputs")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    return parser.parse_args(argv)
+
+
+def preflight_checks(config: RunConfig, phases: list[int]) -> None:
+    """Everything that can fail before a device is touched; raises ConfigError / DataError."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dataset.loader import open_prepared
+    from dataset.manifest import tokenizer_fingerprint
+
+    model_dir = Path(config.model.path)
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"model.path: {model_dir} has no config.json (a local Hugging Face model directory is expected)")
+    model_config = AutoConfig.from_pretrained(model_dir)
+    tokenizer_dir = config.model.tokenizer or config.model.path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except Exception as err:
+        raise ConfigError(f"model.tokenizer: cannot load a tokenizer from {tokenizer_dir} ({err})") from None
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    max_positions = getattr(model_config, "max_position_embeddings", None)
+    for phase in phases:
+        key = f"phase{phase}.data"
+        data = config.phase(phase).data
+        if not data:
+            raise ConfigError(f"{key}: not set (a directory written by `python -m dataset.prepare`)")
+        if not Path(data).is_dir():
+            raise ConfigError(f"{key}: {data} does not exist; run `python -m dataset.prepare ... --out {data}` first")
+        manifest = open_prepared(data)
+        open_prepared(data, fingerprint=fingerprint, seq_len=manifest["seq_len"])
+        if manifest["phase"] != phase:
+            raise ConfigError(f"{key}: {data} was prepared as phase {manifest['phase']} data, not phase {phase}")
+        if max_positions is not None and manifest["seq_len"] > max_positions:
+            raise ConfigError(
+                f"{key}: seq_len {manifest['seq_len']} exceeds the model's max_position_embeddings {max_positions}"
+            )
+        if manifest["counts"]["train"] < 1:
+            raise ConfigError(f"{key}: {data} has no training blocks")
+    if 2 in phases and 1 not in phases and config.phase2.init != "fresh":
+        adapter = Path(config.output_dir) / "phase1" / "adapter" / "adapter_config.json"
+        if not adapter.is_file():
+            raise ConfigError(f"phase2.init={config.phase2.init} needs the phase-1 adapter ({adapter.parent}); "
+                              "run phase 1 first, or set phase2.init=fresh")
+    probe_output_dir(config.output_dir)
+
+
+def probe_output_dir(output_dir: str) -> None:
+    """Fail now, not at the first checkpoint, if the outputs cannot be written."""
+    path = Path(output_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"output_dir: cannot write to {path} ({err.strerror}); choose another output_dir") from None
+
+
+def plan_phases(config: RunConfig, phases: list[int], resume: str, force: bool) -> list[PhasePlan]:
+    """Which phases to run and where each starts, from --resume and what is on disk."""
+    out = Path(config.output_dir)
+    if resume == "auto":
+        plans = []
+        for phase in phases:
+            if (out / f"phase{phase}" / "summary.json").is_file():
+                print(f"phase {phase}: already finished ({out / f'phase{phase}' / 'summary.json'}); skipping")
+                continue
+            complete = complete_checkpoints(out / f"phase{phase}" / "checkpoints")
+            plans.append(PhasePlan(phase, complete[-1] if complete else None))
+        return plans
+    if resume == "never":
+        existing = [out / f"phase{p}" for p in phases if (out / f"phase{p}").exists()]
+        if existing and not force:
+            raise ConfigError(f"--resume never: {existing[0]} already exists; pass --force to replace it, "
+                              "or use --resume auto to continue")
+        for path in existing:
+            shutil.rmtree(path)
+        return [PhasePlan(p, None) for p in phases]
+    checkpoint = Path(resume)
+    try:
+        verify_checkpoint(checkpoint)
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"--resume: {err}") from None
+    phase = json.loads((checkpoint / "trainer_state.json").read_text())["phase"]
+    if phase not in phases:
+        raise ConfigError(f"--resume: {checkpoint} is a phase-{phase} checkpoint but --phase selects {phases}")
+    return [PhasePlan(phase, checkpoint)] + [PhasePlan(p, None) for p in phases if p > phase]
+
+
+def run_replica(index: int, config: RunConfig, plans: list[PhasePlan]) -> None:
+    """Entry point of each process (one per chip)."""
+    from utils.xla_runtime import init_xla_device
+
+    device = init_xla_device()  # before any backward in this process
+    import torch_xla.runtime as xr
+
+    from finetuning_pipeline.train_logic import run_phase
+
+    rank, world = xr.global_ordinal(), xr.world_size()
+    for plan in plans:
+        summary = run_phase(config, plan.phase, rank=rank, world=world, device=device, resume_from=plan.resume_from)
+        if rank == 0 and summary is not None:
+            print(format_summary(summary), flush=True)
+
+
+def format_summary(summary: dict) -> str:
+    if "stopped_at_step" in summary:
+        return f"phase {summary['phase']}: stopped at step {summary['stopped_at_step']}"
+    return (
+        f"phase {summary['phase']}: {summary['steps']} steps, eval loss {summary['eval_loss_before']:.4f} -> "
+        f"{summary['eval_loss_after']:.4f} (perplexity {summary['perplexity_before']:.1f} -> "
+        f"{summary['perplexity_after']:.1f}), {summary['tokens_per_sec'] or 0:,.0f} tokens/s, "
+        f"compiles {summary['compiles_total']} ({summary['compiles_after_warmup']} after warm-up), "
+        f"host syncs/step {summary['host_syncs_per_step']}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    phases = [1, 2] if args.phase == "all" else [int(args.phase)]
+    try:
+        config = load_config(args.config, args.overrides)
+        preflight_checks(config, phases)
+        plans = plan_phases(config, phases, args.resume, args.force)
+    except (ConfigError, DataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if plans:
+        import torch_xla
+
+        torch_xla.launch(run_replica, args=(config, plans))
+    from finetuning_pipeline.metrics_log import plot_losses
+
+    plot = plot_losses(config.output_dir)
+    if plot is not None:
+        print(f"loss plot: {plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

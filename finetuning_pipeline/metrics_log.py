@@ -1,0 +1,94 @@
+"""Metrics of a phase: JSON lines (`phaseN/metrics.jsonl`), TensorBoard scalars, and the
+run's loss plot (`loss.png`). Written by the master replica only.
+
+Records are dicts with "kind" ("train" or "eval") and "step"; training records are written
+from step closures, possibly on torch_xla's closure thread, hence the lock.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+
+class MetricsLog:
+    def __init__(self, path: str | Path, tensorboard_dir: str | Path | None = None, resume_step: int | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.lock = threading.Lock()
+        if resume_step is None:
+            self.path.write_text("")
+        else:
+            self.truncate_after(resume_step)
+        self.tb = None
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(tensorboard_dir))
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records of steps after `step`: a resumed run redoes them, and must not log them twice."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        with self.lock:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+            if self.tb is not None:
+                for key, value in record.items():
+                    if key not in ("kind", "step") and isinstance(value, (int, float)):
+                        self.tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def plot_losses(output_dir: str | Path, out_name: str = "loss.png") -> Path | None:
+    """Train and eval loss of both phases on one axis (phase 2 steps follow phase 1's)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    output_dir = Path(output_dir)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    offset = 0
+    plotted = False
+    for phase, color in ((1, "tab:blue"), (2, "tab:orange")):
+        records = read_metrics(output_dir / f"phase{phase}" / "metrics.jsonl")
+        train = [(r["step"] + offset, r["loss"]) for r in records if r["kind"] == "train"]
+        evals = [(r["step"] + offset, r["loss"]) for r in records if r["kind"] == "eval"]
+        if train:
+            ax.plot(*zip(*train), color=color, alpha=0.8, label=f"phase {phase} train")
+            plotted = True
+        if evals:
+            ax.plot(*zip(*evals), color=color, marker="o", linestyle="--", label=f"phase {phase} eval")
+            plotted = True
+        if records:
+            offset += max(r["step"] for r in records)
+            ax.axvline(offset, color="grey", linewidth=0.5)
+    if not plotted:
+        plt.close(fig)
+        return None
+    ax.set_xlabel("optimizer step (phase 2 continues after phase 1)")
+    ax.set_ylabel("loss (nats per label token)")
+    ax.set_title("Training and eval loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    path = output_dir / out_name
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

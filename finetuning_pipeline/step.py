@@ -1,0 +1,90 @@
+"""One optimizer step on the XLA device: forwards, backwards, gradient averaging, clip, update.
+
+Everything here stays on the device: no `.item()`, no Python branch on a tensor, and the same
+shapes every step, so after warm-up each step replays one compiled graph.
+
+Loss normalisation: each micro-batch returns the *sum* of token losses and the number of
+label tokens; gradients are divided by the step's total label count (all micro-batches, all
+replicas) before clipping. So k micro-batches of b sequences give exactly the gradient of one
+batch of k*b (a mean of per-micro-batch means would weight short micro-batches more).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dataset.encode import IGNORE_INDEX
+
+
+def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype, sdpa: bool) -> torch.Tensor:
+    """[B, 1, L, L] mask letting each token see earlier tokens of its own packed segment only.
+
+    Segments start where position_ids == 0 (how `dataset.packing` lays out blocks). Passing a
+    4D mask also keeps transformers from inspecting position_ids for packing itself, which
+    branches in Python on a tensor (a host sync per forward on XLA, and a graph that depends
+    on the data). sdpa takes a boolean mask (True = attend); eager attention adds a float one.
+    """
+    segment = torch.cumsum((position_ids == 0).to(torch.int32), dim=-1)  # [B, L]
+    same_segment = segment[:, :, None] == segment[:, None, :]  # [B, L, L]
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    allowed = (same_segment & causal)[:, None]  # [B, 1, L, L]
+    if sdpa:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of next-token losses over label tokens, number of label tokens), fp32, on device."""
+    input_ids = batch["input_ids"].long()
+    labels = batch["labels"].long()
+    position_ids = batch["position_ids"].long()
+    sdpa = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
+    mask = block_causal_mask(position_ids, model.dtype, sdpa)
+    logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False).logits
+    # Token t predicts token t+1: logits [B, L-1, V] against labels [B, L-1].
+    shifted_logits = logits[:, :-1].float()
+    shifted_labels = labels[:, 1:]
+    loss_sum = F.cross_entropy(
+        shifted_logits.reshape(-1, shifted_logits.shape[-1]),
+        shifted_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    count = (shifted_labels != IGNORE_INDEX).sum().to(torch.float32)
+    return loss_sum, count
+
+
+def train_step(model, optimizer, params: list[torch.nn.Parameter], micro_batches, *, max_grad_norm: float,
+               reduce_across_replicas: bool) -> dict[str, torch.Tensor]:
+    """Accumulate gradients over `micro_batches`, average, clip, step. Returns device tensors:
+    loss (mean per label token), tokens (label tokens in the step), grad_norm (before clipping).
+    The caller marks the step boundary (`torch_xla.sync()`)."""
+    loss_total = torch.zeros((), device=params[0].device)
+    tokens = torch.zeros((), device=params[0].device)
+    for batch in micro_batches:
+        loss_sum, count = causal_lm_loss_sum(model, batch)
+        loss_sum.backward()
+        loss_total = loss_total + loss_sum.detach()
+        tokens = tokens + count
+    if reduce_across_replicas:
+        import torch_xla.core.xla_model as xm
+
+        # A list is reduced in place, in one collective.
+        xm.all_reduce(xm.REDUCE_SUM, [p.grad for p in params] + [loss_total, tokens])
+    scale = 1.0 / torch.clamp(tokens, min=1.0)  # a step with no label tokens leaves grads at 0
+    for p in params:
+        p.grad.mul_(scale)
+    if max_grad_norm > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)  # keep the grad buffers: same graph every step
+    return {"loss": loss_total * scale, "tokens": tokens, "grad_norm": grad_norm}
+
+
+@torch.no_grad()
+def eval_sums(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return causal_lm_loss_sum(model, batch)

@@ -1,0 +1,288 @@
+"""The training loop of one phase, run by every replica (one process per TPU chip).
+
+Per optimizer step: `grad_accum` micro-batches arrive on the device (MpDeviceLoader prefetches
+them on a background thread), `step.train_step` builds forwards, backwards, gradient
+averaging, clipping and the AdamW update into one lazy graph, and `torch_xla.sync()` marks
+the step boundary. Logging reads loss and grad norm in a step closure after the step has run,
+so no step waits on the host. After `train.warmup_compiles_steps` steps every step must
+replay a compiled graph: a new compile is a bug (a shape or a Python scalar that changes),
+and by default stops the run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dataset.loader import ShardLoader, iter_eval_batches
+from dataset.manifest import read_manifest
+from finetuning_pipeline.checkpointing import clean_partial_checkpoints, load_checkpoint, save_checkpoint
+from finetuning_pipeline.config import RunConfig
+from finetuning_pipeline.lr_schedule import lr_at
+from finetuning_pipeline.metrics_log import MetricsLog
+from finetuning_pipeline.step import eval_sums, train_step
+from lora_logic import LoraConfig, inject_lora, load_adapter, lora_parameters, merge_and_unload, save_adapter
+from utils.atomic_io import atomic_write_json
+from utils.xla_counters import read_counters
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RecompileError(RuntimeError):
+    pass
+
+
+def phase_dir(config: RunConfig, phase: int) -> Path:
+    return Path(config.output_dir) / f"phase{phase}"
+
+
+def seed_everything(seed: int) -> None:
+    import torch_xla.core.xla_model as xm
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    xm.set_rng_state(seed)
+
+
+def build_model(config: RunConfig, phase: int):
+    """The base model (on CPU) with this phase's LoRA; returns (model, lora config).
+
+    Phase 2 `continue` trains the phase-1 adapter further (its own r/alpha/targets);
+    `merge` folds it into the base and starts config.lora fresh; `fresh` ignores phase 1.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
+    model.config.use_cache = False
+    if config.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora_config = config.lora_config()
+    if phase == 2 and config.phase2.init in ("continue", "merge"):
+        phase1_adapter = phase_dir(config, 1) / "adapter"
+        loaded = load_adapter(model, phase1_adapter)
+        if config.phase2.init == "continue":
+            return model, loaded
+        merge_and_unload(model)
+    inject_lora(model, lora_config)
+    return model, lora_config
+
+
+def evaluate(model, config: RunConfig, data_dir: str, pad_id: int, rank: int, world: int, device) -> dict:
+    """Mean loss per label token and perplexity over the eval split (every replica's share)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    micro_batch = config.eval.micro_batch or config.train.micro_batch
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    count = torch.zeros((), device=device)
+    for index, batch in enumerate(iter_eval_batches(data_dir, micro_batch, pad_id=pad_id, rank=rank, world_size=world)):
+        if config.eval.max_batches is not None and index >= config.eval.max_batches:
+            break
+        batch_loss, batch_count = eval_sums(model, {k: v.to(device) for k, v in batch.items()})
+        loss_sum = loss_sum + batch_loss
+        count = count + batch_count
+        torch_xla.sync()  # one small graph per batch, the same every time
+    if world > 1:
+        xm.all_reduce(xm.REDUCE_SUM, [loss_sum, count])
+    totals = torch.stack([loss_sum, count]).cpu()  # the one host sync of an evaluation
+    model.train(was_training)
+    loss = (totals[0] / totals[1].clamp(min=1)).item()
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "label_tokens": int(totals[1].item())}
+
+
+def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, resume_from: Path | None,
+              stop_requested=lambda: False) -> dict | None:
+    """Train one phase on this replica; the master writes adapter, metrics, checkpoints and
+    summary. Returns the summary on the master, None elsewhere."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.parallel_loader as pl
+
+    master = rank == 0
+    out = phase_dir(config, phase)
+    phase_cfg = config.phase(phase)
+    t = config.train
+    max_steps = config.max_steps(phase)
+    peak_lr = config.lr(phase)
+    started = time.perf_counter()
+
+    seed_everything(t.seed + phase)
+    model, lora_config = build_model(config, phase)
+    model.to(device)
+    model.train()
+    params = lora_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=peak_lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay)
+
+    manifest = read_manifest(phase_cfg.data)
+    seq_len = manifest["seq_len"]
+    pad_id = manifest["tokenizer"]["pad_id"]
+    loader = ShardLoader(phase_cfg.data, t.micro_batch, seed=t.seed, rank=rank, world_size=world)
+    batches_per_step = t.grad_accum * world * t.micro_batch  # global blocks consumed per step
+
+    start_step, state = 0, {}
+    if master:
+        clean_partial_checkpoints(out / "checkpoints")
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model=model, optimizer=optimizer)
+        start_step = state["step"]
+    loader.position = start_step * batches_per_step  # what the steps so far consumed
+    log = None
+    if master:
+        tb = out / "tb" if config.logging.tensorboard else None
+        log = MetricsLog(out / "metrics.jsonl", tb, resume_step=start_step if resume_from else None)
+
+    eval_before = state.get("eval_before") or evaluate(model, config, phase_cfg.data, pad_id, rank, world, device)
+    if master and resume_from is None:
+        log.write({"kind": "eval", "step": 0, **eval_before})
+
+    progress = None
+    if master and config.logging.progress_bar:
+        from tqdm import tqdm
+
+        progress = tqdm(total=max_steps, initial=start_step, desc=f"phase {phase}", unit="step", dynamic_ncols=True)
+    shown: dict = {"first_loss": state.get("train_loss_first")}
+    tokens_per_step = batches_per_step * seq_len
+
+    def log_step(step: int, results: dict, lr: float, steps_left: int) -> None:
+        # A step closure: runs once the step's graph has been issued; reading the results
+        # waits for that step only, on log steps only.
+        values = torch.stack([results["loss"], results["grad_norm"], results["tokens"]]).cpu().tolist()
+        now = time.perf_counter()
+        previous_time, previous_step = shown.get("time"), shown.get("step")
+        rate = (step - previous_step) * tokens_per_step / (now - previous_time) if previous_time else None
+        record = {"kind": "train", "step": step, "loss": values[0], "lr": lr, "grad_norm": values[1],
+                  "label_tokens": int(values[2])}
+        if rate:
+            record["tokens_per_sec"] = round(rate, 1)
+            record["eta_s"] = round(steps_left * tokens_per_step / rate, 1)
+        shown.update(time=now, step=step, rate=rate)
+        if step == 1:
+            shown["first_loss"] = values[0]
+        if log is not None:
+            log.write(record)
+        if progress is not None:
+            progress.set_postfix(loss=f"{values[0]:.4f}", tok_s=f"{rate:,.0f}" if rate else "-", refresh=False)
+
+    device_loader = pl.MpDeviceLoader(loader, device)
+    batches = iter(device_loader)
+    label_tokens = torch.zeros((), device=device)
+    compiles_after_warmup = host_syncs_after_warmup = steps_after_warmup = 0
+    data_wait = 0.0
+    warm_time = warm_step = None
+    compiles_before = read_counters().compiles
+    last_loss = None
+    step = start_step
+    while step < max_steps:
+        lr = lr_at(step, peak=peak_lr, warmup_steps=t.warmup_steps, total_steps=max_steps, min_lr_ratio=t.min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        before = read_counters()
+        wait_start = time.perf_counter()
+        micro_batches = [next(batches) for _ in range(t.grad_accum)]
+        waited = time.perf_counter() - wait_start
+        results = train_step(model, optimizer, params, micro_batches, max_grad_norm=t.max_grad_norm,
+                             reduce_across_replicas=world > 1)
+        label_tokens = label_tokens + results["tokens"]
+        step += 1
+        if master and (step % config.logging.every == 0 or step == max_steps or step == start_step + 1):
+            xm.add_step_closure(log_step, args=(step, results, lr, max_steps - step))
+        last_loss = results["loss"]
+        torch_xla.sync()
+        delta = read_counters() - before
+        if step > start_step + t.warmup_compiles_steps:
+            if warm_time is None:
+                xm.wait_device_ops()
+                warm_time, warm_step = time.perf_counter(), step - 1
+            steps_after_warmup += 1
+            data_wait += waited
+            host_syncs_after_warmup += delta.host_syncs
+            if delta.compiles:
+                compiles_after_warmup += delta.compiles
+                message = (f"phase {phase} step {step}: {delta.compiles} new XLA graph(s) compiled after warm-up "
+                           "(a changing shape or Python scalar); rerun with PT_XLA_DEBUG_LEVEL=2 to see the cause")
+                if t.recompile_policy == "error":
+                    raise RecompileError(message)
+                print(f"warning: {message}", flush=True)
+        if progress is not None:
+            progress.update(1)
+        if config.eval.every and step % config.eval.every == 0 and step < max_steps:
+            result = evaluate(model, config, phase_cfg.data, pad_id, rank, world, device)
+            if log is not None:
+                log.write({"kind": "eval", "step": step, **result})
+        if (config.checkpoint.every and step % config.checkpoint.every == 0 and step < max_steps) or stop_requested():
+            save_state = {"phase": phase, "eval_before": eval_before, "train_loss_first": shown["first_loss"]}
+            checkpoint(model, optimizer, lora_config, config, out, step, save_state, master)
+            if stop_requested():
+                break
+
+    xm.wait_device_ops()
+    train_seconds = time.perf_counter() - (warm_time or started)
+    if progress is not None:
+        progress.close()
+    stopped_early = step < max_steps
+    if stopped_early:
+        return {"phase": phase, "stopped_at_step": step}
+
+    eval_after = evaluate(model, config, phase_cfg.data, pad_id, rank, world, device)
+    final_state = {"phase": phase, "eval_before": eval_before, "train_loss_first": shown["first_loss"]}
+    checkpoint(model, optimizer, lora_config, config, out, step, final_state, master)
+    totals = torch.stack([last_loss, label_tokens]).cpu().tolist() if last_loss is not None else [None, 0]
+    if not master:
+        return None
+    log.write({"kind": "eval", "step": step, **eval_after})
+    log.close()
+    save_adapter(model, out / "adapter", lora_config, config.model.path)
+    timed_steps = step - (warm_step if warm_step is not None else start_step)
+    counters = read_counters()
+    summary = {
+        "phase": phase,
+        "steps": step,
+        "resumed_from_step": start_step if resume_from else None,
+        "tokens": step * tokens_per_step,
+        "label_tokens_this_run": int(totals[1]),
+        "train_loss_first": final_state["train_loss_first"],
+        "train_loss_last": totals[0],
+        "eval_loss_before": eval_before["loss"],
+        "eval_loss_after": eval_after["loss"],
+        "perplexity_before": eval_before["perplexity"],
+        "perplexity_after": eval_after["perplexity"],
+        "tokens_per_sec": round(timed_steps * tokens_per_step / train_seconds, 1) if timed_steps else None,
+        "step_time_s": round(train_seconds / timed_steps, 4) if timed_steps else None,
+        "data_wait_fraction": round(data_wait / train_seconds, 4) if steps_after_warmup else None,
+        "compiles_total": counters.compiles - compiles_before,
+        "compiles_after_warmup": compiles_after_warmup,
+        "host_syncs_per_step": host_syncs_after_warmup / steps_after_warmup if steps_after_warmup else None,
+        "wall_time_s": round(time.perf_counter() - started, 2),
+        "world_size": world,
+        "seq_len": seq_len,
+        "global_batch": batches_per_step,
+    }
+    atomic_write_json(out / "summary.json", summary)  # written last: marks the phase as done
+    return summary
+
+
+def checkpoint(model, optimizer, lora_config: LoraConfig, config: RunConfig, out: Path, step: int,
+               state: dict, master: bool) -> None:
+    """Every replica reaches this together; the master writes; all wait for it."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    torch_xla.sync()
+    if master:
+        save_checkpoint(out / "checkpoints", step, model=model, optimizer=optimizer, lora_config=lora_config,
+                        base_model=config.model.path, trainer_state=state, keep=config.checkpoint.keep)
+    xm.rendezvous(f"checkpoint-{step}")
+
+
+def read_summary(config: RunConfig, phase: int) -> dict | None:
+    path = phase_dir(config, phase) / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else None
