@@ -81,23 +81,25 @@ def to_cpu(obj):
 
 
 def rng_state() -> dict:
+    import torch_xla
     import torch_xla.core.xla_model as xm
 
     return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "xla": xm.get_rng_state(),
+        "xla": xm.get_rng_state(device=torch_xla.device()),
     }
 
 
 def restore_rng_state(state: dict) -> None:
+    import torch_xla
     import torch_xla.core.xla_model as xm
 
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    xm.set_rng_state(state["xla"])
+    xm.set_rng_state(state["xla"], device=torch_xla.device())
 
 
 def save_checkpoint(root: str | Path, step: int, *, model, optimizer, lora_config: LoraConfig,

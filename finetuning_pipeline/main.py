@@ -9,7 +9,7 @@ dataset.prepare` and writes, under output_dir/phaseN/: adapter/ (PEFT layout),
 checkpoints/, metrics.jsonl, summary.json; the run writes output_dir/loss.png.
 
 One process per TPU chip is started with torch_xla.launch (PJRT); on a CPU the world is one
-process. Everything that can be checked without a device (config, paths, data manifests
+replica, run in this process. Everything that can be checked without a device (config, paths, data manifests
 against the tokenizer, sequence length against the model) is checked first.
 """
 
@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python finetuning_pipeline/main.py",
         description=__doc__.split("\n\n")[0],
         epilog="Overrides are dotted config keys, e.g. train.max_steps=200 lora.r=8 output_dir=outputs/try2. "
-        "Unknown keys are an error. Exit status: 0 done (or stopped cleanly), 2 bad config or data.",
+        "Unknown keys are an error. Exit status: 0 done (or stopped cleanly), 2 bad config or data, "
+        "3 a graph recompiled after warm-up (train.recompile_policy=error).",
     )
     parser.add_argument("--config", required=True, help="YAML run config (see finetuning_pipeline/configs/)")
     parser.add_argument("--phase", choices=("1", "2", "all"), default="all", help="which phase(s) to run (default all)")
@@ -181,7 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     if plans:
         import torch_xla
 
-        torch_xla.launch(run_replica, args=(config, plans))
+        from finetuning_pipeline.train_logic import RecompileError
+
+        # XLA:CPU is a world of one: run the replica in this process (launch would spawn one,
+        # and refuses when this process already initialised the runtime, as tests do).
+        single_process = os.environ.get("PJRT_DEVICE", "CPU") == "CPU"
+        try:
+            torch_xla.launch(run_replica, args=(config, plans), debug_single_process=single_process)
+        except RecompileError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 3
     from finetuning_pipeline.metrics_log import plot_losses
 
     plot = plot_losses(config.output_dir)

@@ -43,12 +43,13 @@ def phase_dir(config: RunConfig, phase: int) -> Path:
 
 
 def seed_everything(seed: int) -> None:
+    import torch_xla
     import torch_xla.core.xla_model as xm
 
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    xm.set_rng_state(seed)
+    xm.set_rng_state(seed, device=torch_xla.device())
 
 
 def build_model(config: RunConfig, phase: int):

@@ -1,0 +1,133 @@
+"""Config loading and the checks main.py makes before touching a device: each error names its key."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from finetuning_pipeline import main
+from finetuning_pipeline.config import ConfigError, load_config
+from trainer_helpers import prepare_demo_data, write_run_config
+
+DEMO = "finetuning_pipeline/configs/demo.yaml"
+
+
+def test_demo_config_loads_and_overrides_apply():
+    config = load_config(DEMO, ["train.max_steps=7", "train.lr=3e-4", "lora.target_modules=[q_proj,v_proj]",
+                                "model.gradient_checkpointing=true", "output_dir=elsewhere"])
+    assert (config.train.max_steps, config.train.lr) == (7, 3e-4)
+    assert config.lora.target_modules == ["q_proj", "v_proj"]
+    assert config.model.gradient_checkpointing is True
+    assert config.output_dir == "elsewhere"
+    assert config.phase1.data == "outputs/demo/data/phase1"  # data paths do not follow output_dir
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.max_stepz=3", "unknown key 'max_stepz' under train"),
+        ("trian.max_steps=3", "unknown key 'trian' under the top level"),
+        ("lora.r=0", "lora.r must be a positive integer"),
+        ("train.grad_accum=0", "train.grad_accum must be >= 1"),
+        ("train.lr=fast", "train.lr: expected float, got 'fast'"),
+        ("train.micro_batch=2.5", "train.micro_batch: expected int"),
+        ("train.min_lr_ratio=0", "train.min_lr_ratio must be in (0, 1]"),
+        ("model.dtype=fp8", "model.dtype must be one of"),
+        ("parallel.mode=fsdp", "parallel.mode 'fsdp' is not available yet"),
+        ("phase2.init=restart", "phase2.init must be"),
+        ("train.max_steps", "expected key=value"),
+    ],
+)
+def test_bad_values_name_their_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        load_config(DEMO, [override])
+
+
+def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  max_steps: 3\n  warmup: 2\n")
+    with pytest.raises(ConfigError, match=rf"{path}: unknown key train.warmup"):
+        load_config(path)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cfg")
+    return root, prepare_demo_data(tiny_model_dir, root / "data")
+
+
+def run_main(config, capsys, *extra):
+    code = main.main(["--config", str(config), *extra])
+    return code, capsys.readouterr().err
+
+
+def test_missing_data_directory(setup, tiny_model_dir, tmp_path, capsys):
+    _, data = setup
+    config = write_run_config(tmp_path / "r.yaml", tiny_model_dir, {1: tmp_path / "nope", 2: data[2]}, tmp_path / "o")
+    code, err = run_main(config, capsys)
+    assert code == 2 and "phase1.data:" in err and "does not exist" in err and "dataset.prepare" in err
+
+
+def test_data_of_the_wrong_phase(setup, tiny_model_dir, tmp_path, capsys):
+    _, data = setup
+    config = write_run_config(tmp_path / "r.yaml", tiny_model_dir, {1: data[2], 2: data[2]}, tmp_path / "o")
+    code, err = run_main(config, capsys)
+    assert code == 2 and "phase1.data:" in err and "prepared as phase 2 data, not phase 1" in err
+
+
+def test_shards_from_another_tokenizer(setup, tiny_model_dir, tmp_path, capsys):
+    _, data = setup
+    other = tmp_path / "phase1"
+    shutil.copytree(data[1], other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["tokenizer"]["fingerprint"] = "sha256:another-tokenizer"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    config = write_run_config(tmp_path / "r.yaml", tiny_model_dir, {1: other, 2: data[2]}, tmp_path / "o")
+    code, err = run_main(config, capsys, "--phase", "1")
+    assert code == 2 and "tokenized by tokenizer sha256:another-tokenizer, but the run's tokenizer is sha256:" in err
+
+
+def test_seq_len_beyond_the_models_positions(setup, tiny_model_dir, tmp_path, capsys):
+    _, data = setup
+    short = tmp_path / "short-model"
+    shutil.copytree(tiny_model_dir, short)
+    model_config = json.loads((short / "config.json").read_text())
+    model_config["max_position_embeddings"] = 32
+    (short / "config.json").write_text(json.dumps(model_config))
+    config = write_run_config(tmp_path / "r.yaml", short, data, tmp_path / "o")
+    code, err = run_main(config, capsys)
+    assert code == 2 and "seq_len 64 exceeds the model's max_position_embeddings 32" in err
+
+
+def test_phase2_alone_needs_the_phase1_adapter(setup, tiny_model_dir, tmp_path, capsys):
+    _, data = setup
+    config = write_run_config(tmp_path / "r.yaml", tiny_model_dir, data, tmp_path / "o")
+    code, err = run_main(config, capsys, "--phase", "2")
+    assert code == 2 and "phase2.init=continue needs the phase-1 adapter" in err
+
+
+def test_unwritable_output_dir_is_caught_before_training(setup, tiny_model_dir, tmp_path, capsys):
+    _, data = setup
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    config = write_run_config(tmp_path / "r.yaml", tiny_model_dir, data, blocker / "out")
+    code, err = run_main(config, capsys)
+    assert code == 2 and "output_dir: cannot write to" in err
+
+
+def test_recompile_guard_stops_the_run(setup, tiny_model_dir, tmp_path, capsys):
+    """With no warm-up allowed, the first step's compile must trip the guard (exit 3).
+    micro_batch 3 is a shape no other test uses: graphs cached in this process cannot hide it."""
+    _, data = setup
+    config = write_run_config(tmp_path / "r.yaml", tiny_model_dir, data, tmp_path / "o",
+                              train={"max_steps": 3, "warmup_compiles_steps": 0, "micro_batch": 3})
+    code, err = run_main(config, capsys, "--phase", "1")
+    assert code == 3 and "new XLA graph(s) compiled after warm-up" in err and "PT_XLA_DEBUG_LEVEL=2" in err
+
+
+@pytest.mark.parametrize("name", ["demo", "mistral7b_v6e8", "qwen25_05b_v5e8", "gemma3_270m_single_chip"])
+def test_shipped_configs_are_valid(name):
+    config = load_config(f"finetuning_pipeline/configs/{name}.yaml")
+    assert config.phase1.data and config.phase2.data
