@@ -62,6 +62,8 @@ class TrainConfig:
     min_lr_ratio: the cosine decay ends at lr * min_lr_ratio (> 0 for the same reason).
     weight_decay, betas, eps: AdamW's.
     max_grad_norm: global gradient-norm clip; 0 disables.
+    max_bad_steps: a step whose loss or gradient norm is NaN/inf is skipped on the device
+        (adapter and optimizer unchanged) and counted; this many in a row stop the run.
     seed: model init of LoRA weights, dropout and data order.
     warmup_compiles_steps: steps after which no new graph may compile (the recompile guard).
     recompile_policy: "error" stops the run at a recompile after warm-up, "warn" logs it.
@@ -77,6 +79,7 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     max_grad_norm: float = 1.0
+    max_bad_steps: int = 10
     seed: int = 0
     warmup_compiles_steps: int = 2
     recompile_policy: str = "error"
@@ -161,6 +164,19 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def exactness_keys(self, phase: int) -> dict:
+        """The settings a resumed phase must share with the run that saved the checkpoint for
+        the result to equal an uninterrupted run's (logging, eval and checkpoint cadence may change)."""
+        flat = {"model.path": self.model.path, "model.dtype": self.model.dtype}
+        flat.update({f"lora.{k}": v for k, v in dataclasses.asdict(self.lora).items()})
+        skip = {"warmup_compiles_steps", "recompile_policy", "max_bad_steps"}
+        flat.update({f"train.{k}": v for k, v in dataclasses.asdict(self.train).items() if k not in skip})
+        phase_cfg = dataclasses.asdict(self.phase(phase))
+        if phase == 1:
+            phase_cfg.pop("init")
+        flat.update({f"phase{phase}.{k}": v for k, v in phase_cfg.items()})
+        return flat
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -269,7 +285,7 @@ def validate(config: RunConfig) -> None:
     positive = {
         "train.max_steps": t.max_steps, "train.micro_batch": t.micro_batch, "train.grad_accum": t.grad_accum,
         "train.warmup_steps": t.warmup_steps, "checkpoint.keep": config.checkpoint.keep,
-        "logging.every": config.logging.every,
+        "logging.every": config.logging.every, "train.max_bad_steps": t.max_bad_steps,
     }
     for key, value in positive.items():
         if value < 1:

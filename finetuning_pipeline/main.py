@@ -18,8 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         epilog="Overrides are dotted config keys, e.g. train.max_steps=200 lora.r=8 output_dir=outputs/try2. "
         "Unknown keys are an error. Exit status: 0 done (or stopped cleanly), 2 bad config or data, "
-        "3 a graph recompiled after warm-up (train.recompile_policy=error).",
+        "3 the run had to stop (a recompile after warm-up, diverged training, a failed checkpoint write). "
+        "SIGTERM/SIGINT checkpoint at the next step and exit 0; the same command then resumes.",
     )
     parser.add_argument("--config", required=True, help="YAML run config (see finetuning_pipeline/configs/)")
     parser.add_argument("--phase", choices=("1", "2", "all"), default="all", help="which phase(s) to run (default all)")
@@ -141,7 +145,50 @@ def plan_phases(config: RunConfig, phases: list[int], resume: str, force: bool) 
     return [PhasePlan(phase, checkpoint)] + [PhasePlan(p, None) for p in phases if p > phase]
 
 
-def run_replica(index: int, config: RunConfig, plans: list[PhasePlan]) -> None:
+def check_resumable(config: RunConfig, plans: list[PhasePlan]) -> None:
+    """Refuse to resume a checkpoint under settings that would change the result, naming them."""
+    for plan in plans:
+        if plan.resume_from is None:
+            continue
+        saved = json.loads((plan.resume_from / "trainer_state.json").read_text()).get("exactness", {})
+        current = config.exactness_keys(plan.phase)
+        changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+        if changed:
+            details = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
+            raise ConfigError(
+                f"--resume: {plan.resume_from} was saved under other settings ({details}); resuming would not give "
+                "the run you started. Restore them, or start over with --resume never --force"
+            )
+
+
+class StopOnSignal:
+    """SIGTERM (a spot VM's preemption notice, `kill`) or SIGINT (Ctrl-C) only set a flag; the
+    loop checkpoints at the next step boundary and returns. A second signal is not special:
+    use SIGKILL to stop at once (the next start resumes from the last complete checkpoint)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.received: str | None = None
+        self.previous = {}
+
+    def __enter__(self) -> "StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+        self.event.set()
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def run_replica(index: int, config: RunConfig, plans: list[PhasePlan], resume_command: str) -> None:
     """Entry point of each process (one per chip)."""
     from utils.xla_runtime import init_xla_device
 
@@ -151,10 +198,17 @@ def run_replica(index: int, config: RunConfig, plans: list[PhasePlan]) -> None:
     from finetuning_pipeline.train_logic import run_phase
 
     rank, world = xr.global_ordinal(), xr.world_size()
-    for plan in plans:
-        summary = run_phase(config, plan.phase, rank=rank, world=world, device=device, resume_from=plan.resume_from)
-        if rank == 0 and summary is not None:
-            print(format_summary(summary), flush=True)
+    with StopOnSignal() as stop:
+        for plan in plans:
+            summary = run_phase(config, plan.phase, rank=rank, world=world, device=device,
+                                resume_from=plan.resume_from, stop_requested=stop.event.is_set)
+            if rank == 0 and summary is not None:
+                print(format_summary(summary), flush=True)
+            if summary is not None and "stopped_at_step" in summary:
+                if rank == 0:
+                    print(f"stopped on {stop.received or 'request'} after a checkpoint at step "
+                          f"{summary['stopped_at_step']} of phase {plan.phase}; resume with:\n  {resume_command}", flush=True)
+                return
 
 
 def format_summary(summary: dict) -> str:
@@ -176,20 +230,23 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         preflight_checks(config, phases)
         plans = plan_phases(config, phases, args.resume, args.force)
+        check_resumable(config, plans)
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if plans:
         import torch_xla
 
-        from finetuning_pipeline.train_logic import RecompileError
+        from finetuning_pipeline.train_logic import RunError
 
+        resume_command = shlex.join([sys.executable, "finetuning_pipeline/main.py", "--config", args.config,
+                                     "--phase", args.phase, "--resume", "auto", *args.overrides])
         # XLA:CPU is a world of one: run the replica in this process (launch would spawn one,
         # and refuses when this process already initialised the runtime, as tests do).
         single_process = os.environ.get("PJRT_DEVICE", "CPU") == "CPU"
         try:
-            torch_xla.launch(run_replica, args=(config, plans), debug_single_process=single_process)
-        except RecompileError as err:
+            torch_xla.launch(run_replica, args=(config, plans, resume_command), debug_single_process=single_process)
+        except RunError as err:
             print(f"error: {err}", file=sys.stderr)
             return 3
     from finetuning_pipeline.metrics_log import plot_losses

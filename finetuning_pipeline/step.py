@@ -59,8 +59,9 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
 def train_step(model, optimizer, params: list[torch.nn.Parameter], micro_batches, *, max_grad_norm: float,
                reduce_across_replicas: bool) -> dict[str, torch.Tensor]:
     """Accumulate gradients over `micro_batches`, average, clip, step. Returns device tensors:
-    loss (mean per label token), tokens (label tokens in the step), grad_norm (before clipping).
-    The caller marks the step boundary (`torch_xla.sync()`)."""
+    loss (mean per label token), tokens (label tokens in the step), grad_norm (before
+    clipping) and applied (False when the loss or the gradient norm was not finite: the
+    optimizer then skipped the update, on the device). The caller marks the step boundary."""
     loss_total = torch.zeros((), device=params[0].device)
     tokens = torch.zeros((), device=params[0].device)
     for batch in micro_batches:
@@ -80,9 +81,11 @@ def train_step(model, optimizer, params: list[torch.nn.Parameter], micro_batches
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     else:
         grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=False)  # keep the grad buffers: same graph every step
-    return {"loss": loss_total * scale, "tokens": tokens, "grad_norm": grad_norm}
+    loss = loss_total * scale
+    applied = torch.isfinite(loss) & torch.isfinite(grad_norm)
+    optimizer.step(applied)
+    optimizer.zero_grad()  # in place: the grad buffers stay, the graph stays the same
+    return {"loss": loss, "tokens": tokens, "grad_norm": grad_norm, "applied": applied}
 
 
 @torch.no_grad()

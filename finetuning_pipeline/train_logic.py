@@ -2,11 +2,16 @@
 
 Per optimizer step: `grad_accum` micro-batches arrive on the device (MpDeviceLoader prefetches
 them on a background thread), `step.train_step` builds forwards, backwards, gradient
-averaging, clipping and the AdamW update into one lazy graph, and `torch_xla.sync()` marks
-the step boundary. Logging reads loss and grad norm in a step closure after the step has run,
-so no step waits on the host. After `train.warmup_compiles_steps` steps every step must
-replay a compiled graph: a new compile is a bug (a shape or a Python scalar that changes),
-and by default stops the run.
+averaging, clipping and the masked AdamW update into one lazy graph, and `torch_xla.sync()`
+marks the step boundary. Logging reads loss and grad norm in a step closure after the step has
+run, so no step waits on the host between log steps. After `train.warmup_compiles_steps`
+steps every step must replay a compiled graph: a new compile is a bug (a shape or a Python
+scalar that changes), and by default stops the run.
+
+Stopping: a step with a non-finite loss or gradient norm is skipped on the device and counted;
+`train.max_bad_steps` in a row stop the run (the last good checkpoint stays). A stop request
+(SIGTERM/SIGINT, see main.py) is honoured at the next step boundary: every replica
+checkpoints, and the phase returns {"stopped_at_step": N}.
 """
 
 from __future__ import annotations
@@ -22,7 +27,13 @@ import torch
 
 from dataset.loader import ShardLoader, iter_eval_batches
 from dataset.manifest import read_manifest
-from finetuning_pipeline.checkpointing import clean_partial_checkpoints, load_checkpoint, save_checkpoint
+from finetuning_pipeline.adamw import MaskedAdamW
+from finetuning_pipeline.checkpointing import (
+    clean_partial_checkpoints,
+    complete_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from finetuning_pipeline.config import RunConfig
 from finetuning_pipeline.lr_schedule import lr_at
 from finetuning_pipeline.metrics_log import MetricsLog
@@ -34,7 +45,19 @@ from utils.xla_counters import read_counters
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class RecompileError(RuntimeError):
+class RunError(RuntimeError):
+    """The run had to stop; the message says why and what to do (main.py exits with 3)."""
+
+
+class RecompileError(RunError):
+    pass
+
+
+class TrainingDiverged(RunError):
+    pass
+
+
+class CheckpointWriteError(RunError):
     pass
 
 
@@ -66,8 +89,7 @@ def build_model(config: RunConfig, phase: int):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora_config = config.lora_config()
     if phase == 2 and config.phase2.init in ("continue", "merge"):
-        phase1_adapter = phase_dir(config, 1) / "adapter"
-        loaded = load_adapter(model, phase1_adapter)
+        loaded = load_adapter(model, phase_dir(config, 1) / "adapter")
         if config.phase2.init == "continue":
             return model, loaded
         merge_and_unload(model)
@@ -100,10 +122,20 @@ def evaluate(model, config: RunConfig, data_dir: str, pad_id: int, rank: int, wo
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "label_tokens": int(totals[1].item())}
 
 
+def agreed(flag: bool, world: int, tag: str) -> bool:
+    """True on every replica if it is True on any (replicas must stop at the same step)."""
+    if world == 1:
+        return flag
+    import torch_xla.core.xla_model as xm
+
+    return bool(xm.mesh_reduce(tag, int(flag), max))
+
+
 def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, resume_from: Path | None,
               stop_requested=lambda: False) -> dict | None:
     """Train one phase on this replica; the master writes adapter, metrics, checkpoints and
-    summary. Returns the summary on the master, None elsewhere."""
+    summary. Returns the summary on the master ({"stopped_at_step": N} after a stop request),
+    None elsewhere."""
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.parallel_loader as pl
@@ -121,13 +153,14 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
     model.to(device)
     model.train()
     params = lora_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=peak_lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay)
+    optimizer = MaskedAdamW(params, lr=peak_lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay)
 
     manifest = read_manifest(phase_cfg.data)
     seq_len = manifest["seq_len"]
     pad_id = manifest["tokenizer"]["pad_id"]
     loader = ShardLoader(phase_cfg.data, t.micro_batch, seed=t.seed, rank=rank, world_size=world)
     batches_per_step = t.grad_accum * world * t.micro_batch  # global blocks consumed per step
+    tokens_per_step = batches_per_step * seq_len
 
     start_step, state = 0, {}
     if master:
@@ -135,6 +168,9 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
     if resume_from is not None:
         state = load_checkpoint(resume_from, model=model, optimizer=optimizer)
         start_step = state["step"]
+        if state.get("global_batch", batches_per_step) != batches_per_step:
+            raise RunError(f"{resume_from} was saved with a global batch of {state['global_batch']} sequences, this "
+                           f"run has {batches_per_step} (world size {world}); resume with the same chips and batch")
     loader.position = start_step * batches_per_step  # what the steps so far consumed
     log = None
     if master:
@@ -150,29 +186,42 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
         from tqdm import tqdm
 
         progress = tqdm(total=max_steps, initial=start_step, desc=f"phase {phase}", unit="step", dynamic_ncols=True)
-    shown: dict = {"first_loss": state.get("train_loss_first")}
-    tokens_per_step = batches_per_step * seq_len
+    shown: dict = {"first_loss": state.get("train_loss_first"), "worst_bad_run": 0}
 
-    def log_step(step: int, results: dict, lr: float, steps_left: int) -> None:
+    # Device-side counters of skipped steps: read only at log steps.
+    skipped_total = torch.tensor(float(state.get("skipped_steps", 0)), device=device)
+    bad_run = torch.zeros((), device=device)
+    worst_bad_run = torch.zeros((), device=device)
+
+    def log_step(step: int, results: dict, lr, steps_left: int, skipped, worst) -> None:
         # A step closure: runs once the step's graph has been issued; reading the results
-        # waits for that step only, on log steps only.
-        values = torch.stack([results["loss"], results["grad_norm"], results["tokens"]]).cpu().tolist()
+        # waits for that step only, on log steps only. Every replica runs it (same values:
+        # losses are all-reduced), so every replica takes the same stop decision.
+        values = torch.stack([results["loss"], results["grad_norm"], results["tokens"], skipped, worst,
+                              lr]).cpu().tolist()
         now = time.perf_counter()
         previous_time, previous_step = shown.get("time"), shown.get("step")
         rate = (step - previous_step) * tokens_per_step / (now - previous_time) if previous_time else None
-        record = {"kind": "train", "step": step, "loss": values[0], "lr": lr, "grad_norm": values[1],
-                  "label_tokens": int(values[2])}
+        shown.update(time=now, step=step, rate=rate, skipped=int(values[3]), worst_bad_run=int(values[4]))
+        if step == 1:
+            shown["first_loss"] = values[0]
+        if not master:
+            return
+        record = {"kind": "train", "step": step, "loss": values[0], "lr": values[5], "grad_norm": values[1],
+                  "label_tokens": int(values[2]), "skipped_steps": int(values[3])}
         if rate:
             record["tokens_per_sec"] = round(rate, 1)
             record["eta_s"] = round(steps_left * tokens_per_step / rate, 1)
-        shown.update(time=now, step=step, rate=rate)
-        if step == 1:
-            shown["first_loss"] = values[0]
-        if log is not None:
-            log.write(record)
+        log.write(record)
         if progress is not None:
             progress.set_postfix(loss=f"{values[0]:.4f}", tok_s=f"{rate:,.0f}" if rate else "-", refresh=False)
 
+    def trainer_state() -> dict:
+        return {"phase": phase, "eval_before": eval_before, "train_loss_first": shown["first_loss"],
+                "skipped_steps": shown.get("skipped", 0), "global_batch": batches_per_step,
+                "exactness": config.exactness_keys(phase)}
+
+    step_count = torch.tensor(float(start_step), device=device)  # the schedule's input, on device
     device_loader = pl.MpDeviceLoader(loader, device)
     batches = iter(device_loader)
     label_tokens = torch.zeros((), device=device)
@@ -182,10 +231,10 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
     compiles_before = read_counters().compiles
     last_loss = None
     step = start_step
+    stopped = False
     while step < max_steps:
-        lr = lr_at(step, peak=peak_lr, warmup_steps=t.warmup_steps, total_steps=max_steps, min_lr_ratio=t.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        optimizer.lr = lr_at(step_count, peak=peak_lr, warmup_steps=t.warmup_steps, total_steps=max_steps,
+                             min_lr_ratio=t.min_lr_ratio)
         before = read_counters()
         wait_start = time.perf_counter()
         micro_batches = [next(batches) for _ in range(t.grad_accum)]
@@ -193,9 +242,16 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
         results = train_step(model, optimizer, params, micro_batches, max_grad_norm=t.max_grad_norm,
                              reduce_across_replicas=world > 1)
         label_tokens = label_tokens + results["tokens"]
+        bad = (~results["applied"]).to(torch.float32)
+        skipped_total = skipped_total + bad
+        bad_run = (bad_run + 1) * bad  # consecutive skipped steps, 0 after a good one
+        worst_bad_run = torch.maximum(worst_bad_run, bad_run)
+        step_count = step_count + 1
         step += 1
-        if master and (step % config.logging.every == 0 or step == max_steps or step == start_step + 1):
-            xm.add_step_closure(log_step, args=(step, results, lr, max_steps - step))
+        log_now = step % config.logging.every == 0 or step == max_steps or step == start_step + 1
+        if log_now:
+            xm.add_step_closure(log_step, args=(step, results, optimizer.lr, max_steps - step,
+                                                skipped_total, worst_bad_run))
         last_loss = results["loss"]
         torch_xla.sync()
         delta = read_counters() - before
@@ -215,26 +271,35 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
                 print(f"warning: {message}", flush=True)
         if progress is not None:
             progress.update(1)
+        if log_now and shown["worst_bad_run"] >= t.max_bad_steps:
+            latest = complete_checkpoints(out / "checkpoints")
+            raise TrainingDiverged(
+                f"phase {phase} stopped at step {step}: {shown['worst_bad_run']} consecutive steps had a non-finite "
+                f"loss or gradient norm (train.max_bad_steps={t.max_bad_steps}); their updates were skipped, nothing "
+                f"non-finite was saved. Last good checkpoint: {latest[-1] if latest else 'none'}. Lower train.lr or "
+                "check the data, then resume with --resume auto"
+            )
         if config.eval.every and step % config.eval.every == 0 and step < max_steps:
             result = evaluate(model, config, phase_cfg.data, pad_id, rank, world, device)
             if log is not None:
                 log.write({"kind": "eval", "step": step, **result})
-        if (config.checkpoint.every and step % config.checkpoint.every == 0 and step < max_steps) or stop_requested():
-            save_state = {"phase": phase, "eval_before": eval_before, "train_loss_first": shown["first_loss"]}
-            checkpoint(model, optimizer, lora_config, config, out, step, save_state, master)
-            if stop_requested():
-                break
+        stopped = agreed(stop_requested(), world, f"stop-{step}") if (world == 1 or log_now) else False
+        if (config.checkpoint.every and step % config.checkpoint.every == 0 and step < max_steps) or stopped:
+            checkpoint(model, optimizer, lora_config, config, out, step, trainer_state(), master)
+        if stopped:
+            break
 
     xm.wait_device_ops()
     train_seconds = time.perf_counter() - (warm_time or started)
     if progress is not None:
         progress.close()
-    stopped_early = step < max_steps
-    if stopped_early:
-        return {"phase": phase, "stopped_at_step": step}
+    if stopped:
+        if log is not None:
+            log.close()
+        return {"phase": phase, "stopped_at_step": step} if master else None
 
     eval_after = evaluate(model, config, phase_cfg.data, pad_id, rank, world, device)
-    final_state = {"phase": phase, "eval_before": eval_before, "train_loss_first": shown["first_loss"]}
+    final_state = trainer_state()
     checkpoint(model, optimizer, lora_config, config, out, step, final_state, master)
     totals = torch.stack([last_loss, label_tokens]).cpu().tolist() if last_loss is not None else [None, 0]
     if not master:
@@ -250,6 +315,7 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
         "resumed_from_step": start_step if resume_from else None,
         "tokens": step * tokens_per_step,
         "label_tokens_this_run": int(totals[1]),
+        "skipped_steps": final_state["skipped_steps"],
         "train_loss_first": final_state["train_loss_first"],
         "train_loss_last": totals[0],
         "eval_loss_before": eval_before["loss"],
@@ -279,8 +345,17 @@ def checkpoint(model, optimizer, lora_config: LoraConfig, config: RunConfig, out
 
     torch_xla.sync()
     if master:
-        save_checkpoint(out / "checkpoints", step, model=model, optimizer=optimizer, lora_config=lora_config,
-                        base_model=config.model.path, trainer_state=state, keep=config.checkpoint.keep)
+        root = out / "checkpoints"
+        try:
+            save_checkpoint(root, step, model=model, optimizer=optimizer, lora_config=lora_config,
+                            base_model=config.model.path, trainer_state=state, keep=config.checkpoint.keep)
+        except OSError as err:
+            latest = complete_checkpoints(root)
+            raise CheckpointWriteError(
+                f"could not write checkpoint step {step} under {root}: {err.strerror or err}. "
+                f"{'The previous checkpoint ' + str(latest[-1]) + ' is intact' if latest else 'No earlier checkpoint exists'}; "
+                "free space (or fix permissions) and rerun with --resume auto"
+            ) from None
     xm.rendezvous(f"checkpoint-{step}")
 
 

@@ -45,6 +45,10 @@ def save_adapter(
     }
     if not tensors:
         raise ValueError("save_adapter: the model has no LoRA layers; nothing to save")
+    bad = [name for name, tensor in tensors.items() if not bool(torch.isfinite(tensor).all())]
+    if bad:
+        raise ValueError(f"save_adapter: refusing to write NaN/inf weights ({len(bad)} tensors, first {bad[0]!r}); "
+                         "the previous adapter on disk, if any, is left as it was")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # Weights first, config last: a directory with a config always has its weights.
