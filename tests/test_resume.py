@@ -1,0 +1,215 @@
+"""Preemption and faults on real training runs: SIGTERM, SIGKILL, NaN, a failing disk, bad paths.
+
+The promise under test: a run stopped at any moment resumes and finishes with exactly the
+adapter (bitwise) and the per-step losses of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from finetuning_pipeline import main
+from finetuning_pipeline.checkpointing import complete_checkpoints, verify_checkpoint
+from trainer_helpers import prepare_demo_data, write_run_config
+
+STEPS = 10
+RUN = {"train": {"max_steps": STEPS}, "checkpoint": {"every": 2, "keep": 3}, "logging": {"every": 1},
+       "eval": {"every": 0, "max_batches": 2}}
+
+
+@pytest.fixture(scope="module")
+def data(tiny_model_dir, tmp_path_factory):
+    return prepare_demo_data(tiny_model_dir, tmp_path_factory.mktemp("data"))
+
+
+def config_for(tmp_path, tiny_model_dir, data, **sections):
+    merged = {k: dict(v) for k, v in RUN.items()}
+    for section, values in sections.items():
+        merged.setdefault(section, {}).update(values)
+    return write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out", **merged)
+
+
+def start(config: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "finetuning_pipeline/main.py", "--config", str(config), "--phase", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PJRT_DEVICE": "CPU", "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def train_losses(out: Path) -> list[tuple[int, float]]:
+    path = out / "phase1" / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+
+
+def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(s >= step for s, _ in train_losses(out)):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early: {proc.stdout.read()}")
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def adapter_tensors(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "phase1" / "adapter" / "adapter_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, data, tmp_path_factory):
+    """An uninterrupted run, in its own process like the interrupted ones."""
+    root = tmp_path_factory.mktemp("reference")
+    proc = start(config_for(root, tiny_model_dir, data))
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    return root / "out"
+
+
+def assert_same_as_reference(out: Path, reference: Path) -> None:
+    assert train_losses(out) == train_losses(reference)  # every step's loss, bitwise
+    ours, theirs = adapter_tensors(out), adapter_tensors(reference)
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+def test_sigkill_at_a_random_step_then_resume_equals_the_uninterrupted_run(tiny_model_dir, data, reference, tmp_path):
+    kill_at = random.Random().randint(3, STEPS - 1)
+    config = config_for(tmp_path, tiny_model_dir, data)
+    proc = start(config)
+    wait_for_step(proc, tmp_path / "out", kill_at)
+    proc.kill()  # SIGKILL: no handler, no last checkpoint
+    proc.wait()
+    checkpoints = complete_checkpoints(tmp_path / "out" / "phase1" / "checkpoints")
+    assert checkpoints, f"killed at step {kill_at} before any checkpoint"
+    assert main.main(["--config", str(config), "--phase", "1"]) == 0  # --resume auto
+    summary = json.loads((tmp_path / "out" / "phase1" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == int(checkpoints[-1].name.split("_")[1]), kill_at
+    assert_same_as_reference(tmp_path / "out", reference)
+
+
+def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tiny_model_dir, data, reference, tmp_path):
+    config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 0})  # only the one SIGTERM writes
+    proc = start(config)
+    wait_for_step(proc, tmp_path / "out", 3)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    checkpoints = complete_checkpoints(tmp_path / "out" / "phase1" / "checkpoints")
+    assert len(checkpoints) == 1
+    stopped_at = int(checkpoints[0].name.split("_")[1])
+    assert 3 <= stopped_at < STEPS
+    assert f"stopped on SIGTERM after a checkpoint at step {stopped_at} of phase 1; resume with:" in output
+    assert "--resume auto" in output
+    assert not (tmp_path / "out" / "phase1" / "summary.json").exists()
+
+    assert main.main(["--config", str(config), "--phase", "1"]) == 0
+    summary = json.loads((tmp_path / "out" / "phase1" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == stopped_at
+    assert_same_as_reference(tmp_path / "out", reference)
+
+
+def test_nan_steps_are_skipped_on_device_and_counted(tiny_model_dir, data, tmp_path, monkeypatch):
+    poison_nan_in_steps(monkeypatch, steps={3}, grad_accum=2)
+    config = config_for(tmp_path, tiny_model_dir, data, train={"max_steps": 6, "max_bad_steps": 2})
+    assert main.main(["--config", str(config), "--phase", "1"]) == 0
+    summary = json.loads((tmp_path / "out" / "phase1" / "summary.json").read_text())
+    assert summary["skipped_steps"] == 1
+    records = [json.loads(line) for line in (tmp_path / "out" / "phase1" / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r for r in records if r["kind"] == "train"}
+    assert by_step[2]["skipped_steps"] == 0 and by_step[3]["skipped_steps"] == 1
+    assert torch.isnan(torch.tensor(by_step[3]["loss"]))
+    assert all(torch.isfinite(t).all() for t in adapter_tensors(tmp_path / "out").values())
+    assert summary["compiles_after_warmup"] == 0  # the poisoned step ran the same graph
+
+
+def test_too_many_bad_steps_stop_the_run_keeping_the_last_good_checkpoint(tiny_model_dir, data, tmp_path,
+                                                                         monkeypatch, capsys):
+    poison_nan_in_steps(monkeypatch, steps=set(range(5, 100)), grad_accum=2)
+    config = config_for(tmp_path, tiny_model_dir, data, train={"max_steps": 10, "max_bad_steps": 2})
+    assert main.main(["--config", str(config), "--phase", "1"]) == 3
+    err = capsys.readouterr().err
+    assert "2 consecutive steps had a non-finite loss or gradient norm (train.max_bad_steps=2)" in err
+    latest = complete_checkpoints(tmp_path / "out" / "phase1" / "checkpoints")[-1]
+    assert f"Last good checkpoint: {latest}" in err
+    assert latest.name == "step_00000004"  # the check runs before step 6's checkpoint: no skipped step saved
+    verify_checkpoint(latest)
+    assert all(torch.isfinite(t).all() for t in load_file(latest / "adapter_model.safetensors").values())
+    assert not (tmp_path / "out" / "phase1" / "summary.json").exists()
+    assert not (tmp_path / "out" / "phase1" / "adapter").exists()
+
+
+def poison_nan_in_steps(monkeypatch, steps: set[int], grad_accum: int) -> None:
+    """Make the loss NaN in the given (1-based) steps, through a device tensor (no new graph).
+    A 1-element tensor, not a 0-dim one: torch_xla bakes a 0-dim 1.0 into the graph as a constant."""
+    import finetuning_pipeline.step as step_module
+
+    real = step_module.causal_lm_loss_sum
+    calls = {"n": 0}
+
+    def poisoned(model, batch):
+        loss_sum, count = real(model, batch)
+        poison = False
+        if torch.is_grad_enabled():  # a training micro-batch (evaluation runs under no_grad)
+            poison = calls["n"] // grad_accum + 1 in steps
+            calls["n"] += 1
+        factor = torch.tensor([float("nan") if poison else 1.0]).to(loss_sum.device)
+        return (loss_sum * factor).reshape(()), count
+
+    monkeypatch.setattr(step_module, "causal_lm_loss_sum", poisoned)
+
+
+def test_a_failing_disk_at_save_time_keeps_the_previous_checkpoint(tiny_model_dir, data, tmp_path, monkeypatch, capsys):
+    import finetuning_pipeline.checkpointing as ckpt
+
+    real_save = torch.save
+    saves = {"n": 0}
+
+    def full_disk(obj, path, *args, **kwargs):
+        if str(path).endswith("optimizer.pt"):
+            saves["n"] += 1
+            if saves["n"] == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "save", full_disk)
+    config = config_for(tmp_path, tiny_model_dir, data)
+    assert main.main(["--config", str(config), "--phase", "1"]) == 3
+    err = capsys.readouterr().err
+    root = tmp_path / "out" / "phase1" / "checkpoints"
+    assert "could not write checkpoint step 4" in err and "No space left on device" in err
+    assert f"The previous checkpoint {root / 'step_00000002'} is intact" in err
+    assert [p.name for p in root.iterdir()] == ["step_00000002"]  # no half-written step 4 left behind
+    verify_checkpoint(root / "step_00000002")
+
+
+def test_bad_resume_paths_and_changed_settings(tiny_model_dir, data, reference, tmp_path, capsys):
+    config = config_for(tmp_path, tiny_model_dir, data)
+    assert main.main(["--config", str(config), "--resume", str(tmp_path / "nowhere")]) == 2
+    assert "--resume:" in capsys.readouterr().err
+    checkpoint = complete_checkpoints(reference / "phase1" / "checkpoints")[0]
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for f in checkpoint.iterdir():
+        if f.name != "COMPLETE":
+            (partial / f.name).write_bytes(f.read_bytes())
+    assert main.main(["--config", str(config), "--resume", str(partial)]) == 2
+    assert "incomplete checkpoint" in capsys.readouterr().err
+    assert main.main(["--config", str(config), "--resume", str(checkpoint), "train.lr=0.5", "lora.r=4"]) == 2
+    err = capsys.readouterr().err
+    assert "was saved under other settings" in err and "lora.r: 8 -> 4" in err and "train.lr: 0.01 -> 0.5" in err
