@@ -285,7 +285,7 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
                 log.write({"kind": "eval", "step": step, **result})
         stopped = agreed(stop_requested(), world, f"stop-{step}") if (world == 1 or log_now) else False
         if (config.checkpoint.every and step % config.checkpoint.every == 0 and step < max_steps) or stopped:
-            checkpoint(model, optimizer, lora_config, config, out, step, trainer_state(), master)
+            checkpoint(model, optimizer, lora_config, config, out, step, trainer_state(), master, world)
         if stopped:
             break
 
@@ -300,7 +300,7 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
 
     eval_after = evaluate(model, config, phase_cfg.data, pad_id, rank, world, device)
     final_state = trainer_state()
-    checkpoint(model, optimizer, lora_config, config, out, step, final_state, master)
+    checkpoint(model, optimizer, lora_config, config, out, step, final_state, master, world)
     totals = torch.stack([last_loss, label_tokens]).cpu().tolist() if last_loss is not None else [None, 0]
     if not master:
         return None
@@ -338,7 +338,7 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
 
 
 def checkpoint(model, optimizer, lora_config: LoraConfig, config: RunConfig, out: Path, step: int,
-               state: dict, master: bool) -> None:
+               state: dict, master: bool, world: int) -> None:
     """Every replica reaches this together; the master writes; all wait for it."""
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -356,7 +356,8 @@ def checkpoint(model, optimizer, lora_config: LoraConfig, config: RunConfig, out
                 f"{'The previous checkpoint ' + str(latest[-1]) + ' is intact' if latest else 'No earlier checkpoint exists'}; "
                 "free space (or fix permissions) and rerun with --resume auto"
             ) from None
-    xm.rendezvous(f"checkpoint-{step}")
+    if world > 1:
+        xm.rendezvous(f"checkpoint-{step}")
 
 
 def read_summary(config: RunConfig, phase: int) -> dict | None:
