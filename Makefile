@@ -23,7 +23,7 @@ SAMPLES := dataset/samples
 # The demo config's phases need the demo's base model and prepared data; other configs bring their own.
 PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 
-.PHONY: help setup test tiny-model demo-data demo phase1 phase2 bench-prepare clean
+.PHONY: help setup test tiny-model demo-data demo phase1 phase2 bench bench-train bench-prepare clean
 
 help:
 	@echo "make setup       create .venv with the pinned stack (torch 2.9.0 + torch_xla 2.9.0) and test tools"
@@ -33,6 +33,8 @@ help:
 	@echo "make phase1      phase 1 of CONFIG (default: the demo config); extra overrides in ARGS=\"k=v ...\""
 	@echo "make phase2      phase 2 of CONFIG"
 	@echo "make tiny-model  write the tiny demo base model + tokenizer to outputs/demo/base"
+	@echo "make bench       both benchmarks below (about 15 minutes on 2 cores)"
+	@echo "make bench-train our trainer vs HF Trainer + PEFT on XLA:CPU, two shapes (outputs/bench/bench.json)"
 	@echo "make bench-prepare  measure dataset.prepare throughput and peak memory (a few minutes)"
 	@echo "make clean       remove outputs/ and caches (keeps .venv)"
 
@@ -75,6 +77,11 @@ phase1: $(STAMP) $(PHASE_DEPS)
 
 phase2: $(STAMP) $(PHASE_DEPS)
 	$(BIN)/python finetuning_pipeline/main.py --config $(CONFIG) --phase 2 $(ARGS)
+
+bench: bench-train bench-prepare
+
+bench-train: $(STAMP)
+	$(BIN)/python -m benchmarks.train_bench
 
 bench-prepare: $(STAMP)
 	$(BIN)/python -m benchmarks.prepare_throughput

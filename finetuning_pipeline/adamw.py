@@ -25,9 +25,12 @@ class MaskedAdamW:
         self.eps = eps
         self.weight_decay = weight_decay
         device = self.params[0].device
-        self.steps = torch.zeros((), dtype=torch.float32, device=device)  # updates applied so far
-        self.exp_avg = [torch.zeros_like(p) for p in self.params]
-        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
+        # Created on the host and transferred, so they reach the device as data: zeros made
+        # on an XLA device would be a fill op compiled into the first step's graph. The step
+        # count is [1], not 0-dim: a 0-dim 0 is baked into graphs as a constant.
+        self.steps = torch.zeros(1, dtype=torch.float32).to(device)  # updates applied so far
+        self.exp_avg = [torch.zeros(p.shape, dtype=p.dtype).to(device) for p in self.params]
+        self.exp_avg_sq = [torch.zeros(p.shape, dtype=p.dtype).to(device) for p in self.params]
 
     @torch.no_grad()
     def step(self, apply: torch.Tensor | None = None) -> None:

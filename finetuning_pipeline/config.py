@@ -65,7 +65,8 @@ class TrainConfig:
     max_bad_steps: a step whose loss or gradient norm is NaN/inf is skipped on the device
         (adapter and optimizer unchanged) and counted; this many in a row stop the run.
     seed: model init of LoRA weights, dropout and data order.
-    warmup_compiles_steps: steps after which no new graph may compile (the recompile guard).
+    warmup_compiles_steps: steps after which no new graph may compile (the recompile guard);
+        a phase compiles two graphs (a training step, an eval batch), both before or in step 1.
     recompile_policy: "error" stops the run at a recompile after warm-up, "warn" logs it.
     """
 
@@ -81,7 +82,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     max_bad_steps: int = 10
     seed: int = 0
-    warmup_compiles_steps: int = 2
+    warmup_compiles_steps: int = 1
     recompile_policy: str = "error"
 
 

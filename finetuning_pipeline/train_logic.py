@@ -45,6 +45,22 @@ from utils.xla_counters import read_counters
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def device_zeros(shape, dtype, device) -> torch.Tensor:
+    """Zeros that arrive on the device as data (a transfer), not as a fill the next graph
+    would compile. Counters use shape [1]: a 0-dim 0 or 1 is baked in as a constant."""
+    return torch.zeros(shape, dtype=dtype).to(device)
+
+
+def counter(value: float, device) -> torch.Tensor:
+    return torch.tensor([float(value)]).to(device)
+
+
+def to_host(*tensors: torch.Tensor) -> list[float]:
+    """Values of materialised device tensors, by plain transfers. (`torch.stack(...).cpu()`
+    would first compile and run a small graph of its own.)"""
+    return [t.cpu().item() for t in tensors]
+
+
 class RunError(RuntimeError):
     """The run had to stop; the message says why and what to do (main.py exits with 3)."""
 
@@ -105,8 +121,7 @@ def evaluate(model, config: RunConfig, data_dir: str, pad_id: int, rank: int, wo
     micro_batch = config.eval.micro_batch or config.train.micro_batch
     was_training = model.training
     model.eval()
-    loss_sum = torch.zeros((), device=device)
-    count = torch.zeros((), device=device)
+    loss_sum, count = counter(0, device), counter(0, device)  # data: every batch runs one graph
     for index, batch in enumerate(iter_eval_batches(data_dir, micro_batch, pad_id=pad_id, rank=rank, world_size=world)):
         if config.eval.max_batches is not None and index >= config.eval.max_batches:
             break
@@ -116,10 +131,11 @@ def evaluate(model, config: RunConfig, data_dir: str, pad_id: int, rank: int, wo
         torch_xla.sync()  # one small graph per batch, the same every time
     if world > 1:
         xm.all_reduce(xm.REDUCE_SUM, [loss_sum, count])
-    totals = torch.stack([loss_sum, count]).cpu()  # the one host sync of an evaluation
+        torch_xla.sync()
+    total_loss, total_count = to_host(loss_sum, count)  # the one host sync of an evaluation
     model.train(was_training)
-    loss = (totals[0] / totals[1].clamp(min=1)).item()
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "label_tokens": int(totals[1].item())}
+    loss = total_loss / max(total_count, 1.0)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "label_tokens": int(total_count)}
 
 
 def agreed(flag: bool, world: int, tag: str) -> bool:
@@ -147,6 +163,7 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
     max_steps = config.max_steps(phase)
     peak_lr = config.lr(phase)
     started = time.perf_counter()
+    compiles_before = read_counters().compiles
 
     seed_everything(t.seed + phase)
     model, lora_config = build_model(config, phase)
@@ -189,16 +206,15 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
     shown: dict = {"first_loss": state.get("train_loss_first"), "worst_bad_run": 0}
 
     # Device-side counters of skipped steps: read only at log steps.
-    skipped_total = torch.tensor(float(state.get("skipped_steps", 0)), device=device)
-    bad_run = torch.zeros((), device=device)
-    worst_bad_run = torch.zeros((), device=device)
+    skipped_total = counter(state.get("skipped_steps", 0), device)
+    bad_run = counter(0, device)
+    worst_bad_run = counter(0, device)
 
     def log_step(step: int, results: dict, lr, steps_left: int, skipped, worst) -> None:
         # A step closure: runs once the step's graph has been issued; reading the results
         # waits for that step only, on log steps only. Every replica runs it (same values:
         # losses are all-reduced), so every replica takes the same stop decision.
-        values = torch.stack([results["loss"], results["grad_norm"], results["tokens"], skipped, worst,
-                              lr]).cpu().tolist()
+        values = to_host(results["loss"], results["grad_norm"], results["tokens"], skipped, worst, lr)
         now = time.perf_counter()
         previous_time, previous_step = shown.get("time"), shown.get("step")
         rate = (step - previous_step) * tokens_per_step / (now - previous_time) if previous_time else None
@@ -221,24 +237,28 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
                 "skipped_steps": shown.get("skipped", 0), "global_batch": batches_per_step,
                 "exactness": config.exactness_keys(phase)}
 
-    step_count = torch.tensor(float(start_step), device=device)  # the schedule's input, on device
+    step_count = counter(start_step, device)  # the schedule's input, on device
+    label_tokens = counter(0, device)
+    for p in params:  # gradient buffers exist from the start, so backward always accumulates
+        p.grad = device_zeros(p.shape, p.dtype, device)
     device_loader = pl.MpDeviceLoader(loader, device)
     batches = iter(device_loader)
-    label_tokens = torch.zeros((), device=device)
     compiles_after_warmup = host_syncs_after_warmup = steps_after_warmup = 0
     data_wait = 0.0
     warm_time = warm_step = None
-    compiles_before = read_counters().compiles
+    step_ends: list[float] = []  # host time at each post-warm-up step boundary
     last_loss = None
     step = start_step
     stopped = False
     while step < max_steps:
-        optimizer.lr = lr_at(step_count, peak=peak_lr, warmup_steps=t.warmup_steps, total_steps=max_steps,
-                             min_lr_ratio=t.min_lr_ratio)
         before = read_counters()
         wait_start = time.perf_counter()
+        # Fetch first: MpDeviceLoader's next() marks a step itself, which would cut anything
+        # already traced for this step (the LR below) into a graph of its own.
         micro_batches = [next(batches) for _ in range(t.grad_accum)]
         waited = time.perf_counter() - wait_start
+        optimizer.lr = lr_at(step_count, peak=peak_lr, warmup_steps=t.warmup_steps, total_steps=max_steps,
+                             min_lr_ratio=t.min_lr_ratio)
         results = train_step(model, optimizer, params, micro_batches, max_grad_norm=t.max_grad_norm,
                              reduce_across_replicas=world > 1)
         label_tokens = label_tokens + results["tokens"]
@@ -260,6 +280,7 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
                 xm.wait_device_ops()
                 warm_time, warm_step = time.perf_counter(), step - 1
             steps_after_warmup += 1
+            step_ends.append(time.perf_counter())
             data_wait += waited
             host_syncs_after_warmup += delta.host_syncs
             if delta.compiles:
@@ -301,7 +322,7 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
     eval_after = evaluate(model, config, phase_cfg.data, pad_id, rank, world, device)
     final_state = trainer_state()
     checkpoint(model, optimizer, lora_config, config, out, step, final_state, master, world)
-    totals = torch.stack([last_loss, label_tokens]).cpu().tolist() if last_loss is not None else [None, 0]
+    totals = to_host(last_loss, label_tokens) if last_loss is not None else [None, 0]
     if not master:
         return None
     log.write({"kind": "eval", "step": step, **eval_after})
@@ -324,6 +345,9 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
         "perplexity_after": eval_after["perplexity"],
         "tokens_per_sec": round(timed_steps * tokens_per_step / train_seconds, 1) if timed_steps else None,
         "step_time_s": round(train_seconds / timed_steps, 4) if timed_steps else None,
+        # The host runs at most a step ahead of the device, so in steady state the intervals
+        # between step boundaries are device step times.
+        "step_time_median_s": round(float(np.median(np.diff(step_ends))), 4) if len(step_ends) > 1 else None,
         "data_wait_fraction": round(data_wait / train_seconds, 4) if steps_after_warmup else None,
         "compiles_total": counters.compiles - compiles_before,
         "compiles_after_warmup": compiles_after_warmup,

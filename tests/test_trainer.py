@@ -29,7 +29,8 @@ def data(tiny_model_dir, tmp_path_factory):
 def finished_run(tiny_model_dir, data, tmp_path_factory):
     """Both phases of a small run, trained once for the tests below."""
     root = tmp_path_factory.mktemp("run")
-    config = write_run_config(root / "run.yaml", tiny_model_dir, data, root / "out")
+    # micro_batch 5: shapes no other test uses, so graphs cached in this process cannot hide a new one.
+    config = write_run_config(root / "run.yaml", tiny_model_dir, data, root / "out", train={"micro_batch": 5})
     assert main.main(["--config", str(config)]) == 0
     return root / "out", config
 
@@ -59,7 +60,9 @@ def test_eval_loss_drops_and_no_step_compiles_or_syncs_after_warmup(finished_run
         assert summary["perplexity_after"] == pytest.approx(math.exp(summary["eval_loss_after"]))
         assert summary["compiles_after_warmup"] == 0
         assert summary["host_syncs_per_step"] == 0
-        assert summary["tokens"] == 12 * 2 * 4 * 64
+        # Two graphs in all: one training step, one eval batch; phase 2 reuses both.
+        assert summary["compiles_total"] == (2 if phase == 1 else 0)
+        assert summary["tokens"] == 12 * 2 * 5 * 64
         assert summary["tokens_per_sec"] > 0
         for key in ("train_loss_first", "train_loss_last", "wall_time_s", "compiles_total", "data_wait_fraction"):
             assert summary[key] is not None, key
