@@ -34,28 +34,46 @@ class MaskedAdamW:
 
     @torch.no_grad()
     def step(self, apply: torch.Tensor | None = None) -> None:
-        """One update from the parameters' `.grad`; skipped wherever `apply` is False."""
+        """One update from the parameters' `.grad`; skipped wherever `apply` is False.
+
+        Written with `torch._foreach_*` ops (one dispatch per operation for all parameters, not
+        one per parameter: on XLA the Python dispatch is a large part of a small model's step).
+        A skipped step multiplies the update by 0; the gradients are first made NaN-free, and
+        the bias correction uses at least one step, so that 0 never meets NaN or inf.
+        """
+        device = self.steps.device
         if apply is None:
-            apply = torch.ones((), dtype=torch.bool, device=self.steps.device)
-        steps = self.steps + apply.to(torch.float32)
-        bias_correction1 = 1 - self.beta1 ** steps
-        bias_correction2_sqrt = torch.sqrt(1 - self.beta2 ** steps)
-        for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
-            grad = torch.where(apply, p.grad, torch.zeros_like(p.grad))  # keeps NaN out of the moments
-            new_m = m * self.beta1 + grad * (1 - self.beta1)
-            new_v = v * self.beta2 + grad * grad * (1 - self.beta2)
-            denom = torch.sqrt(new_v) / bias_correction2_sqrt + self.eps
-            new_p = p * (1 - self.lr * self.weight_decay) - (self.lr / bias_correction1) * new_m / denom
-            p.copy_(torch.where(apply, new_p, p))
-            m.copy_(torch.where(apply, new_m, m))
-            v.copy_(torch.where(apply, new_v, v))
-        self.steps.copy_(steps)
+            apply = torch.ones((), dtype=torch.bool, device=device)
+        # foreach ops take 0-dim tensor scalars; the stored counters are [1] (see __init__).
+        gate = apply.to(torch.float32).reshape(())  # 1.0 applies the update, 0.0 keeps all as it is
+        lr = self.lr.reshape(()) if isinstance(self.lr, torch.Tensor) else self.lr
+        steps = self.steps.reshape(()) + gate
+        counted = torch.clamp(steps, min=1.0)
+        bias_correction1 = 1 - self.beta1 ** counted
+        bias_correction2_sqrt = torch.sqrt(1 - self.beta2 ** counted)
+        grads = [torch.where(apply, p.grad, torch.zeros_like(p.grad)) for p in self.params]
+        # m += (1 - beta1) * gate * (g - m);  v += (1 - beta2) * gate * (g^2 - v)
+        delta_m = torch._foreach_sub(grads, self.exp_avg)
+        torch._foreach_mul_(delta_m, gate * (1 - self.beta1))
+        torch._foreach_add_(self.exp_avg, delta_m)
+        delta_v = torch._foreach_mul(grads, grads)
+        torch._foreach_sub_(delta_v, self.exp_avg_sq)
+        torch._foreach_mul_(delta_v, gate * (1 - self.beta2))
+        torch._foreach_add_(self.exp_avg_sq, delta_v)
+        # p -= gate * (lr * wd * p + lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps))
+        denom = torch._foreach_sqrt(self.exp_avg_sq)
+        torch._foreach_div_(denom, bias_correction2_sqrt)
+        torch._foreach_add_(denom, self.eps)
+        update = torch._foreach_div(self.exp_avg, denom)
+        torch._foreach_mul_(update, gate * lr / bias_correction1)
+        if self.weight_decay:
+            torch._foreach_add_(update, torch._foreach_mul(self.params, gate * lr * self.weight_decay))
+        torch._foreach_sub_(self.params, update)
+        self.steps.copy_(steps.reshape(1))
 
     def zero_grad(self) -> None:
         """Zero the gradient buffers in place (keeping them: same graph every step)."""
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.zero_()
+        torch._foreach_zero_([p.grad for p in self.params if p.grad is not None])
 
     def state_dict(self) -> dict:
         return {"steps": self.steps, "exp_avg": list(self.exp_avg), "exp_avg_sq": list(self.exp_avg_sq),

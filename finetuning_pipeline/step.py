@@ -74,13 +74,15 @@ def train_step(model, optimizer, params: list[torch.nn.Parameter], micro_batches
 
         # A list is reduced in place, in one collective.
         xm.all_reduce(xm.REDUCE_SUM, [p.grad for p in params] + [loss_total, tokens])
-    scale = 1.0 / torch.clamp(tokens, min=1.0)  # a step with no label tokens leaves grads at 0
-    for p in params:
-        p.grad.mul_(scale)
+    # Average and clip in one multiplication: norm(scale * g) = scale * norm(g), and the clip
+    # coefficient is torch.nn.utils.clip_grad_norm_'s: max_norm / (norm + 1e-6), at most 1.
+    grads = [p.grad for p in params]
+    scale = (1.0 / torch.clamp(tokens, min=1.0)).reshape(())  # no label tokens: grads stay 0
+    grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) * scale
+    coefficient = scale
     if max_grad_norm > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    else:
-        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        coefficient = scale * torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coefficient)
     loss = loss_total * scale
     applied = torch.isfinite(loss) & torch.isfinite(grad_norm)
     optimizer.step(applied)
