@@ -23,6 +23,7 @@ from dataset.encode import IGNORE_INDEX
 from dataset.loader import iter_eval_batches, open_prepared
 from dataset.shards import open_split
 from finetuning_pipeline.step import eval_sums
+from finetuning_pipeline.train_logic import is_packed
 
 
 def load_model(model_dir: str, adapter: str | None, device):
@@ -39,8 +40,9 @@ def load_model(model_dir: str, adapter: str | None, device):
 
 def loss_and_perplexity(model, data: str, split: str, micro_batch: int, pad_id: int, device) -> dict:
     loss_sum, count = 0.0, 0.0
+    packed = is_packed(open_prepared(data))
     for batch in iter_eval_batches(data, micro_batch, pad_id=pad_id, split=split):
-        batch_loss, batch_count = eval_sums(model, {k: v.to(device) for k, v in batch.items()})
+        batch_loss, batch_count = eval_sums(model, {k: v.to(device) for k, v in batch.items()}, packed)
         loss_sum += float(batch_loss)
         count += float(batch_count)
     loss = loss_sum / max(count, 1.0)

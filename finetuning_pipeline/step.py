@@ -35,14 +35,34 @@ def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype, sdpa: bool
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of next-token losses over label tokens, number of label tokens), fp32, on device."""
+def causal_mask(length: int, device, dtype: torch.dtype, sdpa: bool) -> torch.Tensor:
+    """[1, 1, L, L] plain causal mask, broadcast over the batch (same conventions as above)."""
+    allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+    if sdpa:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], packed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of next-token losses over label tokens, number of label tokens), fp32, on device.
+
+    packed: the block holds separate samples (phase 2): positions restart per sample and a
+    block-diagonal mask keeps them apart. Otherwise (phase 1: one stream of text, positions
+    0..L-1) a plain causal mask is exact, and cheaper: one [1, 1, L, L] mask instead of a
+    per-sequence [B, 1, L, L] one (12% of a step on the benchmark's large model). Either way
+    the mask is explicit: without one, transformers derives positions and probes them for
+    packing with a Python branch on a tensor, a host sync every forward.
+    """
     input_ids = batch["input_ids"].long()
     labels = batch["labels"].long()
-    position_ids = batch["position_ids"].long()
     sdpa = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
-    mask = block_causal_mask(position_ids, model.dtype, sdpa)
-    logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False).logits
+    if packed:
+        position_ids = batch["position_ids"].long()
+        mask = block_causal_mask(position_ids, model.dtype, sdpa)
+        logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False).logits
+    else:
+        mask = causal_mask(input_ids.shape[1], input_ids.device, model.dtype, sdpa)
+        logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
     # Token t predicts token t+1: logits [B, L-1, V] against labels [B, L-1].
     shifted_logits = logits[:, :-1].float()
     shifted_labels = labels[:, 1:]
@@ -57,7 +77,7 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
 
 
 def train_step(model, optimizer, params: list[torch.nn.Parameter], micro_batches, *, max_grad_norm: float,
-               reduce_across_replicas: bool) -> dict[str, torch.Tensor]:
+               reduce_across_replicas: bool, packed: bool = True) -> dict[str, torch.Tensor]:
     """Accumulate gradients over `micro_batches`, average, clip, step. Returns device tensors:
     loss (mean per label token), tokens (label tokens in the step), grad_norm (before
     clipping) and applied (False when the loss or the gradient norm was not finite: the
@@ -65,7 +85,7 @@ def train_step(model, optimizer, params: list[torch.nn.Parameter], micro_batches
     loss_total = torch.zeros((), device=params[0].device)
     tokens = torch.zeros((), device=params[0].device)
     for batch in micro_batches:
-        loss_sum, count = causal_lm_loss_sum(model, batch)
+        loss_sum, count = causal_lm_loss_sum(model, batch, packed)
         loss_sum.backward()
         loss_total = loss_total + loss_sum.detach()
         tokens = tokens + count
@@ -91,5 +111,5 @@ def train_step(model, optimizer, params: list[torch.nn.Parameter], micro_batches
 
 
 @torch.no_grad()
-def eval_sums(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    return causal_lm_loss_sum(model, batch)
+def eval_sums(model, batch: dict[str, torch.Tensor], packed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    return causal_lm_loss_sum(model, batch, packed)

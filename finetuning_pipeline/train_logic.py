@@ -113,19 +113,25 @@ def build_model(config: RunConfig, phase: int):
     return model, lora_config
 
 
+def is_packed(manifest: dict) -> bool:
+    """Phase-2 blocks pack separate conversations; phase-1 blocks are one stream of text."""
+    return manifest["phase"] == 2
+
+
 def evaluate(model, config: RunConfig, data_dir: str, pad_id: int, rank: int, world: int, device) -> dict:
     """Mean loss per label token and perplexity over the eval split (every replica's share)."""
     import torch_xla
     import torch_xla.core.xla_model as xm
 
     micro_batch = config.eval.micro_batch or config.train.micro_batch
+    packed = is_packed(read_manifest(data_dir))
     was_training = model.training
     model.eval()
     loss_sum, count = counter(0, device), counter(0, device)  # data: every batch runs one graph
     for index, batch in enumerate(iter_eval_batches(data_dir, micro_batch, pad_id=pad_id, rank=rank, world_size=world)):
         if config.eval.max_batches is not None and index >= config.eval.max_batches:
             break
-        batch_loss, batch_count = eval_sums(model, {k: v.to(device) for k, v in batch.items()})
+        batch_loss, batch_count = eval_sums(model, {k: v.to(device) for k, v in batch.items()}, packed)
         loss_sum = loss_sum + batch_loss
         count = count + batch_count
         torch_xla.sync()  # one small graph per batch, the same every time
@@ -241,7 +247,11 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
     label_tokens = counter(0, device)
     for p in params:  # gradient buffers exist from the start, so backward always accumulates
         p.grad = device_zeros(p.shape, p.dtype, device)
-    device_loader = pl.MpDeviceLoader(loader, device)
+    # A resumed run's checkpoint was copied into parameters and optimizer state: run those
+    # copies now, or they would join step 1's graph and make it a graph of its own.
+    torch_xla.sync()
+    # We mark every step ourselves; by default the loader would also sync at each next().
+    device_loader = pl.MpDeviceLoader(loader, device, batches_per_execution=1 << 30)
     batches = iter(device_loader)
     compiles_after_warmup = host_syncs_after_warmup = steps_after_warmup = 0
     data_wait = 0.0
@@ -260,7 +270,7 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
         optimizer.lr = lr_at(step_count, peak=peak_lr, warmup_steps=t.warmup_steps, total_steps=max_steps,
                              min_lr_ratio=t.min_lr_ratio)
         results = train_step(model, optimizer, params, micro_batches, max_grad_norm=t.max_grad_norm,
-                             reduce_across_replicas=world > 1)
+                             reduce_across_replicas=world > 1, packed=is_packed(manifest))
         label_tokens = label_tokens + results["tokens"]
         bad = (~results["applied"]).to(torch.float32)
         skipped_total = skipped_total + bad

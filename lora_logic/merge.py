@@ -28,24 +28,21 @@ def merge_lora(model: nn.Module) -> int:
             f"refusing to merge: {len(bad)} LoRA layers hold NaN/inf (first: {bad[0]!r}); "
             "the adapter is corrupt, the base weights were left untouched"
         )
-    changed = 0
-    for name, module in modules:
-        if not module.merged:
-            try:
-                module.merge()
-            except ValueError as err:
-                raise ValueError(f"{name}: {err}") from None
-            changed += 1
-    return changed
+    return _set_merged(modules, True)
 
 
 def unmerge_lora(model: nn.Module) -> int:
     """Undo `merge_lora`; returns how many layers changed. Idempotent."""
+    return _set_merged(list(lora_modules(model)), False)
+
+
+def _set_merged(modules: list, merged: bool) -> int:
+    """Merge or unmerge each layer not already so; errors name the layer."""
     changed = 0
-    for name, module in lora_modules(model):
-        if module.merged:
+    for name, module in modules:
+        if module.merged != merged:
             try:
-                module.unmerge()
+                module.merge() if merged else module.unmerge()
             except ValueError as err:
                 raise ValueError(f"{name}: {err}") from None
             changed += 1

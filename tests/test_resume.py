@@ -162,8 +162,8 @@ def poison_nan_in_steps(monkeypatch, steps: set[int], grad_accum: int) -> None:
     real = step_module.causal_lm_loss_sum
     calls = {"n": 0}
 
-    def poisoned(model, batch):
-        loss_sum, count = real(model, batch)
+    def poisoned(model, batch, packed=True):
+        loss_sum, count = real(model, batch, packed)
         poison = False
         if torch.is_grad_enabled():  # a training micro-batch (evaluation runs under no_grad)
             poison = calls["n"] // grad_accum + 1 in steps

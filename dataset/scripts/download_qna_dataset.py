@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dataset.errors import DataError, InvalidRecord
+from dataset.errors import InvalidRecord
 from dataset.formats import normalize_messages
 from dataset.hf_source import iter_hf_records
-from dataset.scripts.export_jsonl import export_jsonl, report
+from dataset.scripts.export_jsonl import run_export
 
 DEFAULT_DATASET = "OpenLLM-Ro/ro_sft_ultrachat"
 
@@ -41,14 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", default=DEFAULT_DATASET, help=f"hub name or local path (default {DEFAULT_DATASET})")
     parser.add_argument("--split", default="train")
     args = parser.parse_args(argv)
-    try:
-        rows = (row for _, row in iter_hf_records(args.dataset, args.split))
-        counts = export_jsonl(rows, ultrachat_to_record, args.out, args.limit)
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(report(counts, args.out))
-    return 0
+    rows = lambda: (row for _, row in iter_hf_records(args.dataset, args.split))  # noqa: E731
+    return run_export(rows, ultrachat_to_record, args.out, args.limit)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dataset.errors import DataError, InvalidRecord
+from dataset.errors import InvalidRecord
 from dataset.hf_source import iter_hf_records
-from dataset.scripts.export_jsonl import export_jsonl, report
+from dataset.scripts.export_jsonl import run_export
 
 DEFAULT_DATASET = "wikimedia/wikipedia"
 DEFAULT_CONFIG = "20231101.ro"
@@ -42,14 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", default="train")
     parser.add_argument("--min-chars", type=int, default=200, help="skip articles shorter than this (default 200)")
     args = parser.parse_args(argv)
-    try:
-        rows = (row for _, row in iter_hf_records(args.dataset, args.split, args.config))
-        counts = export_jsonl(rows, lambda row: wikipedia_to_record(row, args.min_chars), args.out, args.limit)
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(report(counts, args.out))
-    return 0
+    rows = lambda: (row for _, row in iter_hf_records(args.dataset, args.split, args.config))  # noqa: E731
+    return run_export(rows, lambda row: wikipedia_to_record(row, args.min_chars), args.out, args.limit)
 
 
 if __name__ == "__main__":

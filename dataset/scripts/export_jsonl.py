@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from dataset.errors import InvalidRecord
+from dataset.errors import DataError, InvalidRecord
 
 
 def export_jsonl(
@@ -44,3 +45,14 @@ def export_jsonl(
 def report(counts: dict, out: str | Path) -> str:
     skipped = ", ".join(f"{k}: {v}" for k, v in sorted(counts["skipped"].items())) or "none"
     return f"wrote {counts['written']} records to {out} ({counts['read']} read, skipped: {skipped})"
+
+
+def run_export(rows: Callable[[], Iterable[dict]], convert: Callable[[dict], dict], out: str, limit: int | None) -> int:
+    """A download script's body: export, print the report, or the error (exit status 2)."""
+    try:
+        counts = export_jsonl(rows(), convert, out, limit)
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(report(counts, out))
+    return 0
