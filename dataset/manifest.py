@@ -58,3 +58,8 @@ def check_manifest(manifest: dict, *, fingerprint: str, seq_len: int, source: st
             f"{source}: shards were tokenized by tokenizer {theirs}, but the run's tokenizer is {fingerprint}; "
             "re-run prepare with the run's tokenizer"
         )
+
+
+def is_packed(manifest: dict) -> bool:
+    """Phase-2 blocks pack separate conversations; phase-1 blocks are one stream of text."""
+    return manifest["phase"] == 2

@@ -21,9 +21,9 @@ import torch
 
 from dataset.encode import IGNORE_INDEX
 from dataset.loader import iter_eval_batches, open_prepared
+from dataset.manifest import is_packed
 from dataset.shards import open_split
 from finetuning_pipeline.step import eval_sums
-from finetuning_pipeline.train_logic import is_packed
 
 
 def load_model(model_dir: str, adapter: str | None, device):

@@ -16,7 +16,6 @@ checkpoints, and the phase returns {"stopped_at_step": N}.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from dataset.loader import ShardLoader, iter_eval_batches
-from dataset.manifest import read_manifest
+from dataset.manifest import is_packed, read_manifest
 from finetuning_pipeline.adamw import MaskedAdamW
 from finetuning_pipeline.checkpointing import (
     clean_partial_checkpoints,
@@ -111,11 +110,6 @@ def build_model(config: RunConfig, phase: int):
         merge_and_unload(model)
     inject_lora(model, lora_config)
     return model, lora_config
-
-
-def is_packed(manifest: dict) -> bool:
-    """Phase-2 blocks pack separate conversations; phase-1 blocks are one stream of text."""
-    return manifest["phase"] == 2
 
 
 def evaluate(model, config: RunConfig, data_dir: str, pad_id: int, rank: int, world: int, device) -> dict:
@@ -393,7 +387,3 @@ def checkpoint(model, optimizer, lora_config: LoraConfig, config: RunConfig, out
     if world > 1:
         xm.rendezvous(f"checkpoint-{step}")
 
-
-def read_summary(config: RunConfig, phase: int) -> dict | None:
-    path = phase_dir(config, phase) / "summary.json"
-    return json.loads(path.read_text()) if path.is_file() else None
