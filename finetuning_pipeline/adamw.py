@@ -71,6 +71,9 @@ class MaskedAdamW:
         torch._foreach_sub_(self.params, update)
         self.steps.copy_(steps.reshape(1))
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [self.steps, *self.exp_avg, *self.exp_avg_sq]
+
     def zero_grad(self) -> None:
         """Zero the gradient buffers in place (keeping them: same graph every step)."""
         torch._foreach_zero_([p.grad for p in self.params if p.grad is not None])

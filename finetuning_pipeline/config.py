@@ -119,9 +119,23 @@ class LoggingConfig:
 
 @dataclass
 class ParallelConfig:
-    """mode: "dp" (one process per chip, gradients averaged). "fsdp" (SPMD) is not built yet."""
+    """mode: "dp": one process per chip, each with the whole model, gradients all-reduced (for
+    models that fit one chip's HBM: fastest). "fsdp": one SPMD process per host, the frozen
+    base weights sharded over every chip (for models that do not fit one chip). Both give the
+    same steps for the same global batch; see finetuning_pipeline/parallel.py."""
 
     mode: str = "dp"
+
+
+@dataclass
+class TpuConfig:
+    """What `python -m finetuning_pipeline.preflight` plans for (training itself uses whatever
+    devices it finds).
+    type: the accelerator type as gcloud names it, e.g. v5e-8, v6e-8, v5p-16, v4-32.
+    assumed_mfu: the fraction of peak bf16 FLOP/s the plan assumes a step reaches."""
+
+    type: str = "v5e-8"
+    assumed_mfu: float = 0.4
 
 
 @dataclass
@@ -148,6 +162,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    tpu: TpuConfig = field(default_factory=TpuConfig)
     phase1: PhaseConfig = field(default_factory=PhaseConfig)
     phase2: PhaseConfig = field(default_factory=PhaseConfig)
 
@@ -305,8 +320,10 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"train.recompile_policy must be 'error' or 'warn', got {t.recompile_policy!r}")
     if config.model.dtype not in DTYPES:
         raise ConfigError(f"model.dtype must be one of {list(DTYPES)}, got {config.model.dtype!r}")
-    if config.parallel.mode != "dp":
-        raise ConfigError(f"parallel.mode {config.parallel.mode!r} is not available yet; use dp")
+    if config.parallel.mode not in ("dp", "fsdp"):
+        raise ConfigError(f"parallel.mode must be 'dp' or 'fsdp', got {config.parallel.mode!r}")
+    if not 0 < config.tpu.assumed_mfu <= 1:
+        raise ConfigError(f"tpu.assumed_mfu must be in (0, 1], got {config.tpu.assumed_mfu}")
     if config.phase2.init not in ("continue", "merge", "fresh"):
         raise ConfigError(f"phase2.init must be 'continue', 'merge' or 'fresh', got {config.phase2.init!r}")
     for number in (1, 2):

@@ -189,18 +189,15 @@ class StopOnSignal:
 
 
 def run_replica(index: int, config: RunConfig, plans: list[PhasePlan], resume_command: str) -> None:
-    """Entry point of each process (one per chip)."""
-    from utils.xla_runtime import init_xla_device
-
-    device = init_xla_device()  # before any backward in this process
-    import torch_xla.runtime as xr
-
+    """Entry point of each process (one per chip under dp, one per host under fsdp)."""
+    from finetuning_pipeline.parallel import start
     from finetuning_pipeline.train_logic import run_phase
 
-    rank, world = xr.global_ordinal(), xr.world_size()
+    parallel, device = start(config.parallel.mode)
+    rank = parallel.rank
     with StopOnSignal() as stop:
         for plan in plans:
-            summary = run_phase(config, plan.phase, rank=rank, world=world, device=device,
+            summary = run_phase(config, plan.phase, parallel=parallel, device=device,
                                 resume_from=plan.resume_from, stop_requested=stop.event.is_set)
             if rank == 0 and summary is not None:
                 print(format_summary(summary), flush=True)
@@ -241,11 +238,16 @@ def main(argv: list[str] | None = None) -> int:
 
         resume_command = shlex.join([sys.executable, "finetuning_pipeline/main.py", "--config", args.config,
                                      "--phase", args.phase, "--resume", "auto", *args.overrides])
-        # XLA:CPU is a world of one: run the replica in this process (launch would spawn one,
-        # and refuses when this process already initialised the runtime, as tests do).
-        single_process = os.environ.get("PJRT_DEVICE", "CPU") == "CPU"
         try:
-            torch_xla.launch(run_replica, args=(config, plans, resume_command), debug_single_process=single_process)
+            if config.parallel.mode == "fsdp":
+                # SPMD: this process drives every chip of its host.
+                run_replica(0, config, plans, resume_command)
+            else:
+                # XLA:CPU is a world of one: run the replica in this process (launch would spawn
+                # one, and refuses when this process already initialised the runtime, as tests do).
+                single_process = os.environ.get("PJRT_DEVICE", "CPU") == "CPU"
+                torch_xla.launch(run_replica, args=(config, plans, resume_command),
+                                 debug_single_process=single_process)
         except RunError as err:
             print(f"error: {err}", file=sys.stderr)
             return 3

@@ -26,6 +26,7 @@ import torch
 
 from dataset.loader import ShardLoader, iter_eval_batches
 from dataset.manifest import is_packed, read_manifest
+from finetuning_pipeline.activation_checkpointing import enable_activation_checkpointing
 from finetuning_pipeline.adamw import MaskedAdamW
 from finetuning_pipeline.checkpointing import (
     clean_partial_checkpoints,
@@ -36,6 +37,7 @@ from finetuning_pipeline.checkpointing import (
 from finetuning_pipeline.config import RunConfig
 from finetuning_pipeline.lr_schedule import lr_at
 from finetuning_pipeline.metrics_log import MetricsLog
+from finetuning_pipeline.parallel import Parallel
 from finetuning_pipeline.step import eval_sums, train_step
 from lora_logic import LoraConfig, inject_lora, load_adapter, lora_parameters, merge_and_unload, save_adapter
 from utils.atomic_io import atomic_write_json
@@ -101,7 +103,7 @@ def build_model(config: RunConfig, phase: int):
     model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
     model.config.use_cache = False
     if config.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     lora_config = config.lora_config()
     if phase == 2 and config.phase2.init in ("continue", "merge"):
         loaded = load_adapter(model, phase_dir(config, 1) / "adapter")
@@ -112,24 +114,31 @@ def build_model(config: RunConfig, phase: int):
     return model, lora_config
 
 
-def evaluate(model, config: RunConfig, data_dir: str, pad_id: int, rank: int, world: int, device) -> dict:
+def evaluate(model, config: RunConfig, data_dir: str, pad_id: int, parallel: Parallel, device) -> dict:
     """Mean loss per label token and perplexity over the eval split (every replica's share)."""
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    micro_batch = config.eval.micro_batch or config.train.micro_batch
+    micro_batch = (config.eval.micro_batch or config.train.micro_batch) * parallel.chips_per_process
     packed = is_packed(read_manifest(data_dir))
     was_training = model.training
     model.eval()
     loss_sum, count = counter(0, device), counter(0, device)  # data: every batch runs one graph
-    for index, batch in enumerate(iter_eval_batches(data_dir, micro_batch, pad_id=pad_id, rank=rank, world_size=world)):
+    parallel.replicate([loss_sum, count])
+    batches = iter_eval_batches(data_dir, micro_batch, pad_id=pad_id, rank=parallel.rank, world_size=parallel.world)
+    sharding = parallel.input_sharding()
+    for index, batch in enumerate(batches):
         if config.eval.max_batches is not None and index >= config.eval.max_batches:
             break
-        batch_loss, batch_count = eval_sums(model, {k: v.to(device) for k, v in batch.items()}, packed)
+        if sharding is None:
+            batch = {k: v.to(device) for k, v in batch.items()}
+        else:
+            batch = xm.send_cpu_data_to_device(batch, device, sharding)
+        batch_loss, batch_count = eval_sums(model, batch, packed)
         loss_sum = loss_sum + batch_loss
         count = count + batch_count
         torch_xla.sync()  # one small graph per batch, the same every time
-    if world > 1:
+    if parallel.explicit_reduce:
         xm.all_reduce(xm.REDUCE_SUM, [loss_sum, count])
         torch_xla.sync()
     total_loss, total_count = to_host(loss_sum, count)  # the one host sync of an evaluation
@@ -138,16 +147,7 @@ def evaluate(model, config: RunConfig, data_dir: str, pad_id: int, rank: int, wo
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "label_tokens": int(total_count)}
 
 
-def agreed(flag: bool, world: int, tag: str) -> bool:
-    """True on every replica if it is True on any (replicas must stop at the same step)."""
-    if world == 1:
-        return flag
-    import torch_xla.core.xla_model as xm
-
-    return bool(xm.mesh_reduce(tag, int(flag), max))
-
-
-def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, resume_from: Path | None,
+def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resume_from: Path | None,
               stop_requested=lambda: False) -> dict | None:
     """Train one phase on this replica; the master writes adapter, metrics, checkpoints and
     summary. Returns the summary on the master ({"stopped_at_step": N} after a stop request),
@@ -156,7 +156,7 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.parallel_loader as pl
 
-    master = rank == 0
+    master = parallel.master
     out = phase_dir(config, phase)
     phase_cfg = config.phase(phase)
     t = config.train
@@ -167,7 +167,7 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
 
     seed_everything(t.seed + phase)
     model, lora_config = build_model(config, phase)
-    model.to(device)
+    parallel.place_model(model, device)
     model.train()
     params = lora_parameters(model)
     optimizer = MaskedAdamW(params, lr=peak_lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay)
@@ -175,8 +175,11 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
     manifest = read_manifest(phase_cfg.data)
     seq_len = manifest["seq_len"]
     pad_id = manifest["tokenizer"]["pad_id"]
-    loader = ShardLoader(phase_cfg.data, t.micro_batch, seed=t.seed, rank=rank, world_size=world)
-    batches_per_step = t.grad_accum * world * t.micro_batch  # global blocks consumed per step
+    # Under fsdp a process reads the batches of all its chips; the global batch is the same
+    # sequence of blocks as dp over the same number of chips.
+    loader = ShardLoader(phase_cfg.data, t.micro_batch * parallel.chips_per_process, seed=t.seed,
+                         rank=parallel.rank, world_size=parallel.world)
+    batches_per_step = t.grad_accum * parallel.chips * t.micro_batch  # global blocks consumed per step
     tokens_per_step = batches_per_step * seq_len
 
     start_step, state = 0, {}
@@ -187,14 +190,14 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
         start_step = state["step"]
         if state.get("global_batch", batches_per_step) != batches_per_step:
             raise RunError(f"{resume_from} was saved with a global batch of {state['global_batch']} sequences, this "
-                           f"run has {batches_per_step} (world size {world}); resume with the same chips and batch")
+                           f"run has {batches_per_step} ({parallel.chips} chips); resume with the same chips and batch")
     loader.position = start_step * batches_per_step  # what the steps so far consumed
     log = None
     if master:
         tb = out / "tb" if config.logging.tensorboard else None
         log = MetricsLog(out / "metrics.jsonl", tb, resume_step=start_step if resume_from else None)
 
-    eval_before = state.get("eval_before") or evaluate(model, config, phase_cfg.data, pad_id, rank, world, device)
+    eval_before = state.get("eval_before") or evaluate(model, config, phase_cfg.data, pad_id, parallel, device)
     if master and resume_from is None:
         log.write({"kind": "eval", "step": 0, **eval_before})
 
@@ -241,11 +244,14 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
     label_tokens = counter(0, device)
     for p in params:  # gradient buffers exist from the start, so backward always accumulates
         p.grad = device_zeros(p.shape, p.dtype, device)
+    parallel.replicate(params + [p.grad for p in params] + optimizer.state_tensors()
+                       + [step_count, label_tokens, skipped_total, bad_run, worst_bad_run])
     # A resumed run's checkpoint was copied into parameters and optimizer state: run those
     # copies now, or they would join step 1's graph and make it a graph of its own.
     torch_xla.sync()
     # We mark every step ourselves; by default the loader would also sync at each next().
-    device_loader = pl.MpDeviceLoader(loader, device, batches_per_execution=1 << 30)
+    device_loader = pl.MpDeviceLoader(loader, device, batches_per_execution=1 << 30,
+                                      input_sharding=parallel.input_sharding())
     batches = iter(device_loader)
     compiles_after_warmup = host_syncs_after_warmup = steps_after_warmup = 0
     data_wait = 0.0
@@ -264,7 +270,7 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
         optimizer.lr = lr_at(step_count, peak=peak_lr, warmup_steps=t.warmup_steps, total_steps=max_steps,
                              min_lr_ratio=t.min_lr_ratio)
         results = train_step(model, optimizer, params, micro_batches, max_grad_norm=t.max_grad_norm,
-                             reduce_across_replicas=world > 1, packed=is_packed(manifest))
+                             reduce_across_replicas=parallel.explicit_reduce, packed=is_packed(manifest))
         label_tokens = label_tokens + results["tokens"]
         bad = (~results["applied"]).to(torch.float32)
         skipped_total = skipped_total + bad
@@ -305,12 +311,13 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
                 "check the data, then resume with --resume auto"
             )
         if config.eval.every and step % config.eval.every == 0 and step < max_steps:
-            result = evaluate(model, config, phase_cfg.data, pad_id, rank, world, device)
+            result = evaluate(model, config, phase_cfg.data, pad_id, parallel, device)
             if log is not None:
                 log.write({"kind": "eval", "step": step, **result})
-        stopped = agreed(stop_requested(), world, f"stop-{step}") if (world == 1 or log_now) else False
+        # One host vote per log step (a vote is a round trip between hosts); alone, every step.
+        stopped = parallel.any_process(stop_requested(), f"stop-{step}") if (parallel.world == 1 or log_now) else False
         if (config.checkpoint.every and step % config.checkpoint.every == 0 and step < max_steps) or stopped:
-            checkpoint(model, optimizer, lora_config, config, out, step, trainer_state(), master, world)
+            checkpoint(model, optimizer, lora_config, config, out, step, trainer_state(), parallel)
         if stopped:
             break
 
@@ -323,9 +330,9 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
             log.close()
         return {"phase": phase, "stopped_at_step": step} if master else None
 
-    eval_after = evaluate(model, config, phase_cfg.data, pad_id, rank, world, device)
+    eval_after = evaluate(model, config, phase_cfg.data, pad_id, parallel, device)
     final_state = trainer_state()
-    checkpoint(model, optimizer, lora_config, config, out, step, final_state, master, world)
+    checkpoint(model, optimizer, lora_config, config, out, step, final_state, parallel)
     totals = to_host(last_loss, label_tokens) if last_loss is not None else [None, 0]
     if not master:
         return None
@@ -357,7 +364,8 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
         "compiles_after_warmup": compiles_after_warmup,
         "host_syncs_per_step": host_syncs_after_warmup / steps_after_warmup if steps_after_warmup else None,
         "wall_time_s": round(time.perf_counter() - started, 2),
-        "world_size": world,
+        "world_size": parallel.world,
+        "parallel": parallel.describe(),
         "seq_len": seq_len,
         "global_batch": batches_per_step,
     }
@@ -366,13 +374,12 @@ def run_phase(config: RunConfig, phase: int, *, rank: int, world: int, device, r
 
 
 def checkpoint(model, optimizer, lora_config: LoraConfig, config: RunConfig, out: Path, step: int,
-               state: dict, master: bool, world: int) -> None:
+               state: dict, parallel: Parallel) -> None:
     """Every replica reaches this together; the master writes; all wait for it."""
     import torch_xla
-    import torch_xla.core.xla_model as xm
 
     torch_xla.sync()
-    if master:
+    if parallel.master:
         root = out / "checkpoints"
         try:
             save_checkpoint(root, step, model=model, optimizer=optimizer, lora_config=lora_config,
@@ -384,6 +391,5 @@ def checkpoint(model, optimizer, lora_config: LoraConfig, config: RunConfig, out
                 f"{'The previous checkpoint ' + str(latest[-1]) + ' is intact' if latest else 'No earlier checkpoint exists'}; "
                 "free space (or fix permissions) and rerun with --resume auto"
             ) from None
-    if world > 1:
-        xm.rendezvous(f"checkpoint-{step}")
+    parallel.barrier(f"checkpoint-{step}")
 
