@@ -92,6 +92,11 @@ def seed_everything(seed: int) -> None:
     xm.set_rng_state(seed, device=torch_xla.device())
 
 
+def step_seed(seed: int, phase: int, rank: int, step: int) -> int:
+    """The XLA RNG seed of one training step (distinct per phase, replica and step; < 2**63)."""
+    return (((seed * 3 + phase) * 1_000_003 + rank) * 1_000_000_007 + step) % (2**63 - 1)
+
+
 def build_model(config: RunConfig, phase: int):
     """The base model (on CPU) with this phase's LoRA; returns (model, lora config).
 
@@ -267,6 +272,11 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
         # already traced for this step (the LR below) into a graph of its own.
         micro_batches = [next(batches) for _ in range(t.grad_accum)]
         waited = time.perf_counter() - wait_start
+        # Dropout masks of step k depend on (seed, phase, rank, k) only, so a resumed run draws
+        # the masks the uninterrupted one drew: restoring torch_xla's saved RNG state did not
+        # (same state read back, different masks: verified with lora.dropout 0.1). A new seed
+        # each step is data for the graph, not a recompile.
+        xm.set_rng_state(step_seed(t.seed, phase, parallel.rank, step), device=device)
         optimizer.lr = lr_at(step_count, peak=peak_lr, warmup_steps=t.warmup_steps, total_steps=max_steps,
                              min_lr_ratio=t.min_lr_ratio)
         results = train_step(model, optimizer, params, micro_batches, max_grad_norm=t.max_grad_norm,

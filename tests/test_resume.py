@@ -25,8 +25,9 @@ from finetuning_pipeline.checkpointing import complete_checkpoints, verify_check
 from trainer_helpers import prepare_demo_data, write_run_config
 
 STEPS = 10
+# LoRA dropout on: a resumed run must also draw the dropout masks the uninterrupted one drew.
 RUN = {"train": {"max_steps": STEPS}, "checkpoint": {"every": 2, "keep": 3}, "logging": {"every": 1},
-       "eval": {"every": 0, "max_batches": 2}}
+       "eval": {"every": 0, "max_batches": 2}, "lora": {"dropout": 0.1}}
 
 
 @pytest.fixture(scope="module")
