@@ -23,7 +23,7 @@ SAMPLES := dataset/samples
 # The demo config's phases need the demo's base model and prepared data; other configs bring their own.
 PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 
-.PHONY: help setup test tiny-model demo-data demo phase1 phase2 bench bench-train bench-prepare clean
+.PHONY: help setup test tiny-model demo-data demo phase1 phase2 preflight bench bench-train bench-prepare clean
 
 help:
 	@echo "make setup       create .venv with the pinned stack (torch 2.9.0 + torch_xla 2.9.0) and test tools"
@@ -32,6 +32,8 @@ help:
 	@echo "                 phase 1 -> phase 2 -> merged export -> a generated answer -> loss.png (outputs/demo)"
 	@echo "make phase1      phase 1 of CONFIG (default: the demo config); extra overrides in ARGS=\"k=v ...\""
 	@echo "make phase2      phase 2 of CONFIG"
+	@echo "make preflight   check CONFIG and plan its TPU time (HBM, step time, TPU-hours) on this CPU, with a"
+	@echo "                 rehearsal on a shrunken model; ARGS=\"tpu.type=v5e-8 parallel.mode=fsdp\" (preflight.json)"
 	@echo "make tiny-model  write the tiny demo base model + tokenizer to outputs/demo/base"
 	@echo "make bench       both benchmarks below (about 15 minutes on 2 cores)"
 	@echo "make bench-train our trainer vs HF Trainer + PEFT on XLA:CPU, two shapes (outputs/bench/bench.json)"
@@ -77,6 +79,9 @@ phase1: $(STAMP) $(PHASE_DEPS)
 
 phase2: $(STAMP) $(PHASE_DEPS)
 	$(BIN)/python finetuning_pipeline/main.py --config $(CONFIG) --phase 2 $(ARGS)
+
+preflight: $(STAMP) $(PHASE_DEPS)
+	$(BIN)/python -m finetuning_pipeline.preflight --config $(CONFIG) $(ARGS)
 
 bench: bench-train bench-prepare
 

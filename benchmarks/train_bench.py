@@ -15,11 +15,8 @@ peft LoRA of the same rank, targets and scaling, on the same token blocks), a fr
 forward+backward of the same model (the floor a LoRA step cannot beat), and the host's XLA
 matmul throughput (for `mfu_host`). Results: outputs/bench/bench.json and a table on stdout.
 
-FLOPs of a LoRA step, per token: the frozen base costs 2N forward and 2N backward (activation
-gradients only: no weight gradients), so 4N with N the matmul parameters (lm_head included,
-embeddings not), plus attention 12 * layers * seq_len * width (QK^T and AV, forward and
-twice that backward, on the full square the masked kernel computes), plus the LoRA branch
-6 * r * (in + out) per adapted layer.
+FLOPs of a LoRA step, per token: `finetuning_pipeline.plan.flops_per_token` (4N for the frozen
+base, not 6N, plus attention and the LoRA branch; its docstring has the derivation).
 """
 
 from __future__ import annotations
@@ -80,16 +77,10 @@ def prepare_data(model_dir: Path, seq_len: int, out: Path) -> Path:
 def step_flops_per_token(model_dir: Path, seq_len: int) -> float:
     from transformers import AutoConfig
 
-    c = AutoConfig.from_pretrained(model_dir)
-    h, inter, layers, vocab = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
-    head_dim = getattr(c, "head_dim", None) or h // c.num_attention_heads
-    q_width, kv_width = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    per_layer = {"q_proj": (h, q_width), "k_proj": (h, kv_width), "v_proj": (h, kv_width), "o_proj": (q_width, h),
-                 "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
-    n_matmul = layers * sum(i * o for i, o in per_layer.values()) + h * vocab
-    attention = 12 * layers * seq_len * q_width
-    lora = layers * sum(6 * RANK * (i + o) for i, o in per_layer.values())
-    return 4 * n_matmul + attention + lora
+    from finetuning_pipeline.plan import ModelShape, flops_per_token
+
+    shape = ModelShape.from_config(AutoConfig.from_pretrained(model_dir))
+    return flops_per_token(shape, seq_len, RANK, TARGETS)
 
 
 # -- the measurements, each run in its own process ---------------------------------------------

@@ -141,12 +141,15 @@ class TpuConfig:
 @dataclass
 class PhaseConfig:
     """data: a directory written by `python -m dataset.prepare` for this phase.
+    seq_len: the sequence length the data is prepared at (optional): checked against the data's
+        manifest, and what preflight plans with before the data exists.
     max_steps, lr: override train.max_steps / train.lr for this phase.
     init (phase 2 only): "continue" trains the phase-1 adapter further; "merge" merges it into
     the base weights and starts a fresh adapter; "fresh" starts a fresh adapter on the
     untouched base (instruction tuning only)."""
 
     data: str = ""
+    seq_len: int | None = None
     max_steps: int | None = None
     lr: float | None = None
     init: str = "continue"
@@ -328,6 +331,8 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"phase2.init must be 'continue', 'merge' or 'fresh', got {config.phase2.init!r}")
     for number in (1, 2):
         phase = config.phase(number)
+        if phase.seq_len is not None and phase.seq_len < 2:
+            raise ConfigError(f"phase{number}.seq_len must be >= 2, got {phase.seq_len}")
         if phase.max_steps is not None and phase.max_steps < 1:
             raise ConfigError(f"phase{number}.max_steps must be >= 1, got {phase.max_steps}")
         if phase.lr is not None and not phase.lr > 0:

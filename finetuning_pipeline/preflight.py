@@ -1,0 +1,347 @@
+"""Check a run and plan its TPU time on a CPU, before any TPU is rented.
+
+    python -m finetuning_pipeline.preflight --config CONFIG.yaml [tpu.type=v5e-8] [parallel.mode=fsdp] [key=value ...]
+    make preflight CONFIG=CONFIG.yaml
+
+1. Checks: the config; the model architecture (model.path/config.json, or the copy shipped in
+   finetuning_pipeline/model_configs/ when the model is not downloaded yet); that every LoRA
+   target exists in it (a weightless model on the meta device); the prepared shards against
+   the tokenizer (when both are on disk).
+2. Plan, for tpu.type and parallel.mode: HBM per chip against its capacity, FLOPs per step,
+   step time and tokens/s at tpu.assumed_mfu, wall time and TPU-hours per phase, and when it
+   does not fit, the overrides that make it fit (finetuning_pipeline/plan.py has the model).
+3. Rehearsal (skip with --no-rehearsal): the real trainer on XLA:CPU with a shrunken model of
+   the same architecture (2 layers, hidden 64) under the same LoRA, parallel mode and
+   checkpointing settings: a few steps of each phase with the recompile guard on, a
+   checkpoint resumed to the same adapter bit for bit, and a merged export that loads in
+   plain transformers. It uses the prepared data when it is there, else the bundled samples.
+
+Writes output_dir/preflight.json and prints a summary. Exit status: 0 all checks passed and
+the plan fits; 1 a check failed or the plan does not fit; 2 a bad config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dataset.errors import DataError  # noqa: E402
+from finetuning_pipeline.config import ConfigError, RunConfig, load_config  # noqa: E402
+from finetuning_pipeline.plan import ModelShape, PlanInputs, plan, suggestions  # noqa: E402
+from finetuning_pipeline.tpu_chips import parse_tpu_type  # noqa: E402
+from utils.atomic_io import atomic_write_json  # noqa: E402
+
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"
+ROOT = Path(__file__).resolve().parent.parent
+REHEARSAL_STEPS = 4
+REHEARSAL_CHIPS = 4  # virtual XLA:CPU devices of an fsdp rehearsal
+
+
+def architecture_source(model_path: str) -> Path:
+    """The config.json to plan with: the model's own, else our shipped copy of it."""
+    own = Path(model_path) / "config.json"
+    if own.is_file():
+        return own
+    shipped = SHIPPED_CONFIGS / Path(model_path).name / "config.json"
+    if shipped.is_file():
+        return shipped
+    known = sorted(p.name for p in SHIPPED_CONFIGS.iterdir() if p.is_dir())
+    raise ConfigError(f"model.path: {model_path} has no config.json and no shipped copy matches its name "
+                      f"(shipped: {known}); download the model, or copy its config.json there")
+
+
+def load_architecture(model_path: str):
+    from transformers import AutoConfig
+
+    source = architecture_source(model_path)
+    return AutoConfig.from_pretrained(source.parent), source
+
+
+def check_lora_targets(model_config, config: RunConfig) -> dict:
+    """Inject the LoRA into a weightless (meta-device) model: every target must match."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lora_logic import inject_lora
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    wrapped = inject_lora(model, config.lora_config())  # raises ValueError naming a missing target
+    return {"wrapped_modules": len(wrapped), "architecture": type(model).__name__}
+
+
+def phases_of(config: RunConfig) -> list[int]:
+    return [p for p in (1, 2) if config.phase(p).data]
+
+
+def seq_len_of(config: RunConfig, phase: int) -> int:
+    manifest = Path(config.phase(phase).data) / "manifest.json"
+    if manifest.is_file():
+        return json.loads(manifest.read_text())["seq_len"]
+    if config.phase(phase).seq_len:
+        return config.phase(phase).seq_len
+    raise ConfigError(f"phase{phase}.seq_len: {config.phase(phase).data} is not prepared yet, so set the sequence "
+                      f"length to plan with (e.g. phase{phase}.seq_len=2048)")
+
+
+def plan_inputs(config: RunConfig, phase: int, mode: str | None = None) -> PlanInputs:
+    return PlanInputs(mode=mode or config.parallel.mode, dtype=config.model.dtype, micro_batch=config.train.micro_batch,
+                      grad_accum=config.train.grad_accum, seq_len=seq_len_of(config, phase),
+                      checkpointing=config.model.gradient_checkpointing, lora_r=config.lora.r,
+                      lora_targets=list(config.lora.target_modules), lora_dropout=config.lora.dropout,
+                      assumed_mfu=config.tpu.assumed_mfu, steps=config.max_steps(phase))
+
+
+def make_plan(config: RunConfig, model_config) -> dict:
+    """The plan of every phase plus the totals preflight.json promises at its top level."""
+    shape = ModelShape.from_config(model_config)
+    tpu = parse_tpu_type(config.tpu.type)
+    phases = {}
+    for phase in phases_of(config):
+        inputs = plan_inputs(config, phase)
+        phases[f"phase{phase}"] = plan(shape, tpu, inputs)
+        if not phases[f"phase{phase}"]["fits"]:
+            phases[f"phase{phase}"]["to_fit"] = suggestions(shape, tpu, inputs)
+    first = next(iter(phases.values()))
+    return {
+        "tpu_type": config.tpu.type,
+        "parallel_mode": config.parallel.mode,
+        "fits": all(p["fits"] for p in phases.values()),
+        "hbm_per_chip_gib": max(p["hbm_per_chip_gib"] for p in phases.values()),
+        "hbm_capacity_gib": first["hbm_capacity_gib"],
+        "step_time_s": first["step_time_s"],
+        "tokens_per_sec": first["tokens_per_sec"],
+        "tpu_hours": round(sum(p["tpu_hours"] for p in phases.values()), 3),
+        "chip_hours": round(sum(p["chip_hours"] for p in phases.values()), 2),
+        "assumed_mfu": config.tpu.assumed_mfu,
+        "phases": phases,
+    }
+
+
+# -- the rehearsal ---------------------------------------------------------------------------
+def shrunken_config(model_config, vocab_size: int):
+    """The same architecture, 2 layers of width 64, same GQA grouping, for a CPU rehearsal."""
+    small = copy.deepcopy(model_config)
+    heads = 4
+    kv = max(1, heads * getattr(model_config, "num_key_value_heads", model_config.num_attention_heads)
+             // model_config.num_attention_heads)
+    small.num_hidden_layers, small.hidden_size, small.intermediate_size = 2, 64, 128
+    small.num_attention_heads, small.num_key_value_heads, small.head_dim = heads, kv, 16
+    small.vocab_size = vocab_size
+    if getattr(small, "layer_types", None):  # keep both attention kinds of a hybrid model
+        small.layer_types = sorted(set(model_config.layer_types))[:2] * (2 // len(set(model_config.layer_types)))
+    if hasattr(small, "query_pre_attn_scalar"):
+        small.query_pre_attn_scalar = 16
+    return small
+
+
+def run_trainer(config_path: Path, args: list[str], mode: str, log: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONUNBUFFERED": "1"}
+    if mode == "fsdp":
+        env["CPU_NUM_DEVICES"] = str(REHEARSAL_CHIPS)
+    proc = subprocess.run([sys.executable, str(ROOT / "finetuning_pipeline" / "main.py"), "--config", str(config_path),
+                           *args], capture_output=True, text=True, env=env, cwd=ROOT)
+    with log.open("a") as f:
+        f.write(f"$ main.py --config {config_path} {' '.join(args)}\n{proc.stdout}{proc.stderr}\n")
+    return proc
+
+
+def rehearsal_data(config: RunConfig, phases: list[int], root: Path, data_ready: bool) -> tuple[dict, Path, str]:
+    """(phase -> data dir, tokenizer dir, description): the prepared data when it checked out,
+    else the bundled samples under the demo's tokenizer."""
+    if data_ready:
+        tokenizer = Path(config.model.tokenizer or config.model.path)
+        return {p: Path(config.phase(p).data) for p in phases}, tokenizer, "prepared data (phaseN.data)"
+    from dataset import prepare
+    from dataset.samples import ALPACA, CHAT_QA, DOMAIN_TEXT
+    from finetuning_pipeline.tiny_model import write_tiny_model
+
+    tokenizer = write_tiny_model(root / "tokenizer")
+    inputs = {1: [DOMAIN_TEXT], 2: [CHAT_QA, ALPACA]}
+    data = {}
+    for phase in phases:
+        data[phase] = root / f"data{phase}"
+        args = ["--tokenizer", str(tokenizer), "--seq-len", "128", "--out", str(data[phase]), "--quiet"]
+        for path in inputs[phase]:
+            args += ["--input", str(path)]
+        if prepare.main(args) != 0:
+            raise RuntimeError("preparing the bundled samples failed")
+    return data, tokenizer, "bundled samples at seq_len 128 (phaseN.data is not prepared yet)"
+
+
+def rehearse(config: RunConfig, model_config, root: Path, data_ready: bool) -> dict:
+    """Train, checkpoint, resume and export a shrunken model through the real entry points."""
+    import yaml
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    phases = phases_of(config)
+    started = time.perf_counter()
+    data, tokenizer_dir, data_note = rehearsal_data(config, phases, root, data_ready)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    vocab = model_config.vocab_size if data_ready else len(tokenizer)
+    model = AutoModelForCausalLM.from_config(shrunken_config(model_config, vocab))
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+
+    run = config.to_dict()
+    run["output_dir"] = str(root / "run")
+    run["model"].update(path=str(root / "model"), tokenizer=None, dtype="float32")
+    run["train"].update(max_steps=REHEARSAL_STEPS, micro_batch=1, grad_accum=min(config.train.grad_accum, 2),
+                        warmup_steps=2, warmup_compiles_steps=1, recompile_policy="error")
+    run["eval"].update(every=0, max_batches=1, micro_batch=None)
+    run["checkpoint"].update(every=2, keep=REHEARSAL_STEPS)
+    run["logging"].update(every=1, progress_bar=False, tensorboard=False)
+    for phase in (1, 2):
+        run[f"phase{phase}"].update(data=str(data[phase]) if phase in data else "", max_steps=None, seq_len=None)
+    config_path = root / "rehearsal.yaml"
+    config_path.write_text(yaml.safe_dump(run))
+    log = root / "rehearsal.log"
+    mode = config.parallel.mode
+    steps = {"data": data_note, "architecture": type(model).__name__, "log": str(log)}
+
+    proc = run_trainer(config_path, ["--resume", "never", "--force"], mode, log)
+    if proc.returncode != 0:
+        return {**steps, "passed": False, "failed_at": "training", "detail": (proc.stdout + proc.stderr)[-3000:]}
+    out = root / "run"
+    summaries = {p: json.loads((out / f"phase{p}" / "summary.json").read_text()) for p in phases}
+    steps["phases"] = {f"phase{p}": {k: s[k] for k in ("steps", "compiles_total", "compiles_after_warmup",
+                                                         "host_syncs_per_step", "eval_loss_before", "eval_loss_after")}
+                       for p, s in summaries.items()}
+
+    first = phases[0]
+    adapter_file = out / f"phase{first}" / "adapter" / "adapter_model.safetensors"
+    uninterrupted = load_file(adapter_file)
+    checkpoint = out / f"phase{first}" / "checkpoints" / "step_00000002"
+    proc = run_trainer(config_path, ["--phase", str(first), "--resume", str(checkpoint)], mode, log)
+    if proc.returncode != 0:
+        return {**steps, "passed": False, "failed_at": "resume", "detail": (proc.stdout + proc.stderr)[-3000:]}
+    resumed = load_file(adapter_file)
+    identical = uninterrupted.keys() == resumed.keys() and all((uninterrupted[k] == resumed[k]).all() for k in resumed)
+    steps["resume_bitwise_identical"] = bool(identical)
+    if not identical:
+        return {**steps, "passed": False, "failed_at": "resume", "detail": "the resumed adapter differs"}
+
+    from finetuning_pipeline.export import export_merged
+
+    adapters = [str(out / "phase1" / "adapter")] if 1 in phases else []
+    if 2 in phases and (config.phase2.init == "merge" or not adapters):
+        adapters.append(str(out / "phase2" / "adapter"))
+    elif 2 in phases:
+        adapters = [str(out / "phase2" / "adapter")]  # continue: phase 2's adapter carries phase 1's training
+    merged = export_merged(str(root / "model"), adapters, str(root / "merged"))
+    AutoModelForCausalLM.from_pretrained(merged)  # plain transformers, no project code
+    steps["export"] = str(merged)
+    recompiles = sum(s["compiles_after_warmup"] for s in summaries.values())
+    steps["passed"] = recompiles == 0
+    if recompiles:
+        steps["failed_at"], steps["detail"] = "recompile guard", f"{recompiles} compiles after warm-up"
+    steps["seconds"] = round(time.perf_counter() - started, 1)
+    return steps
+
+
+# -- the command -----------------------------------------------------------------------------
+def check_data(config: RunConfig) -> dict:
+    """The trainer's own start-up checks (shards against the tokenizer, seq_len, phases), when
+    the model's tokenizer and the data are on disk."""
+    from finetuning_pipeline.main import preflight_checks
+
+    phases = phases_of(config)
+    missing = [f"model.path {config.model.path} (config.json)"] if not (Path(config.model.path) / "config.json").is_file() else []
+    missing += [f"phase{p}.data {config.phase(p).data}" for p in phases if not Path(config.phase(p).data).is_dir()]
+    if missing:
+        return {"status": "skipped", "detail": f"not on disk yet: {', '.join(missing)}; run preflight again once "
+                "the model is downloaded and the data prepared"}
+    try:
+        preflight_checks(config, phases)
+    except (ConfigError, DataError) as err:
+        return {"status": "failed", "detail": str(err)}
+    return {"status": "passed", "detail": f"tokenizer fingerprint and seq_len match for phases {phases}"}
+
+
+def format_report(report: dict) -> str:
+    p = report
+    lines = [f"preflight: {report['config']} on {p['tpu_type']} ({p['parallel_mode']})"]
+    for name, check in report["checks"].items():
+        lines.append(f"  {check['status']:>7}  {name}: {check.get('detail', '')}")
+    for name, phase in p["phases"].items():
+        b = phase["hbm_breakdown_gib"]
+        lines.append(
+            f"  {name}: HBM {phase['hbm_per_chip_gib']:.1f} of {phase['hbm_capacity_gib']:.1f} GiB per chip "
+            f"({'fits' if phase['fits'] else 'DOES NOT FIT'}; weights {b['weights']}, LoRA+optimizer "
+            f"{b['lora_and_optimizer']}, activations {b['activations']}, logits {b['logits']}), "
+            f"{phase['step_time_s']:.2f} s/step, {phase['tokens_per_sec']:,.0f} tokens/s at MFU {p['assumed_mfu']}, "
+            f"{phase['tpu_hours']:.2f} TPU-hours ({phase['chip_hours']:.1f} chip-hours)")
+        for fix in phase.get("to_fit", [])[:3]:
+            overrides = " ".join(f"{k}={v}" for k, v in fix["overrides"].items())
+            lines.append(f"      to fit: {overrides}  ({fix['hbm_per_chip_gib']} GiB, {fix['step_time_s']} s/step)")
+    lines.append(f"  total: {p['tpu_hours']:.2f} TPU-hours on {p['tpu_type']}; fits: {p['fits']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m finetuning_pipeline.preflight", description=__doc__.split("\n\n")[0],
+        epilog="Plan another slice or mode with overrides: tpu.type=v6e-8 parallel.mode=fsdp. "
+        "Exit status: 0 all checks passed and the plan fits, 1 a check failed or it does not fit, 2 bad config.")
+    parser.add_argument("--config", required=True, help="YAML run config")
+    parser.add_argument("--no-rehearsal", action="store_true", help="only check and plan (seconds, not minutes)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    checks: dict[str, dict] = {}
+    try:
+        config = load_config(args.config, args.overrides)
+        checks["config"] = {"status": "passed", "detail": "keys and values valid"}
+        if not phases_of(config):
+            raise ConfigError("phase1.data / phase2.data: neither is set; nothing to plan")
+        model_config, source = load_architecture(config.model.path)
+        checks["architecture"] = {"status": "passed", "detail": f"{model_config.model_type} from {source}"}
+        plan_result = make_plan(config, model_config)
+    except (ConfigError, DataError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        found = check_lora_targets(model_config, config)
+        checks["lora_targets"] = {"status": "passed", "detail": f"{found['wrapped_modules']} modules wrapped in "
+                                  f"{found['architecture']} for targets {config.lora.target_modules}"}
+    except ValueError as err:
+        checks["lora_targets"] = {"status": "failed", "detail": str(err)}
+    checks["data"] = check_data(config)
+    output_dir = Path(config.output_dir)
+    if args.no_rehearsal:
+        checks["rehearsal"] = {"status": "skipped", "detail": "--no-rehearsal"}
+    elif checks["lora_targets"]["status"] == "failed" or checks["data"]["status"] == "failed":
+        checks["rehearsal"] = {"status": "skipped", "detail": "a check above failed"}
+    else:
+        result = rehearse(config, model_config, output_dir / "preflight_rehearsal", checks["data"]["status"] == "passed")
+        checks["rehearsal"] = {"status": "passed" if result["passed"] else "failed",
+                               "detail": f"{result.get('architecture')}: {result.get('data')}; "
+                               + ("train, checkpoint, bitwise resume, export: ok" if result["passed"]
+                                  else f"failed at {result['failed_at']}: {result.get('detail', '')[-500:]}"),
+                               **{k: v for k, v in result.items() if k not in ("passed",)}}
+    report = {"config": args.config, "overrides": args.overrides, "model_config": str(source), **plan_result,
+              "checks": checks}
+    ok = plan_result["fits"] and all(c["status"] != "failed" for c in checks.values())
+    report["ok"] = ok
+    output_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(output_dir / "preflight.json", report)
+    print(format_report(report))
+    print(f"wrote {output_dir / 'preflight.json'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""`python -m finetuning_pipeline.preflight`: checks, the HBM/time plan, and the CPU rehearsal."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from finetuning_pipeline import preflight
+from finetuning_pipeline.plan import ModelShape
+from finetuning_pipeline.tpu_chips import parse_tpu_type
+from lora_logic import DEFAULT_TARGET_MODULES, LoraConfig, inject_lora, lora_parameters
+from trainer_helpers import SEQ_LEN, prepare_demo_data, write_run_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "finetuning_pipeline" / "configs"
+MISTRAL = CONFIGS / "mistral7b_v6e8.yaml"
+SHIPPED = sorted(p.name for p in preflight.SHIPPED_CONFIGS.iterdir() if p.is_dir())
+
+
+def run_preflight(tmp_path: Path, config: Path, *overrides: str, rehearse: bool = False) -> tuple[int, dict]:
+    args = ["--config", str(config), f"output_dir={tmp_path / 'out'}", *overrides]
+    code = preflight.main(args if rehearse else ["--no-rehearsal", *args])
+    report_path = tmp_path / "out" / "preflight.json"
+    return code, json.loads(report_path.read_text()) if report_path.exists() else {}
+
+
+@pytest.mark.parametrize(
+    "tpu_type, mode, fits",
+    [("v5e-8", "dp", False), ("v5e-8", "fsdp", True), ("v6e-8", "dp", True)],
+)
+def test_mistral_7b_plan(tmp_path, tpu_type, mode, fits):
+    code, report = run_preflight(tmp_path, MISTRAL, f"tpu.type={tpu_type}", f"parallel.mode={mode}")
+    assert report["fits"] is fits and code == (0 if fits else 1)
+    assert report["model_config"].endswith("model_configs/Mistral-7B-v0.3/config.json")  # before any download
+    for key in ("hbm_per_chip_gib", "hbm_capacity_gib", "step_time_s", "tokens_per_sec", "tpu_hours"):
+        assert report[key] > 0, key
+    phase = report["phases"]["phase1"]
+    assert phase["inputs"]["tpu_type"] == tpu_type
+    assert phase["inputs"]["mode"] == mode and phase["inputs"]["seq_len"] == 2048
+    assert phase["inputs"]["base_params"] == 7_248_023_552 and phase["inputs"]["lora_params"] == 41_943_040
+    assert report["hbm_capacity_gib"] == pytest.approx(14.9 if tpu_type == "v5e-8" else 29.8, abs=0.05)
+    # 13.5 GiB of bf16 weights per chip under dp; an eighth (plus two gathered layers) under fsdp.
+    assert phase["hbm_breakdown_gib"]["weights"] == pytest.approx(13.5 if mode == "dp" else 2.5, abs=0.05)
+    assert phase["activations_gib_with_checkpointing"] < phase["activations_gib_without_checkpointing"]
+    if not fits:
+        assert phase["to_fit"][0]["overrides"] == {"parallel.mode": "fsdp"}
+    assert report["checks"]["lora_targets"]["status"] == "passed"
+    assert report["checks"]["data"]["status"] == "skipped"  # the model is not downloaded here
+
+
+def test_the_plan_scales_with_the_slice_and_the_steps(tmp_path):
+    _, v6e8 = run_preflight(tmp_path / "a", MISTRAL, "tpu.type=v6e-8")
+    _, v6e16 = run_preflight(tmp_path / "b", MISTRAL, "tpu.type=v6e-16", "train.max_steps=1000", "phase2.max_steps=500")
+    # Twice the chips: twice the global batch per step at the same step time; half the steps.
+    assert v6e16["step_time_s"] == pytest.approx(v6e8["step_time_s"], rel=1e-3)
+    assert v6e16["tokens_per_sec"] == pytest.approx(2 * v6e8["tokens_per_sec"], rel=1e-3)
+    assert v6e16["tpu_hours"] == pytest.approx(v6e8["tpu_hours"] / 2, rel=1e-2)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_the_plans_layer_shapes_match_the_architecture(name):
+    """The projection shapes the FLOP and LoRA counts use are the real model's."""
+    config = AutoConfig.from_pretrained(preflight.SHIPPED_CONFIGS / name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    inject_lora(model, LoraConfig(r=16, alpha=32))
+    shape = ModelShape.from_config(config)
+    assert shape.lora_params(16, list(DEFAULT_TARGET_MODULES)) == sum(p.numel() for p in lora_parameters(model))
+    assert shape.matmul_params < shape.total_params == sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+
+
+@pytest.mark.parametrize(
+    "tpu_type, chips, devices, hosts",
+    [("v5e-8", 8, 8, 1), ("v5litepod-16", 16, 16, 4), ("v6e-8", 8, 8, 1), ("v4-8", 4, 4, 1), ("v4-32", 16, 16, 4),
+     ("v5p-8", 4, 4, 1), ("v3-8", 4, 8, 1)],
+)
+def test_accelerator_types(tpu_type, chips, devices, hosts):
+    tpu = parse_tpu_type(tpu_type)
+    assert (tpu.chips, tpu.devices, tpu.hosts) == (chips, devices, hosts)
+
+
+def test_bad_inputs_name_what_to_fix(tmp_path, capsys):
+    code, _ = run_preflight(tmp_path, MISTRAL, "tpu.type=v9-8")
+    assert code == 2 and "tpu.type 'v9-8'" in capsys.readouterr().err
+    code, _ = run_preflight(tmp_path, MISTRAL, "model.path=models/NoSuchModel-1B")
+    assert code == 2 and "no shipped copy matches" in capsys.readouterr().err
+    code, _ = run_preflight(tmp_path, MISTRAL, "phase1.seq_len=null")
+    assert code == 2 and "phase1.seq_len" in capsys.readouterr().err
+    code, report = run_preflight(tmp_path, MISTRAL, "tpu.type=v6e-8", "lora.target_modules=[q_proj,c_attn]")
+    assert code == 1 and report["checks"]["lora_targets"]["status"] == "failed"
+    assert "c_attn" in report["checks"]["lora_targets"]["detail"]
+
+
+@pytest.fixture(scope="module")
+def data(tiny_model_dir, tmp_path_factory):
+    return prepare_demo_data(tiny_model_dir, tmp_path_factory.mktemp("data"))
+
+
+def test_data_is_checked_against_the_tokenizer_and_seq_len(tmp_path, tiny_model_dir, data):
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out")
+    code, report = run_preflight(tmp_path, config, f"phase1.seq_len={SEQ_LEN * 2}")
+    assert code == 1 and report["checks"]["data"]["status"] == "failed"
+    assert f"phase1.seq_len is {SEQ_LEN * 2}" in report["checks"]["data"]["detail"]
+
+
+def test_rehearsal_trains_resumes_and_exports_the_shrunken_model_under_fsdp(tmp_path, tiny_model_dir, data):
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out",
+                              lora={"r": 8, "alpha": 16, "dropout": 0.1})
+    code, report = run_preflight(tmp_path, config, "parallel.mode=fsdp", "model.gradient_checkpointing=true",
+                                 rehearse=True)
+    rehearsal = report["checks"]["rehearsal"]
+    assert code == 0 and rehearsal["status"] == "passed", rehearsal
+    assert report["checks"]["data"]["status"] == "passed" and rehearsal["data"].startswith("prepared data")
+    assert rehearsal["resume_bitwise_identical"] is True
+    for phase in ("phase1", "phase2"):
+        assert rehearsal["phases"][phase]["steps"] == preflight.REHEARSAL_STEPS
+        assert rehearsal["phases"][phase]["compiles_after_warmup"] == 0
+    run = yaml.safe_load((tmp_path / "out" / "preflight_rehearsal" / "rehearsal.yaml").read_text())
+    assert run["parallel"]["mode"] == "fsdp" and run["model"]["gradient_checkpointing"] is True
+    merged = AutoModelForCausalLM.from_pretrained(rehearsal["export"])
+    assert merged.config.num_hidden_layers == 2
+
+
+def test_rehearsal_before_the_download_uses_the_bundled_samples(tmp_path):
+    code, report = run_preflight(tmp_path, MISTRAL, "tpu.type=v5e-8", "parallel.mode=fsdp", rehearse=True)
+    rehearsal = report["checks"]["rehearsal"]
+    assert code == 0 and rehearsal["status"] == "passed", rehearsal
+    assert rehearsal["architecture"] == "MistralForCausalLM" and rehearsal["data"].startswith("bundled samples")
