@@ -128,6 +128,17 @@ class ParallelConfig:
 
 
 @dataclass
+class XlaConfig:
+    """compile_cache_dir: XLA's persistent compilation cache, so a restarted or resumed run (a
+    preempted spot VM) loads its compiled graphs instead of compiling them again. "auto":
+    ~/.cache/tpu-lora/xla (XDG_CACHE_HOME respected) on TPU, off on XLA:CPU (it cannot load
+    its entries there); "" turns it off; a path turns it on. Each process gets its own
+    subdirectory, keyed by torch_xla version, device type and parallel mode."""
+
+    compile_cache_dir: str = "auto"
+
+
+@dataclass
 class TpuConfig:
     """What `python -m finetuning_pipeline.preflight` plans for (training itself uses whatever
     devices it finds).
@@ -166,6 +177,7 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     tpu: TpuConfig = field(default_factory=TpuConfig)
+    xla: XlaConfig = field(default_factory=XlaConfig)
     phase1: PhaseConfig = field(default_factory=PhaseConfig)
     phase2: PhaseConfig = field(default_factory=PhaseConfig)
 

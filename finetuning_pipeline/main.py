@@ -194,10 +194,10 @@ class StopOnSignal:
 
 def run_replica(index: int, config: RunConfig, plans: list[PhasePlan], resume_command: str) -> None:
     """Entry point of each process (one per chip under dp, one per host under fsdp)."""
-    from finetuning_pipeline.parallel import start
+    from finetuning_pipeline.parallel import compile_cache_dir, start
     from finetuning_pipeline.train_logic import run_phase
 
-    parallel, device = start(config.parallel.mode)
+    parallel, device = start(config.parallel.mode, index, compile_cache_dir(config.xla.compile_cache_dir))
     rank = parallel.rank
     with StopOnSignal() as stop:
         for plan in plans:

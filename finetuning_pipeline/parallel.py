@@ -19,6 +19,7 @@ Every process calls the same functions in the same order; `Parallel` holds what 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -62,6 +63,7 @@ class Parallel:
             return
         import torch_xla.distributed.spmd as xs
 
+        self.sharded_parameters = []  # of this model (a run places one per phase)
         moved: dict[int, torch.nn.Parameter] = {}  # tied weights (embeddings = lm_head) move once
         for module_name, module in model.named_modules():
             for name, param in list(module.named_parameters(recurse=False)):
@@ -137,14 +139,20 @@ class Parallel:
                 "sharded_base_parameters": len(self.sharded_parameters)}
 
 
-def start(mode: str) -> tuple[Parallel, torch.device]:
+def start(mode: str, local_index: int = 0, compile_cache_dir: str = "") -> tuple[Parallel, torch.device]:
     """Initialise the runtime for `mode` in this process and return (Parallel, device).
-    Under fsdp this must run before any XLA tensor exists (SPMD is a process-wide switch)."""
+    Under fsdp this must run before any XLA tensor exists (SPMD is a process-wide switch);
+    so must the compilation cache (one directory per local process: they may not share one)."""
     import os
 
     os.environ.setdefault("PJRT_DEVICE", "CPU")
+    import torch_xla
     import torch_xla.runtime as xr
 
+    if compile_cache_dir:
+        cache = Path(compile_cache_dir).expanduser() / (
+            f"torch_xla-{torch_xla.__version__}-{os.environ['PJRT_DEVICE'].lower()}-{mode}-{local_index}")
+        xr.initialize_cache(str(cache), readonly=False)
     if mode == "fsdp":
         xr.use_spmd()
     from utils.xla_runtime import init_xla_device
@@ -166,6 +174,19 @@ def start(mode: str) -> tuple[Parallel, torch.device]:
             dist.init_process_group("gloo", init_method="xla://")  # host-side stop votes and barriers
     return Parallel("fsdp", rank=xr.process_index(), world=xr.process_count(),
                     chips_per_process=xr.addressable_runtime_device_count(), mesh=mesh), device
+
+
+def compile_cache_dir(setting: str) -> str:
+    """xla.compile_cache_dir resolved: "" -> off; "auto" -> the user's cache directory on an
+    accelerator, off on XLA:CPU, where torch_xla 2.9 writes entries it then cannot load
+    (PersistentCacheDeserializeFailure on every graph: measured, no time saved)."""
+    import os
+
+    if setting != "auto":
+        return setting
+    if os.environ.get("PJRT_DEVICE", "CPU") == "CPU":
+        return ""
+    return str(Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "tpu-lora" / "xla")
 
 
 def shard_spec(param: torch.Tensor, chips: int) -> tuple | None:

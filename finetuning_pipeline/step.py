@@ -89,23 +89,22 @@ def train_step(model, optimizer, params: list[torch.nn.Parameter], micro_batches
         loss_sum.backward()
         loss_total = loss_total + loss_sum.detach()
         tokens = tokens + count
+    grad = optimizer.flat_grad()  # one vector: clipping and the update are a few operations on it
     if reduce_across_replicas:
         import torch_xla.core.xla_model as xm
 
         # A list is reduced in place, in one collective.
-        xm.all_reduce(xm.REDUCE_SUM, [p.grad for p in params] + [loss_total, tokens])
+        xm.all_reduce(xm.REDUCE_SUM, [grad, loss_total, tokens])
     # Average and clip in one multiplication: norm(scale * g) = scale * norm(g), and the clip
     # coefficient is torch.nn.utils.clip_grad_norm_'s: max_norm / (norm + 1e-6), at most 1.
-    grads = [p.grad for p in params]
     scale = (1.0 / torch.clamp(tokens, min=1.0)).reshape(())  # no label tokens: grads stay 0
-    grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) * scale
+    grad_norm = torch.linalg.vector_norm(grad) * scale
     coefficient = scale
     if max_grad_norm > 0:
         coefficient = scale * torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, coefficient)
     loss = loss_total * scale
     applied = torch.isfinite(loss) & torch.isfinite(grad_norm)
-    optimizer.step(applied)
+    optimizer.step(applied, grad=grad * coefficient)
     optimizer.zero_grad()  # in place: the grad buffers stay, the graph stays the same
     return {"loss": loss, "tokens": tokens, "grad_norm": grad_norm, "applied": applied}
 

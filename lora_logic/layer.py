@@ -81,8 +81,10 @@ class LoRALinear(nn.Module):
             return y
         h = self.lora_dropout(x)
         a = self.lora_A.weight.to(h.dtype)  # [r, in]
-        b = self.lora_B.weight.to(h.dtype)  # [out, r]
-        return y + F.linear(F.linear(h, a), b) * self.scaling
+        # Scale B ([out, r]), not the [batch, seq, out] product: the same update, one
+        # activation-sized multiplication fewer in the forward and in the backward.
+        b = (self.lora_B.weight * self.scaling).to(h.dtype)  # [out, r]
+        return y + F.linear(F.linear(h, a), b)
 
     def delta_weight(self) -> torch.Tensor:
         """scaling * B A in fp32, [out, in]: what `merge()` adds to W0."""

@@ -93,11 +93,12 @@ def test_fsdp_gives_the_losses_and_adapter_of_one_device(runs, phase):
 
 
 def test_fsdp_sharded_the_base_and_saved_the_trained_values(runs):
-    summary = json.loads((runs / "fsdp" / "phase1" / "summary.json").read_text())
-    # Every matrix of the tiny model (7 targets x 2 layers, embeddings, lm_head) is sharded.
-    assert summary["parallel"] == {"mode": "fsdp", "processes": 1, "chips": CHIPS, "sharded_base_parameters": 16}
-    assert summary["global_batch"] == 8 and summary["compiles_after_warmup"] == 0
-    assert summary["host_syncs_per_step"] == 0
+    for phase in (1, 2):
+        summary = json.loads((runs / "fsdp" / f"phase{phase}" / "summary.json").read_text())
+        # Every matrix of the tiny model (7 targets x 2 layers, embeddings, lm_head) is sharded.
+        assert summary["parallel"] == {"mode": "fsdp", "processes": 1, "chips": CHIPS, "sharded_base_parameters": 16}
+        assert summary["global_batch"] == 8 and summary["compiles_after_warmup"] == 0
+        assert summary["host_syncs_per_step"] == 0
     # The known failure of sharded trainers: an exported adapter that is (nearly) the initial
     # one, because each host wrote its local shard. B starts at zero; here it must have trained.
     b_norms = [t.norm().item() for k, t in adapter(runs / "fsdp", 1).items() if "lora_B" in k]

@@ -132,3 +132,15 @@ def test_recompile_guard_stops_the_run(setup, tiny_model_dir, tmp_path, capsys):
 def test_shipped_configs_are_valid(name):
     config = load_config(f"finetuning_pipeline/configs/{name}.yaml")
     assert config.phase1.data and config.phase2.data
+
+
+def test_compile_cache_is_on_by_default_on_tpu_only(monkeypatch, tmp_path):
+    from finetuning_pipeline.parallel import compile_cache_dir
+
+    assert load_config(DEMO).xla.compile_cache_dir == "auto"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    assert compile_cache_dir("auto") == str(tmp_path / "tpu-lora" / "xla")
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")  # XLA:CPU cannot load its own cache entries
+    assert compile_cache_dir("auto") == ""
+    assert compile_cache_dir("/data/xla-cache") == "/data/xla-cache" and compile_cache_dir("") == ""

@@ -155,8 +155,12 @@ class RecordGradients:
         self.grads = None
         self.applied = None
 
-    def step(self, applied):
-        self.grads = [p.grad.detach().clone() for p in self.params]
+    def flat_grad(self):
+        return torch.cat([p.grad.reshape(-1) for p in self.params])
+
+    def step(self, applied, grad):
+        self.grads = [chunk.view(p.shape) for chunk, p in zip(torch.split(grad, [p.numel() for p in self.params]),
+                                                              self.params)]
         self.applied = applied
 
     def zero_grad(self):
