@@ -9,21 +9,18 @@
 # git through an in-memory credential helper for the clone only: it is never printed, never
 # written to .git/config, and not part of any command line that `ps` could show.
 set -euo pipefail
+HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source-path=SCRIPTDIR source=tpu_vm_lib.sh
-source "$(dirname "${BASH_SOURCE[0]}")/tpu_vm_lib.sh"
+source "$HERE/tpu_vm_lib.sh"
 
-usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; }
-
-REPO="" BRANCH=main DIR="$HOME/lora-tpu" TOKEN_ENV=GITHUB_TOKEN
+TOKEN_ENV=GITHUB_TOKEN REPO="" PASS=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --repo) need_value "$1" "${2:-}"; REPO=$2; shift 2 ;;
     --token-env) need_value "$1" "${2:-}"; TOKEN_ENV=$2; shift 2 ;;
-    --branch) need_value "$1" "${2:-}"; BRANCH=$2; shift 2 ;;
-    --dir) need_value "$1" "${2:-}"; DIR=$2; shift 2 ;;
-    --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) usage; exit 0 ;;
-    *) die "unknown argument: $1 (see --help)" ;;
+    --repo) need_value "$1" "${2:-}"; REPO=$2; PASS+=("$1" "$2"); shift 2 ;;
+    --dry-run) DRY_RUN=1; PASS+=("$1"); shift ;;
+    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) PASS+=("$1"); shift ;;  # the public script's options; it checks them
   esac
 done
 [[ -n "$REPO" ]] || die "--repo is required (the https URL of the repository)"
@@ -39,7 +36,6 @@ export GIT_TOKEN_VARIABLE=$TOKEN_ENV
 HELPER='!f() { echo username=x-access-token; echo "password=$(printenv "$GIT_TOKEN_VARIABLE")"; }; f'
 git() { command git -c credential.helper= -c "credential.helper=$HELPER" "$@"; }
 
-sparse_clone "$REPO" "$DIR" "$BRANCH"
-install_stack "$DIR"
-verify_tpu
-echo "ready: cd $DIR && PJRT_DEVICE=TPU python finetuning_pipeline/main.py --config CONFIG"
+# The public script, in this shell: its git calls reach the function above.
+# shellcheck source-path=SCRIPTDIR source=cloud-clone-public.sh
+source "$HERE/cloud-clone-public.sh" "${PASS[@]}"
