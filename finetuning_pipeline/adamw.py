@@ -87,8 +87,10 @@ class MaskedAdamW:
         return [self.steps, self.exp_avg_flat, self.exp_avg_sq_flat]
 
     def zero_grad(self) -> None:
-        """Zero the gradient buffers in place (keeping them: same graph every step)."""
-        torch._foreach_zero_([p.grad for p in self.params if p.grad is not None])
+        """Drop the gradients (set to None, as torch's optimizers do by default): the next
+        backward creates them inside its graph, so they are neither graph inputs nor outputs."""
+        for p in self.params:
+            p.grad = None
 
     def state_dict(self) -> dict:
         """On the host, with per-parameter moments (the checkpoint format does not depend on the

@@ -105,7 +105,7 @@ def train_step(model, optimizer, params: list[torch.nn.Parameter], micro_batches
     loss = loss_total * scale
     applied = torch.isfinite(loss) & torch.isfinite(grad_norm)
     optimizer.step(applied, grad=grad * coefficient)
-    optimizer.zero_grad()  # in place: the grad buffers stay, the graph stays the same
+    optimizer.zero_grad()  # None: every step starts without gradients, so every step is one graph
     return {"loss": loss, "tokens": tokens, "grad_norm": grad_norm, "applied": applied}
 
 

@@ -247,9 +247,9 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
 
     step_count = counter(start_step, device)  # the schedule's input, on device
     label_tokens = counter(0, device)
-    for p in params:  # gradient buffers exist from the start, so backward always accumulates
-        p.grad = device_zeros(p.shape, p.dtype, device)
-    parallel.replicate(params + [p.grad for p in params] + optimizer.state_tensors()
+    # No gradient buffers between steps: each step's first backward creates them and the
+    # optimizer drops them (the same graph every step, and they are never graph outputs).
+    parallel.replicate(params + optimizer.state_tensors()
                        + [step_count, label_tokens, skipped_total, bad_run, worst_bad_run])
     # A resumed run's checkpoint was copied into parameters and optimizer state: run those
     # copies now, or they would join step 1's graph and make it a graph of its own.
@@ -276,7 +276,8 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
         # the masks the uninterrupted one drew: restoring torch_xla's saved RNG state did not
         # (same state read back, different masks: verified with lora.dropout 0.1). A new seed
         # each step is data for the graph, not a recompile.
-        xm.set_rng_state(step_seed(t.seed, phase, parallel.rank, step), device=device)
+        if config.lora.dropout > 0:  # the only random op of a step
+            xm.set_rng_state(step_seed(t.seed, phase, parallel.rank, step), device=device)
         optimizer.lr = lr_at(step_count, peak=peak_lr, warmup_steps=t.warmup_steps, total_steps=max_steps,
                              min_lr_ratio=t.min_lr_ratio)
         results = train_step(model, optimizer, params, micro_batches, max_grad_norm=t.max_grad_norm,
