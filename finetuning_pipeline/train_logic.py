@@ -46,13 +46,8 @@ from utils.xla_counters import read_counters
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def device_zeros(shape, dtype, device) -> torch.Tensor:
-    """Zeros that arrive on the device as data (a transfer), not as a fill the next graph
-    would compile. Counters use shape [1]: a 0-dim 0 or 1 is baked in as a constant."""
-    return torch.zeros(shape, dtype=dtype).to(device)
-
-
 def counter(value: float, device) -> torch.Tensor:
+    """A [1]-shaped fp32 counter that reaches the device as data (see device_zeros)."""
     return torch.tensor([float(value)]).to(device)
 
 

@@ -21,3 +21,10 @@ def init_xla_device() -> torch.device:
     import torch_xla
 
     return torch_xla.device()
+
+
+def device_zeros(shape, dtype, device) -> torch.Tensor:
+    """Zeros made on the host and transferred, so they reach the device as data: zeros made on
+    an XLA device are a fill op compiled into the next graph (an extra graph for the first
+    step). Keep counters [1]-shaped: a 0-dim 0 or 1 is baked into graphs as a constant."""
+    return torch.zeros(shape, dtype=dtype).to(device)
