@@ -76,14 +76,15 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], packed: bool = Tru
     return loss_sum, count
 
 
-def train_step(model, optimizer, params: list[torch.nn.Parameter], micro_batches, *, max_grad_norm: float,
-               reduce_across_replicas: bool, packed: bool = True) -> dict[str, torch.Tensor]:
+def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, reduce_across_replicas: bool,
+               packed: bool = True) -> dict[str, torch.Tensor]:
     """Accumulate gradients over `micro_batches`, average, clip, step. Returns device tensors:
     loss (mean per label token), tokens (label tokens in the step), grad_norm (before
     clipping) and applied (False when the loss or the gradient norm was not finite: the
     optimizer then skipped the update, on the device). The caller marks the step boundary."""
-    loss_total = torch.zeros((), device=params[0].device)
-    tokens = torch.zeros((), device=params[0].device)
+    device = optimizer.params[0].device
+    loss_total = torch.zeros((), device=device)
+    tokens = torch.zeros((), device=device)
     for batch in micro_batches:
         loss_sum, count = causal_lm_loss_sum(model, batch, packed)
         loss_sum.backward()

@@ -114,13 +114,13 @@ def build_model(config: RunConfig, phase: int):
     return model, lora_config
 
 
-def evaluate(model, config: RunConfig, data_dir: str, pad_id: int, parallel: Parallel, device) -> dict:
+def evaluate(model, config: RunConfig, data_dir: str, manifest: dict, parallel: Parallel, device) -> dict:
     """Mean loss per label token and perplexity over the eval split (every replica's share)."""
     import torch_xla
     import torch_xla.core.xla_model as xm
 
     micro_batch = (config.eval.micro_batch or config.train.micro_batch) * parallel.chips_per_process
-    packed = is_packed(read_manifest(data_dir))
+    packed, pad_id = is_packed(manifest), manifest["tokenizer"]["pad_id"]
     was_training = model.training
     model.eval()
     loss_sum, count = counter(0, device), counter(0, device)  # data: every batch runs one graph
@@ -130,11 +130,7 @@ def evaluate(model, config: RunConfig, data_dir: str, pad_id: int, parallel: Par
     for index, batch in enumerate(batches):
         if config.eval.max_batches is not None and index >= config.eval.max_batches:
             break
-        if sharding is None:
-            batch = {k: v.to(device) for k, v in batch.items()}
-        else:
-            batch = xm.send_cpu_data_to_device(batch, device, sharding)
-        batch_loss, batch_count = eval_sums(model, batch, packed)
+        batch_loss, batch_count = eval_sums(model, xm.send_cpu_data_to_device(batch, device, sharding), packed)
         loss_sum = loss_sum + batch_loss
         count = count + batch_count
         torch_xla.sync()  # one small graph per batch, the same every time
@@ -174,7 +170,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
 
     manifest = read_manifest(phase_cfg.data)
     seq_len = manifest["seq_len"]
-    pad_id = manifest["tokenizer"]["pad_id"]
+    packed = is_packed(manifest)
     # Under fsdp a process reads the batches of all its chips; the global batch is the same
     # sequence of blocks as dp over the same number of chips.
     loader = ShardLoader(phase_cfg.data, t.micro_batch * parallel.chips_per_process, seed=t.seed,
@@ -197,7 +193,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
         tb = out / "tb" if config.logging.tensorboard else None
         log = MetricsLog(out / "metrics.jsonl", tb, resume_step=start_step if resume_from else None)
 
-    eval_before = state.get("eval_before") or evaluate(model, config, phase_cfg.data, pad_id, parallel, device)
+    eval_before = state.get("eval_before") or evaluate(model, config, phase_cfg.data, manifest, parallel, device)
     if master and resume_from is None:
         log.write({"kind": "eval", "step": 0, **eval_before})
 
@@ -275,8 +271,8 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
             xm.set_rng_state(step_seed(t.seed, phase, parallel.rank, step), device=device)
         optimizer.lr = lr_at(step_count, peak=peak_lr, warmup_steps=t.warmup_steps, total_steps=max_steps,
                              min_lr_ratio=t.min_lr_ratio)
-        results = train_step(model, optimizer, params, micro_batches, max_grad_norm=t.max_grad_norm,
-                             reduce_across_replicas=parallel.explicit_reduce, packed=is_packed(manifest))
+        results = train_step(model, optimizer, micro_batches, max_grad_norm=t.max_grad_norm,
+                             reduce_across_replicas=parallel.explicit_reduce, packed=packed)
         label_tokens = label_tokens + results["tokens"]
         bad = (~results["applied"]).to(torch.float32)
         skipped_total = skipped_total + bad
@@ -317,7 +313,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
                 "check the data, then resume with --resume auto"
             )
         if config.eval.every and step % config.eval.every == 0 and step < max_steps:
-            result = evaluate(model, config, phase_cfg.data, pad_id, parallel, device)
+            result = evaluate(model, config, phase_cfg.data, manifest, parallel, device)
             if log is not None:
                 log.write({"kind": "eval", "step": step, **result})
         # One host vote per log step (a vote is a round trip between hosts); alone, every step.
@@ -336,7 +332,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
             log.close()
         return {"phase": phase, "stopped_at_step": step} if master else None
 
-    eval_after = evaluate(model, config, phase_cfg.data, pad_id, parallel, device)
+    eval_after = evaluate(model, config, phase_cfg.data, manifest, parallel, device)
     final_state = trainer_state()
     checkpoint(model, optimizer, lora_config, config, out, step, final_state, parallel)
     totals = to_host(last_loss, label_tokens) if last_loss is not None else [None, 0]
