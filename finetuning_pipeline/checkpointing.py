@@ -4,7 +4,7 @@ A checkpoint is `phaseN/checkpoints/step_XXXXXXXX/` with
   adapter_config.json, adapter_model.safetensors   the LoRA weights (a loadable PEFT adapter)
   optimizer.pt                                     AdamW state, on CPU
   trainer_state.json                               step, loader position, phase, config hash
-  rng.pt                                           python, numpy, torch and XLA RNG states
+  rng.pt                                           python, numpy and torch RNG states (XLA: seeded per step)
   COMPLETE                                         written last: {"step", "files": {name: sha256}}
 It is built in a hidden temporary directory, fsynced, renamed into place, and the parent
 directory fsynced; a crash at any moment leaves either no checkpoint or a complete one.
@@ -81,25 +81,16 @@ def to_cpu(obj):
 
 
 def rng_state() -> dict:
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "xla": xm.get_rng_state(device=torch_xla.device()),
-    }
+    """The host RNGs. The XLA RNG is not saved: the trainer seeds it from the step number at
+    every step (train_logic.step_seed), which is what makes dropout resume exactly."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
 def restore_rng_state(state: dict) -> None:
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-
+    """(Checkpoints written before the per-step seed also hold an "xla" entry: ignored.)"""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    xm.set_rng_state(state["xla"], device=torch_xla.device())
 
 
 def save_checkpoint(root: str | Path, step: int, *, model, optimizer, lora_config: LoraConfig,

@@ -78,13 +78,10 @@ def phase_dir(config: RunConfig, phase: int) -> Path:
 
 
 def seed_everything(seed: int) -> None:
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-
+    """The host RNGs (LoRA init, data order); the XLA RNG is seeded at every step (step_seed)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    xm.set_rng_state(seed, device=torch_xla.device())
 
 
 def step_seed(seed: int, phase: int, rank: int, step: int) -> int:
@@ -263,12 +260,11 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
         # already traced for this step (the LR below) into a graph of its own.
         micro_batches = [next(batches) for _ in range(t.grad_accum)]
         waited = time.perf_counter() - wait_start
-        # Dropout masks of step k depend on (seed, phase, rank, k) only, so a resumed run draws
-        # the masks the uninterrupted one drew: restoring torch_xla's saved RNG state did not
-        # (same state read back, different masks: verified with lora.dropout 0.1). A new seed
-        # each step is data for the graph, not a recompile.
-        if config.lora.dropout > 0:  # the only random op of a step
-            xm.set_rng_state(step_seed(t.seed, phase, parallel.rank, step), device=device)
+        # The random numbers of step k (LoRA and attention dropout) depend on (seed, phase,
+        # rank, k) only, so a resumed run draws the masks the uninterrupted one drew: restoring
+        # torch_xla's saved RNG state did not (same state read back, different masks: verified
+        # with lora.dropout 0.1). A new seed each step is data for the graph, not a recompile.
+        xm.set_rng_state(step_seed(t.seed, phase, parallel.rank, step), device=device)
         optimizer.lr = lr_at(step_count, peak=peak_lr, warmup_steps=t.warmup_steps, total_steps=max_steps,
                              min_lr_ratio=t.min_lr_ratio)
         results = train_step(model, optimizer, micro_batches, max_grad_norm=t.max_grad_norm,
