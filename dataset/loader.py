@@ -26,11 +26,14 @@ from dataset.manifest import check_manifest, read_manifest
 from dataset.shards import ARRAYS, open_split
 
 
-def open_prepared(directory: str | Path, *, fingerprint: str | None = None, seq_len: int | None = None) -> dict:
-    """The manifest of a prepared dataset, checked against the run's tokenizer and seq_len."""
+def open_prepared(directory: str | Path, *, fingerprint: str | None = None, seq_len: int | None = None,
+                  setting: str = "the run's seq_len") -> dict:
+    """The manifest of a prepared dataset, checked against the run's tokenizer and, when given,
+    seq_len (`setting` names where that seq_len is configured)."""
     manifest = read_manifest(directory)
-    if fingerprint is not None and seq_len is not None:
-        check_manifest(manifest, fingerprint=fingerprint, seq_len=seq_len, source=str(Path(directory) / "manifest.json"))
+    if fingerprint is not None:
+        check_manifest(manifest, fingerprint=fingerprint, seq_len=manifest.get("seq_len") if seq_len is None else seq_len,
+                       source=str(Path(directory) / "manifest.json"), setting=setting)
     return manifest
 
 

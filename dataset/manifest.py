@@ -45,12 +45,15 @@ def read_manifest(directory: str | Path) -> dict:
         raise DataError(f"{path}: not valid JSON ({err}); re-run `python -m dataset.prepare`") from None
 
 
-def check_manifest(manifest: dict, *, fingerprint: str, seq_len: int, source: str = MANIFEST_NAME) -> None:
-    """Refuse shards that do not match the trainer's tokenizer or seq_len, naming both values."""
+def check_manifest(manifest: dict, *, fingerprint: str, seq_len: int, source: str = MANIFEST_NAME,
+                   setting: str = "the run's seq_len") -> None:
+    """Refuse shards that do not match the trainer's tokenizer or seq_len, naming both values
+    and `setting`, the config key the expected seq_len came from."""
     if manifest.get("seq_len") != seq_len:
         raise DataError(
             f"{source}: shards were packed for seq_len {manifest.get('seq_len')}, but the run uses seq_len "
-            f"{seq_len}; re-run prepare with --seq-len {seq_len} or set the run's seq_len to match"
+            f"{seq_len} ({setting} is {seq_len}); re-run prepare with --seq-len {seq_len}, or set "
+            f"{setting}={manifest.get('seq_len')}"
         )
     theirs = manifest.get("tokenizer", {}).get("fingerprint")
     if theirs != fingerprint:

@@ -99,9 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     from dataset.manifest import tokenizer_fingerprint
 
     try:
-        manifest = open_prepared(args.data)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        open_prepared(args.data, fingerprint=tokenizer_fingerprint(tokenizer), seq_len=manifest["seq_len"])
+        manifest = open_prepared(args.data, fingerprint=tokenizer_fingerprint(tokenizer))
     except (DataError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -84,12 +84,8 @@ def preflight_checks(config: RunConfig, phases: list[int]) -> None:
             raise ConfigError(f"{key}: not set (a directory written by `python -m dataset.prepare`)")
         if not Path(data).is_dir():
             raise ConfigError(f"{key}: {data} does not exist; run `python -m dataset.prepare ... --out {data}` first")
-        manifest = open_prepared(data)
-        open_prepared(data, fingerprint=fingerprint, seq_len=manifest["seq_len"])
-        expected = config.phase(phase).seq_len
-        if expected is not None and manifest["seq_len"] != expected:
-            raise ConfigError(f"phase{phase}.seq_len is {expected} but {data} was prepared at seq_len "
-                              f"{manifest['seq_len']}; prepare it again, or set phase{phase}.seq_len={manifest['seq_len']}")
+        manifest = open_prepared(data, fingerprint=fingerprint, seq_len=config.phase(phase).seq_len,
+                                 setting=f"phase{phase}.seq_len")
         if manifest["phase"] != phase:
             raise ConfigError(f"{key}: {data} was prepared as phase {manifest['phase']} data, not phase {phase}")
         if max_positions is not None and manifest["seq_len"] > max_positions:

@@ -36,6 +36,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dataset.errors import DataError  # noqa: E402
+from dataset.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
 from finetuning_pipeline.config import ConfigError, RunConfig, load_config  # noqa: E402
 from finetuning_pipeline.plan import ModelShape, PlanInputs, plan, suggestions  # noqa: E402
 from finetuning_pipeline.tpu_chips import parse_tpu_type  # noqa: E402
@@ -85,9 +86,9 @@ def phases_of(config: RunConfig) -> list[int]:
 
 
 def seq_len_of(config: RunConfig, phase: int) -> int:
-    manifest = Path(config.phase(phase).data) / "manifest.json"
-    if manifest.is_file():
-        return json.loads(manifest.read_text())["seq_len"]
+    data = config.phase(phase).data
+    if (Path(data) / MANIFEST_NAME).is_file():
+        return read_manifest(data)["seq_len"]
     if config.phase(phase).seq_len:
         return config.phase(phase).seq_len
     raise ConfigError(f"phase{phase}.seq_len: {config.phase(phase).data} is not prepared yet, so set the sequence "
