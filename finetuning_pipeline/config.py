@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from finetuning_pipeline.parallel import MODES
 from lora_logic import DEFAULT_TARGET_MODULES, LoraConfig
 
 
@@ -335,7 +336,7 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"train.recompile_policy must be 'error' or 'warn', got {t.recompile_policy!r}")
     if config.model.dtype not in DTYPES:
         raise ConfigError(f"model.dtype must be one of {list(DTYPES)}, got {config.model.dtype!r}")
-    if config.parallel.mode not in ("dp", "fsdp"):
+    if config.parallel.mode not in MODES:
         raise ConfigError(f"parallel.mode must be 'dp' or 'fsdp', got {config.parallel.mode!r}")
     if not 0 < config.tpu.assumed_mfu <= 1:
         raise ConfigError(f"tpu.assumed_mfu must be in (0, 1], got {config.tpu.assumed_mfu}")

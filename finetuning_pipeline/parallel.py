@@ -18,7 +18,7 @@ Every process calls the same functions in the same order; `Parallel` holds what 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +39,6 @@ class Parallel:
     world: int
     chips_per_process: int = 1
     mesh: object = None
-    sharded_parameters: list[str] = field(default_factory=list)
 
     @property
     def master(self) -> bool:
@@ -55,15 +54,16 @@ class Parallel:
         under fsdp every tensor is global and the compiler does it."""
         return self.mode == "dp" and self.world > 1
 
-    def place_model(self, model: torch.nn.Module, device) -> None:
+    def place_model(self, model: torch.nn.Module, device) -> list[str]:
         """Move the model to the device; under fsdp shard frozen weights as they arrive, so no
-        chip ever holds a full copy of the model (moving it whole would need one)."""
+        chip ever holds a full copy of the model (moving it whole would need one). Returns the
+        names of the sharded parameters."""
         if self.mesh is None:
             model.to(device)
-            return
+            return []
         import torch_xla.distributed.spmd as xs
 
-        self.sharded_parameters = []  # of this model (a run places one per phase)
+        sharded = []
         moved: dict[int, torch.nn.Parameter] = {}  # tied weights (embeddings = lm_head) move once
         for module_name, module in model.named_modules():
             for name, param in list(module.named_parameters(recurse=False)):
@@ -71,13 +71,14 @@ class Parallel:
                     on_device = torch.nn.Parameter(param.detach().to(device), requires_grad=param.requires_grad)
                     spec = shard_spec(param, self.mesh.size()) if not param.requires_grad else None
                     if spec is not None:
-                        self.sharded_parameters.append(f"{module_name}.{name}")
+                        sharded.append(f"{module_name}.{name}")
                     xs.mark_sharding(on_device, self.mesh, spec or replicated(param))
                     moved[id(param)] = on_device
                 setattr(module, name, moved[id(param)])
         model.to(device)  # buffers (rotary tables): small, replicated
         for layer in decoder_layers(model):
             layer.register_forward_hook(self._shard_hidden_states)
+        return sharded
 
     def _shard_hidden_states(self, module, inputs, output):
         # Pin each decoder layer's output to batch sharding (as torch_xla's FSDPv2 does), so
@@ -89,7 +90,7 @@ class Parallel:
         return output
 
     def replicate(self, tensors: list[torch.Tensor]) -> None:
-        """Mark trainer state (LoRA parameters, gradients, optimizer state) replicated. Without
+        """Mark trainer state (LoRA parameters, optimizer state, counters) replicated. Without
         the mark, their shardings after the first step are whatever propagation chose, the
         second step's inputs differ from the first's, and the step compiles twice."""
         if self.mesh is None:
@@ -135,8 +136,7 @@ class Parallel:
         dist.barrier()
 
     def describe(self) -> dict:
-        return {"mode": self.mode, "processes": self.world, "chips": self.chips,
-                "sharded_base_parameters": len(self.sharded_parameters)}
+        return {"mode": self.mode, "processes": self.world, "chips": self.chips}
 
 
 def start(mode: str, local_index: int = 0, compile_cache_dir: str = "") -> tuple[Parallel, torch.device]:

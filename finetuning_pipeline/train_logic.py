@@ -160,7 +160,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
 
     seed_everything(t.seed + phase)
     model, lora_config = build_model(config, phase)
-    parallel.place_model(model, device)
+    sharded = parallel.place_model(model, device)
     model.train()
     params = lora_parameters(model)
     optimizer = MaskedAdamW(params, lr=peak_lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay)
@@ -365,7 +365,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
         "host_syncs_per_step": host_syncs_after_warmup / steps_after_warmup if steps_after_warmup else None,
         "wall_time_s": round(time.perf_counter() - started, 2),
         "world_size": parallel.world,
-        "parallel": parallel.describe(),
+        "parallel": {**parallel.describe(), "sharded_base_parameters": len(sharded)},
         "seq_len": seq_len,
         "global_batch": batches_per_step,
     }
