@@ -139,8 +139,8 @@ def shrunken_config(model_config, vocab_size: int):
     small.num_hidden_layers, small.hidden_size, small.intermediate_size = 2, 64, 128
     small.num_attention_heads, small.num_key_value_heads, small.head_dim = heads, kv, 16
     small.vocab_size = vocab_size
-    if getattr(small, "layer_types", None):  # keep both attention kinds of a hybrid model
-        small.layer_types = sorted(set(model_config.layer_types))[:2] * (2 // len(set(model_config.layer_types)))
+    if getattr(small, "layer_types", None):  # one layer of each attention kind (hybrid models)
+        small.layer_types = (sorted(set(model_config.layer_types)) * 2)[:2]
     if hasattr(small, "query_pre_attn_scalar"):
         small.query_pre_attn_scalar = 16
     return small

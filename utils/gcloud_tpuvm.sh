@@ -36,14 +36,13 @@ done
 [[ -n "$ZONE" ]] || die "--zone is required (a zone that offers --type, e.g. us-west4-a)"
 [[ -n "$VERSION" ]] || die "--version is required (a TPU runtime, e.g. v2-alpha-tpuv5-lite, v2-alpha-tpuv6e, tpu-ubuntu2204-base)"
 
-COMMON=(--zone "$ZONE")
-[[ -z "$PROJECT" ]] || COMMON+=(--project "$PROJECT")
+gcloud_scope "$ZONE" "$PROJECT"
 
 delete_vm() {
-  run gcloud compute tpus tpu-vm delete "$NAME" "${COMMON[@]}" --quiet
+  run gcloud compute tpus tpu-vm delete "$NAME" "${SCOPE[@]}" --quiet
 }
 
-CREATE=(gcloud compute tpus tpu-vm create "$NAME" "${COMMON[@]}" --accelerator-type "$TYPE" --version "$VERSION")
+CREATE=(gcloud compute tpus tpu-vm create "$NAME" "${SCOPE[@]}" --accelerator-type "$TYPE" --version "$VERSION")
 [[ "$SPOT" != 1 ]] || CREATE+=(--spot)
 if [[ "$DELETE_ON_EXIT" == 1 ]]; then
   trap delete_vm EXIT
@@ -52,11 +51,11 @@ run "${CREATE[@]}"
 
 echo "waiting for $NAME to be READY (up to ${READY_TIMEOUT}s)"
 if [[ "$DRY_RUN" == 1 ]]; then
-  run gcloud compute tpus tpu-vm describe "$NAME" "${COMMON[@]}" --format 'value(state)'
+  run gcloud compute tpus tpu-vm describe "$NAME" "${SCOPE[@]}" --format 'value(state)'
 else
   waited=0
   while true; do
-    state=$(gcloud compute tpus tpu-vm describe "$NAME" "${COMMON[@]}" --format 'value(state)')
+    state=$(gcloud compute tpus tpu-vm describe "$NAME" "${SCOPE[@]}" --format 'value(state)')
     [[ "$state" == READY ]] && break
     case "$state" in
       PREEMPTED|TERMINATED|FAILED|STOPPED) die "$NAME is $state, not READY" ;;
@@ -70,5 +69,5 @@ echo "$NAME is READY"
 
 if [[ "$SSH" == 1 ]]; then
   # Not exec: the EXIT trap must still run to delete the VM after the session.
-  run gcloud compute tpus tpu-vm ssh "$NAME" "${COMMON[@]}" --worker 0
+  run gcloud compute tpus tpu-vm ssh "$NAME" "${SCOPE[@]}" --worker 0
 fi

@@ -34,6 +34,5 @@ done
 # spaces arrive as they were given here; `cd` first (--dir unquoted, so ~ and $HOME expand there).
 printf -v remote '%q ' "$@"
 remote="cd $DIR && ${remote% }"
-COMMON=(--zone "$ZONE")
-[[ -z "$PROJECT" ]] || COMMON+=(--project "$PROJECT")
-run gcloud compute tpus tpu-vm ssh "$NAME" "${COMMON[@]}" --worker all --command "$remote"
+gcloud_scope "$ZONE" "$PROJECT"
+run gcloud compute tpus tpu-vm ssh "$NAME" "${SCOPE[@]}" --worker all --command "$remote"

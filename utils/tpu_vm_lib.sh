@@ -20,6 +20,12 @@ run() {
   fi
 }
 
+# gcloud_scope ZONE [PROJECT]: the --zone/--project arguments of every tpu-vm command, in SCOPE.
+gcloud_scope() {
+  SCOPE=(--zone "$1")
+  [[ -z "${2:-}" ]] || SCOPE+=(--project "$2")
+}
+
 # need_value OPTION VALUE: an option that takes a value got one.
 need_value() {
   [[ -n "${2:-}" && "${2:0:2}" != "--" ]] || die "$1 needs a value (see --help)"
