@@ -18,9 +18,27 @@ def init_xla_device() -> torch.device:
     a laptop never waits on a TPU probe.
     """
     os.environ.setdefault("PJRT_DEVICE", "CPU")
+    for name, value in runtime_env_defaults(os.environ["PJRT_DEVICE"]).items():
+        os.environ.setdefault(name, value)  # read by torch_xla at its first step boundary
     import torch_xla
 
     return torch_xla.device()
+
+
+def runtime_env_defaults(pjrt_device: str) -> dict[str, str]:
+    """torch_xla settings we change by default, per device kind (a user's own value wins).
+
+    XLA:CPU: parameter aliasing off. With aliasing, a graph that updates a tensor in place
+    (every optimizer step) donates the old buffer, and on XLA:CPU `torch_xla.sync()` then
+    returns only once the graph has run, so the host cannot trace step k+1 while step k runs
+    (measured: a sync of such a graph took the whole 154 ms execution, 0.2 ms without
+    aliasing; the small benchmark's step went from 31 to 25 ms). Without aliasing the update
+    writes new buffers: a second copy of the LoRA weights and moments, nothing on a host with
+    gigabytes. On accelerators aliasing stays on: it is what keeps that copy out of HBM.
+    """
+    if pjrt_device.upper() == "CPU":
+        return {"XLA_ENABLE_PARAM_ALIASING": "0"}
+    return {}
 
 
 def device_zeros(shape, dtype, device) -> torch.Tensor:
