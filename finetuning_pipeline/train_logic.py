@@ -35,7 +35,7 @@ from finetuning_pipeline.checkpointing import (
     save_checkpoint,
 )
 from finetuning_pipeline.config import RunConfig
-from finetuning_pipeline.lr_schedule import lr_at
+from finetuning_pipeline.lr_schedule import lr_table
 from finetuning_pipeline.metrics_log import MetricsLog
 from finetuning_pipeline.parallel import Parallel
 from finetuning_pipeline.step import eval_sums, train_step
@@ -233,12 +233,14 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
                 "skipped_steps": shown.get("skipped", 0), "global_batch": batches_per_step,
                 "exactness": config.exactness_keys(phase)}
 
-    step_count = counter(start_step, device)  # the schedule's input, on device
+    step_count = counter(start_step, device)  # indexes the schedule, on device
+    schedule = lr_table(peak=peak_lr, warmup_steps=t.warmup_steps, total_steps=max_steps,
+                        min_lr_ratio=t.min_lr_ratio).to(device)
     label_tokens = counter(0, device)
     # No gradient buffers between steps: each step's first backward creates them and the
     # optimizer drops them (the same graph every step, and they are never graph outputs).
     parallel.replicate(params + optimizer.state_tensors()
-                       + [step_count, label_tokens, skipped_total, bad_run, worst_bad_run])
+                       + [step_count, schedule, label_tokens, skipped_total, bad_run, worst_bad_run])
     # A resumed run's checkpoint was copied into parameters and optimizer state: run those
     # copies now, or they would join step 1's graph and make it a graph of its own.
     torch_xla.sync()
@@ -265,8 +267,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
         # torch_xla's saved RNG state did not (same state read back, different masks: verified
         # with lora.dropout 0.1). A new seed each step is data for the graph, not a recompile.
         xm.set_rng_state(step_seed(t.seed, phase, parallel.rank, step), device=device)
-        optimizer.lr = lr_at(step_count, peak=peak_lr, warmup_steps=t.warmup_steps, total_steps=max_steps,
-                             min_lr_ratio=t.min_lr_ratio)
+        optimizer.lr = schedule[step_count.long()]
         results = train_step(model, optimizer, micro_batches, max_grad_norm=t.max_grad_norm,
                              reduce_across_replicas=parallel.explicit_reduce, packed=packed)
         label_tokens = label_tokens + results["tokens"]

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import tiny_causal_lm
 from finetuning_pipeline import main
+from finetuning_pipeline.config import load_config
 from finetuning_pipeline.evaluate import main as evaluate_main
 from finetuning_pipeline.export import export_merged
 from finetuning_pipeline.generate import generate
@@ -36,7 +37,8 @@ def finished_run(tiny_model_dir, data, tmp_path_factory):
 
 
 def test_every_output_of_both_phases(finished_run):
-    out, _ = finished_run
+    out, config_path = finished_run
+    config = load_config(config_path)
     assert (out / "loss.png").stat().st_size > 10_000
     for phase in (1, 2):
         phase_dir = out / f"phase{phase}"
@@ -48,7 +50,12 @@ def test_every_output_of_both_phases(finished_run):
         records = [json.loads(line) for line in (phase_dir / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 6, 12]
         assert [r["step"] for r in records if r["kind"] == "train"] == [1, 3, 6, 9, 12]
-        assert all(math.isfinite(r["loss"]) and r["lr"] > 0 for r in records if r["kind"] == "train")
+        assert all(math.isfinite(r["loss"]) for r in records if r["kind"] == "train")
+        # The rate each step used (read back from the device) is the schedule's, step for step.
+        schedule = dict(peak=config.lr(phase), warmup_steps=config.train.warmup_steps,
+                        total_steps=config.max_steps(phase), min_lr_ratio=config.train.min_lr_ratio)
+        assert [r["lr"] for r in records if r["kind"] == "train"] == pytest.approx(
+            [lr_at(r["step"] - 1, **schedule) for r in records if r["kind"] == "train"], rel=1e-6)
 
 
 def test_eval_loss_drops_and_no_step_compiles_or_syncs_after_warmup(finished_run):
