@@ -84,3 +84,21 @@ def test_bf16_base_on_xla_trains_fp32_adapter():
     assert torch.isfinite(loss.float().cpu())
     for p in lora_parameters(model):
         assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
+
+
+def test_on_xla_cpu_an_in_place_update_donates_no_buffer():
+    """init_xla_device turns parameter aliasing off on XLA:CPU (a donated buffer makes every
+    step boundary wait for the step to run there); accelerators keep torch_xla's default."""
+    import torch_xla.debug.metrics as met
+
+    from utils.xla_runtime import runtime_env_defaults
+
+    assert runtime_env_defaults("CPU") == {"XLA_ENABLE_PARAM_ALIASING": "0"}
+    assert runtime_env_defaults("TPU") == {}
+    weight = torch.zeros(7, 13).to(torch_xla.device())  # a shape no other test uses: a new graph
+    torch_xla.sync()
+    weight.add_(1.0)  # what every optimizer step does to the LoRA weights
+    torch_xla.sync()
+    assert weight.cpu().sum().item() == 7 * 13
+    # torch_xla records, per compiled graph, how many inputs it aliased to outputs.
+    assert met.metric_data("InputOutputAliasCount")[2][-1][1] == 0
