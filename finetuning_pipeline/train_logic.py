@@ -251,7 +251,6 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
     compiles_after_warmup = host_syncs_after_warmup = steps_after_warmup = 0
     data_wait = 0.0
     warm_time = warm_step = None
-    step_ends: list[float] = []  # host time at each post-warm-up step boundary
     last_loss = None
     step = start_step
     stopped = False
@@ -284,12 +283,14 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
         last_loss = results["loss"]
         torch_xla.sync()
         delta = read_counters() - before
+        if step == start_step + t.warmup_compiles_steps:
+            # Warm-up done: the clock starts once its steps have run. (Between step boundaries
+            # the host may run several steps ahead of the device, so only the time to the
+            # end of the last step's execution measures the steps.)
+            xm.wait_device_ops()
+            warm_time, warm_step = time.perf_counter(), step
         if step > start_step + t.warmup_compiles_steps:
-            if warm_time is None:
-                xm.wait_device_ops()
-                warm_time, warm_step = time.perf_counter(), step - 1
             steps_after_warmup += 1
-            step_ends.append(time.perf_counter())
             data_wait += waited
             host_syncs_after_warmup += delta.host_syncs
             if delta.compiles:
@@ -355,9 +356,6 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
         "perplexity_after": eval_after["perplexity"],
         "tokens_per_sec": round(timed_steps * tokens_per_step / train_seconds, 1) if timed_steps else None,
         "step_time_s": round(train_seconds / timed_steps, 4) if timed_steps else None,
-        # The host runs at most a step ahead of the device, so in steady state the intervals
-        # between step boundaries are device step times.
-        "step_time_median_s": round(float(np.median(np.diff(step_ends))), 4) if len(step_ends) > 1 else None,
         "data_wait_fraction": round(data_wait / train_seconds, 4) if steps_after_warmup else None,
         "compiles_total": counters.compiles - counters_before.compiles,
         # With the persistent cache warm, "compiles" load executables from disk: fast.
