@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -107,7 +106,7 @@ def measure_ours(model_dir: str, data: str, micro_batch: int, steps: int, out_di
         raise SystemExit("our trainer failed")
     summary = json.loads((Path(out_dir) / "phase1" / "summary.json").read_text())
     return {
-        "step_time_s": summary["step_time_median_s"],
+        "step_time_s": summary["step_time_s"],
         "compiles_total": summary["compiles_total"],
         "compiles_after_warmup": summary["compiles_after_warmup"],
         "compile_seconds": summary["compile_seconds"],
@@ -120,6 +119,7 @@ def measure_peer(model_dir: str, data: str, micro_batch: int, steps: int, out_di
     import numpy as np
     import torch
     from peft import LoraConfig, get_peft_model
+    import torch_xla.core.xla_model as xm
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from utils.xla_counters import read_counters
@@ -139,6 +139,8 @@ def measure_peer(model_dir: str, data: str, micro_batch: int, steps: int, out_di
             self.ends, self.counters = [], []
 
         def on_step_end(self, args, state, control, **kwargs):
+            if len(self.ends) == WARMUP_STEPS - 1 or state.global_step == args.max_steps:
+                xm.wait_device_ops()  # the clock starts when the warm-up steps have run, ends when all have
             self.ends.append(time.perf_counter())
             self.counters.append(read_counters())
 
@@ -155,7 +157,7 @@ def measure_peer(model_dir: str, data: str, micro_batch: int, steps: int, out_di
     after = clock.counters[-1] - warm
     steady_steps = len(clock.ends) - WARMUP_STEPS
     return {
-        "step_time_s": statistics.median(np.diff(clock.ends[WARMUP_STEPS - 1:])),
+        "step_time_s": steady_step_time(clock.ends),
         "compiles_total": clock.counters[-1].compiles - start.compiles,
         "compiles_after_warmup": after.compiles,
         "compile_seconds": round(clock.counters[-1].compile_seconds - start.compile_seconds, 2),
@@ -167,9 +169,9 @@ def measure_peer(model_dir: str, data: str, micro_batch: int, steps: int, out_di
 def measure_frozen(model_dir: str, data: str, micro_batch: int, steps: int, out_dir: str) -> dict:
     """Forward + backward through the frozen base (activation gradients only): a LoRA step's floor.
 
-    Timed as our trainer's steps are: the interval between step boundaries, with nothing
-    waiting on the device in between, so the host traces step k+1 while step k runs on both
-    sides of the comparison."""
+    Timed as our trainer's steps are (steady_step_time), with nothing waiting on the device
+    between steps, so on both sides of the comparison the host traces step k+1 while step k
+    runs."""
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -189,16 +191,25 @@ def measure_frozen(model_dir: str, data: str, micro_batch: int, steps: int, out_
     positions = torch.arange(ids.shape[1], device=device).repeat(micro_batch, 1)
     mask = block_causal_mask(positions, torch.float32, sdpa=True)
     ends = []
-    for _ in range(steps):
+    for step in range(steps):
         embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
         logits = model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask).logits
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
         loss.backward()
         torch_xla.sync()
+        if step == WARMUP_STEPS - 1:
+            xm.wait_device_ops()  # the clock starts when the warm-up steps have run
         ends.append(time.perf_counter())
     xm.wait_device_ops()
-    ends[-1] = time.perf_counter()  # the last step ends when it has run, as in the trainer
-    return {"step_time_s": statistics.median(np.diff(ends[WARMUP_STEPS - 1:]))}
+    ends[-1] = time.perf_counter()  # the last step ends when it has run
+    return {"step_time_s": steady_step_time(ends)}
+
+
+def steady_step_time(ends: list[float]) -> float:
+    """Mean step time after warm-up, from the end of the warm-up steps' execution to the end of
+    the last step's: between step boundaries the host may run steps ahead of the device,
+    so intervals between them (or their median) can measure the host alone."""
+    return (ends[-1] - ends[WARMUP_STEPS - 1]) / (len(ends) - WARMUP_STEPS)
 
 
 def measure_matmul(*_args) -> dict:
