@@ -179,7 +179,7 @@ def measure_frozen(model_dir: str, data: str, micro_batch: int, steps: int, out_
     import torch_xla.core.xla_model as xm
     from transformers import AutoModelForCausalLM
 
-    from finetuning_pipeline.step import block_causal_mask
+    from finetuning_pipeline.step import causal_mask
     from utils.xla_runtime import init_xla_device
 
     device = init_xla_device()
@@ -188,12 +188,11 @@ def measure_frozen(model_dir: str, data: str, micro_batch: int, steps: int, out_
     for p in model.parameters():
         p.requires_grad_(False)
     ids = torch.from_numpy(np.load(Path(data) / "train" / "input_ids.npy")[:micro_batch]).long().to(device)
-    positions = torch.arange(ids.shape[1], device=device).repeat(micro_batch, 1)
-    mask = block_causal_mask(positions, torch.float32, sdpa=True)
+    mask = causal_mask(ids.shape[1], device, torch.float32, sdpa=True)  # as our phase-1 step's forward
     ends = []
     for step in range(steps):
         embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
-        logits = model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask).logits
+        logits = model(inputs_embeds=embeds, attention_mask=mask).logits
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
         loss.backward()
         torch_xla.sync()
