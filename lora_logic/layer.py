@@ -91,7 +91,7 @@ class LoRALinear(nn.Module):
         b = (self.lora_B.weight * self.scaling_tensor).to(h.dtype)  # [out, r]
         # Two 2-D products on the activations flattened once: F.linear on [batch, seq, in]
         # flattens and restores around each product, operations that XLA traces on the host
-        # at every step, forward and backward (14 wrapped layers: 6.6 -> 5.2 ms a step).
+        # at every step, forward and backward (14 wrapped 64-wide layers: 6.6 -> 5.2 ms of tracing).
         update = (h.reshape(-1, self.in_features) @ a.t()) @ b.t()  # [batch*seq, out]
         return y + update.view(y.shape)
 
