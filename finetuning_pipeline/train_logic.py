@@ -233,7 +233,8 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
                 "skipped_steps": shown.get("skipped", 0), "global_batch": batches_per_step,
                 "exactness": config.exactness_keys(phase)}
 
-    step_count = counter(start_step, device)  # indexes the schedule, on device
+    # The step count indexes the schedule: an integer [1] on the device (see device_zeros).
+    step_count = torch.tensor([start_step]).to(device)
     schedule = lr_table(peak=peak_lr, warmup_steps=t.warmup_steps, total_steps=max_steps,
                         min_lr_ratio=t.min_lr_ratio).to(device)
     label_tokens = counter(0, device)
@@ -250,7 +251,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
     batches = iter(device_loader)
     compiles_after_warmup = host_syncs_after_warmup = steps_after_warmup = 0
     data_wait = 0.0
-    warm_time = warm_step = None
+    warm_time = None
     last_loss = None
     step = start_step
     stopped = False
@@ -266,7 +267,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
         # torch_xla's saved RNG state did not (same state read back, different masks: verified
         # with lora.dropout 0.1). A new seed each step is data for the graph, not a recompile.
         xm.set_rng_state(step_seed(t.seed, phase, parallel.rank, step), device=device)
-        optimizer.lr = schedule[step_count.long()]
+        optimizer.lr = schedule[step_count]
         results = train_step(model, optimizer, micro_batches, max_grad_norm=t.max_grad_norm,
                              reduce_across_replicas=parallel.explicit_reduce, packed=packed)
         label_tokens = label_tokens + results["tokens"]
@@ -288,7 +289,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
             # the host may run several steps ahead of the device, so only the time to the
             # end of the last step's execution measures the steps.)
             xm.wait_device_ops()
-            warm_time, warm_step = time.perf_counter(), step
+            warm_time = time.perf_counter()
         if step > start_step + t.warmup_compiles_steps:
             steps_after_warmup += 1
             data_wait += waited
@@ -339,7 +340,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
     log.write({"kind": "eval", "step": step, **eval_after})
     log.close()
     save_adapter(model, out / "adapter", lora_config, config.model.path)
-    timed_steps = step - (warm_step if warm_step is not None else start_step)
+    timed_steps = steps_after_warmup if warm_time is not None else step - start_step
     counters = read_counters()
     summary = {
         "phase": phase,
