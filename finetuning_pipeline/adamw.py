@@ -9,7 +9,7 @@ eps added after the square root), with three differences that matter on XLA:
   two flat vectors), so the first step traces the same graph as every later one (torch's
   AdamW creates its state lazily, which costs one extra graph, and keeps its step count on
   the host);
-- `lr` may be a device tensor (the trainer's schedule computes it on the device).
+- `lr` may be a device tensor (the trainer reads it from a schedule table on the device).
 """
 
 from __future__ import annotations
