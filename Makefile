@@ -69,7 +69,7 @@ demo-data: $(DEMO_DATA)
 
 demo: $(DEMO_DATA)
 	$(BIN)/python finetuning_pipeline/main.py --config $(DEMO_CONFIG) --resume never --force $(ARGS)
-	$(BIN)/python -m finetuning_pipeline.export --base $(DEMO)/base --adapter $(DEMO)/phase2/adapter --out $(DEMO)/merged
+	$(BIN)/python -m finetuning_pipeline.export --base $(DEMO)/base --adapter $(DEMO)/phase2/adapter --out $(DEMO)/merged --force
 	@echo "--- a question from the bundled chat data, answered by the merged model:"
 	$(BIN)/python -m finetuning_pipeline.generate --model $(DEMO)/merged --prompt "Care este reședința județului Cluj?"
 	@echo "--- outputs in $(DEMO)/: phase1/ phase2/ (adapter, checkpoints, metrics.jsonl, summary.json), merged/, loss.png"

@@ -63,6 +63,15 @@ def check_manifest(manifest: dict, *, fingerprint: str, seq_len: int, source: st
         )
 
 
+def content_digest(manifest: dict) -> str:
+    """A short digest of what decides a prepared dataset's blocks: its sources (with their
+    sha256), options, tokenizer fingerprint and counts; not where the tokenizer was read from.
+    Preparing again from the same inputs gives the same digest; other inputs, another."""
+    content = {k: v for k, v in manifest.items() if k != "tokenizer"}
+    content["tokenizer"] = {k: v for k, v in manifest.get("tokenizer", {}).items() if k != "path"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode("utf-8")).hexdigest()[:16]
+
+
 def is_packed(manifest: dict) -> bool:
     """Phase-2 blocks pack separate conversations; phase-1 blocks are one stream of text."""
     return manifest["phase"] == 2

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dataset.manifest import content_digest, read_manifest
 from lora_logic import LoraConfig, load_adapter, save_adapter
 from utils.atomic_io import fsync_dir
 
@@ -82,7 +83,7 @@ def to_cpu(obj):
 
 def rng_state() -> dict:
     """The host RNGs. The XLA RNG is not saved: the trainer seeds it from the step number at
-    every step (train_logic.step_seed), which is what makes dropout resume exactly."""
+    every step (trainer.step_seed), which is what makes dropout resume exactly."""
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
@@ -127,6 +128,16 @@ def save_checkpoint(root: str | Path, step: int, *, model, optimizer, lora_confi
     return final
 
 
+def resume_keys(config, phase: int) -> dict:
+    """What a checkpoint records to refuse a resume that would not continue the same run: the
+    settings that decide the result (RunConfig.exactness_keys) and the content of the phase's
+    prepared data (re-preparing into the same directory between a stop and its resume would
+    otherwise silently continue on another stream)."""
+    keys = config.exactness_keys(phase)
+    keys[f"phase{phase}.data.content"] = content_digest(read_manifest(config.phase(phase).data))
+    return keys
+
+
 def prune_checkpoints(root: Path, keep: int) -> None:
     """Keep the `keep` newest complete checkpoints (never fewer than one)."""
     for old in complete_checkpoints(root)[: -max(1, keep)]:
@@ -155,3 +166,65 @@ def load_checkpoint(path: str | Path, *, model, optimizer) -> dict:
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
     restore_rng_state(torch.load(path / "rng.pt", weights_only=False))
     return json.loads((path / "trainer_state.json").read_text())
+
+
+class Checkpointer:
+    """A phase's checkpoints: when to save, saving on every replica together, and what a failed
+    write does to the run.
+
+    Every replica calls `save` at the same step; the master writes, then all of them vote on
+    whether the write succeeded (a host collective), so a full disk on the master stops every
+    replica with the same CheckpointWriteError (exit 3) instead of leaving them waiting for a
+    master that has gone."""
+
+    def __init__(self, root: Path, *, every: int, keep: int, collectives, base_model: str, lora_config: LoraConfig) -> None:
+        self.root = Path(root)
+        self.every = every
+        self.keep = keep
+        self.collectives = collectives
+        self.base_model = base_model
+        self.lora_config = lora_config
+
+    @property
+    def master(self) -> bool:
+        return self.collectives.rank == 0
+
+    def clean(self) -> None:
+        """Remove what an interrupted save left behind (master), before anything is written."""
+        if self.master:
+            clean_partial_checkpoints(self.root)
+        self.collectives.barrier()
+
+    def due(self, step: int, max_steps: int) -> bool:
+        """The periodic cadence (the end of a phase and a stop always save)."""
+        return bool(self.every) and step % self.every == 0 and step < max_steps
+
+    def latest(self) -> Path | None:
+        found = complete_checkpoints(self.root)
+        return found[-1] if found else None
+
+    def save(self, step: int, *, model, optimizer, trainer_state: dict) -> None:
+        """Every replica, at the same step (after the step's `torch_xla.sync()`)."""
+        import torch_xla
+
+        from finetuning_pipeline.errors import CheckpointWriteError
+
+        torch_xla.sync()
+        error = None
+        if self.master:
+            try:
+                save_checkpoint(self.root, step, model=model, optimizer=optimizer, lora_config=self.lora_config,
+                                base_model=self.base_model, trainer_state=trainer_state, keep=self.keep)
+            except OSError as err:
+                error = err
+        if self.collectives.all(error is None):
+            return
+        latest = self.latest()
+        intact = f"The previous checkpoint {latest} is intact" if latest else "No earlier checkpoint exists"
+        if error is None:
+            raise CheckpointWriteError(f"the master could not write checkpoint step {step} under {self.root} (its "
+                                       f"log says why). {intact}; fix it and rerun with --resume auto")
+        raise CheckpointWriteError(
+            f"could not write checkpoint step {step} under {self.root}: {error.strerror or error}. {intact}; "
+            "free space (or fix permissions) and rerun with --resume auto"
+        )

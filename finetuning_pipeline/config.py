@@ -18,12 +18,11 @@ from pathlib import Path
 
 import yaml
 
+from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.parallel import MODES
 from lora_logic import DEFAULT_TARGET_MODULES, LoraConfig
 
-
-class ConfigError(ValueError):
-    """A bad configuration; the message names the key and says what to do."""
+__all__ = ["ConfigError", "RunConfig", "load_config"]
 
 
 @dataclass
@@ -119,13 +118,29 @@ class LoggingConfig:
 
 
 @dataclass
+class MeshConfig:
+    """The SPMD mesh of parallel.mode=fsdp: data x fsdp = every chip of the run; -1 takes the
+    chips the other axis leaves. The frozen base is sharded over `fsdp` (each chip holds 1/fsdp
+    of every matrix) and the batch over both axes. fsdp=-1 (default): shard over every chip,
+    for models that do not fit one chip. data=-1 fsdp=1: pure data parallelism in one SPMD
+    process per host (one compile per host; Pallas splash attention needs this mesh)."""
+
+    data: int = 1
+    fsdp: int = -1
+
+
+@dataclass
 class ParallelConfig:
     """mode: "dp": one process per chip, each with the whole model, gradients all-reduced (for
-    models that fit one chip's HBM: fastest). "fsdp": one SPMD process per host, the frozen
-    base weights sharded over every chip (for models that do not fit one chip). Both give the
-    same steps for the same global batch; see finetuning_pipeline/parallel.py."""
+    models that fit one chip's HBM). "fsdp": one SPMD process per host over a (data, fsdp)
+    mesh of every chip (see mesh). Both give the same steps for the same global batch; see
+    finetuning_pipeline/parallel.py and the README for which to choose.
+    host_timeout_s: how long a replica waits for the others at a host collective (a stop
+    vote, a checkpoint) before it gives up and exits (a hung peer; a dead one fails at once)."""
 
     mode: str = "dp"
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    host_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -199,10 +214,12 @@ class RunConfig:
 
     def exactness_keys(self, phase: int) -> dict:
         """The settings a resumed phase must share with the run that saved the checkpoint for
-        the result to equal an uninterrupted run's (logging, eval and checkpoint cadence may change)."""
+        the result to equal an uninterrupted run's (logging, eval and checkpoint cadence may change).
+        micro_batch and grad_accum may change with the number of chips as long as the global
+        batch stays the same: the trainer checks that product itself."""
         flat = {"model.path": self.model.path, "model.dtype": self.model.dtype}
         flat.update({f"lora.{k}": v for k, v in dataclasses.asdict(self.lora).items()})
-        skip = {"warmup_compiles_steps", "recompile_policy", "max_bad_steps"}
+        skip = {"warmup_compiles_steps", "recompile_policy", "max_bad_steps", "micro_batch", "grad_accum"}
         flat.update({f"train.{k}": v for k, v in dataclasses.asdict(self.train).items() if k not in skip})
         phase_cfg = dataclasses.asdict(self.phase(phase))
         if phase == 1:
@@ -338,6 +355,14 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"model.dtype must be one of {list(DTYPES)}, got {config.model.dtype!r}")
     if config.parallel.mode not in MODES:
         raise ConfigError(f"parallel.mode must be 'dp' or 'fsdp', got {config.parallel.mode!r}")
+    mesh = config.parallel.mesh
+    for key, value in (("parallel.mesh.data", mesh.data), ("parallel.mesh.fsdp", mesh.fsdp)):
+        if value == 0 or value < -1:
+            raise ConfigError(f"{key} must be a chip count >= 1, or -1 for the chips the other axis leaves; got {value}")
+    if mesh.data == -1 and mesh.fsdp == -1:
+        raise ConfigError("parallel.mesh: at most one of data and fsdp may be -1")
+    if not config.parallel.host_timeout_s > 0:
+        raise ConfigError(f"parallel.host_timeout_s must be > 0, got {config.parallel.host_timeout_s}")
     if not 0 < config.tpu.assumed_mfu <= 1:
         raise ConfigError(f"tpu.assumed_mfu must be in (0, 1], got {config.tpu.assumed_mfu}")
     if config.phase2.init not in ("continue", "merge", "fresh"):

@@ -13,40 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 import numpy as np
 import torch
 
 from dataset.encode import IGNORE_INDEX
-from dataset.loader import iter_eval_batches, open_prepared
-from dataset.manifest import is_packed
+from dataset.loader import open_prepared
+from dataset.manifest import is_packed, tokenizer_fingerprint
 from dataset.shards import open_split
-from finetuning_pipeline.step import eval_sums
-
-
-def load_model(model_dir: str, adapter: str | None, device):
-    from transformers import AutoModelForCausalLM
-
-    from lora_logic import load_adapter, merge_lora
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if adapter:
-        load_adapter(model, adapter)
-        merge_lora(model)
-    return model.to(device)
-
-
-def loss_and_perplexity(model, data: str, split: str, micro_batch: int, pad_id: int, device) -> dict:
-    loss_sum, count = 0.0, 0.0
-    packed = is_packed(open_prepared(data))
-    for batch in iter_eval_batches(data, micro_batch, pad_id=pad_id, split=split):
-        batch_loss, batch_count = eval_sums(model, {k: v.to(device) for k, v in batch.items()}, packed)
-        loss_sum += float(batch_loss)
-        count += float(batch_count)
-    loss = loss_sum / max(count, 1.0)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "label_tokens": int(count)}
+from finetuning_pipeline.errors import ModelLoadError, run_command
+from finetuning_pipeline.evaluation import evaluate_loss
+from finetuning_pipeline.model_loading import load_model
 
 
 def chat_samples(model, tokenizer, data: str, split: str, n: int, max_new_tokens: int) -> list[dict]:
@@ -82,6 +60,10 @@ def chat_samples(model, tokenizer, data: str, split: str, n: int, max_new_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_command(evaluate, argv)
+
+
+def evaluate(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--adapter")
@@ -95,23 +77,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from dataset.errors import DataError
-    from dataset.manifest import tokenizer_fingerprint
-
+    model, _ = load_model(args.model, [args.adapter] if args.adapter else [])
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        manifest = open_prepared(args.data, fingerprint=tokenizer_fingerprint(tokenizer))
-    except (DataError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"--model {args.model}: cannot load its tokenizer ({err})") from None
+    manifest = open_prepared(args.data, fingerprint=tokenizer_fingerprint(tokenizer))
     if args.device == "xla":
         from utils.xla_runtime import init_xla_device
 
         device = init_xla_device()
     else:
         device = torch.device("cpu")
-    model = load_model(args.model, args.adapter, device)
-    result = loss_and_perplexity(model, args.data, args.split, args.micro_batch, manifest["tokenizer"]["pad_id"], device)
+    model.to(device)
+    result = evaluate_loss(model, args.data, micro_batch=args.micro_batch, pad_id=manifest["tokenizer"]["pad_id"],
+                           packed=is_packed(manifest), device=device, split=args.split)
     if manifest["phase"] == 2 and args.samples > 0:
         result["samples"] = chat_samples(model.to("cpu"), tokenizer, args.data, args.split, args.samples, args.max_new_tokens)
     if args.json:

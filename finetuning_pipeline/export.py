@@ -19,30 +19,36 @@ from pathlib import Path
 
 import torch
 
-from lora_logic import load_adapter, merge_and_unload
+from finetuning_pipeline.errors import ConfigError, ModelLoadError, run_command
+from finetuning_pipeline.model_loading import load_model
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def export_merged(base: str, adapters: list[str], out: str, dtype: str = "auto", tokenizer: str | None = None) -> Path:
-    """Merge `adapters` (in order) into `base` and save to `out`; returns `out`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def export_merged(base: str, adapters: list[str], out: str, dtype: str = "auto", tokenizer: str | None = None,
+                  force: bool = False) -> Path:
+    """Merge `adapters` (in order) into `base` and save to `out`; returns `out`. An existing
+    `out` is replaced only with force."""
+    from transformers import AutoTokenizer
 
     out_path = Path(out)
+    if out_path.exists() and not force:
+        raise ConfigError(f"--out: {out_path} already exists; pass --force to replace it, or choose another --out")
     # Merge in fp32 (each W0 + s B A is rounded once, into the output dtype, at save time).
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model, _ = load_model(base, adapters, torch.float32)
+    model.config.use_cache = True  # the exported model is for inference
     saved_dtype = DTYPES[dtype] or getattr(model.config, "dtype", None) or torch.float32
     if isinstance(saved_dtype, str):
         saved_dtype = getattr(torch, saved_dtype)
-    for adapter in adapters:
-        load_adapter(model, adapter)
-        merge_and_unload(model)
     model.to(saved_dtype)
     staging = out_path.with_name(f".{out_path.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     try:
         model.save_pretrained(staging)
-        AutoTokenizer.from_pretrained(tokenizer or base).save_pretrained(staging)
+        try:
+            AutoTokenizer.from_pretrained(tokenizer or base).save_pretrained(staging)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"--tokenizer {tokenizer or base}: cannot load a tokenizer ({err})") from None
         if out_path.exists():
             shutil.rmtree(out_path)
         os.replace(staging, out_path)
@@ -52,18 +58,19 @@ def export_merged(base: str, adapters: list[str], out: str, dtype: str = "auto",
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_command(export_command, argv)
+
+
+def export_command(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="base Hugging Face model directory")
     parser.add_argument("--adapter", action="append", required=True, help="adapter directory (repeat to stack, in order)")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto", help="saved dtype (default: the base's)")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: --base)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out directory")
     args = parser.parse_args(argv)
-    try:
-        out = export_merged(args.base, args.adapter, args.out, args.dtype, args.tokenizer)
-    except (FileNotFoundError, ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    out = export_merged(args.base, args.adapter, args.out, args.dtype, args.tokenizer, args.force)
     print(f"wrote merged model to {out}")
     return 0
 

@@ -13,18 +13,21 @@ import sys
 
 import torch
 
+from finetuning_pipeline.errors import ModelLoadError, run_command
+from finetuning_pipeline.model_loading import load_model
+
 
 def generate(model_dir: str, prompt: str, adapter: str | None = None, max_new_tokens: int = 64,
              plain: bool = False, temperature: float = 0.0, system: str | None = None) -> str:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from lora_logic import load_adapter, merge_lora
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if adapter:
-        load_adapter(model, adapter)
-        merge_lora(model)  # inference only: one matmul per layer instead of three
+    # Adapters merged: inference needs one matmul per layer instead of three.
+    model, _ = load_model(model_dir, [adapter] if adapter else [])
+    model.eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"--model {model_dir}: cannot load its tokenizer ({err})") from None
     if plain or not tokenizer.chat_template:
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     else:
@@ -39,6 +42,10 @@ def generate(model_dir: str, prompt: str, adapter: str | None = None, max_new_to
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_command(generate_command, argv)
+
+
+def generate_command(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="Hugging Face model directory (base or merged)")
     parser.add_argument("--adapter", help="LoRA adapter directory to apply")
@@ -48,12 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     args = parser.parse_args(argv)
-    try:
-        text = generate(args.model, args.prompt, args.adapter, args.max_new_tokens, args.plain, args.temperature, args.system)
-    except (FileNotFoundError, ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(text)
+    print(generate(args.model, args.prompt, args.adapter, args.max_new_tokens, args.plain, args.temperature, args.system))
     return 0
 
 

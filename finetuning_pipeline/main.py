@@ -9,35 +9,40 @@ dataset.prepare` and writes, under output_dir/phaseN/: adapter/ (PEFT layout),
 checkpoints/, metrics.jsonl, summary.json; the run writes output_dir/loss.png.
 
 One process per TPU chip is started with torch_xla.launch (PJRT); on a CPU the world is one
-replica, run in this process. Everything that can be checked without a device (config, paths, data manifests
-against the tokenizer, sequence length against the model) is checked first.
+replica, run in this process, or N replicas started by
+`PJRT_DEVICE=CPU torchrun --standalone --nproc-per-node N finetuning_pipeline/main.py ...`
+(they talk through gloo on the loopback: collectives.py). Everything that can be checked
+without a device (config, paths, data manifests against the tokenizer, sequence length against
+the model, resume settings) is checked first.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import shutil
-import signal
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: python finetuning_pipeline/main.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dataset.errors import DataError  # noqa: E402
-from finetuning_pipeline.checkpointing import complete_checkpoints, verify_checkpoint  # noqa: E402
-from finetuning_pipeline.config import ConfigError, RunConfig, load_config  # noqa: E402
+from finetuning_pipeline.checkpointing import complete_checkpoints, resume_keys, verify_checkpoint  # noqa: E402
+from finetuning_pipeline.collectives import torchrun_world  # noqa: E402
+from finetuning_pipeline.config import RunConfig, load_config  # noqa: E402
+from finetuning_pipeline.errors import ConfigError, run_command  # noqa: E402
+from finetuning_pipeline.run_layout import OutputLock, RunLayout  # noqa: E402
 
 
 @dataclass
 class PhasePlan:
     phase: int
     resume_from: Path | None  # a complete checkpoint, or None to start the phase fresh
+    replace: bool = False  # --resume never --force: the master removes the phase's old outputs first
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,8 +51,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         epilog="Overrides are dotted config keys, e.g. train.max_steps=200 lora.r=8 output_dir=outputs/try2. "
         "Unknown keys are an error. Exit status: 0 done (or stopped cleanly), 2 bad config or data, "
-        "3 the run had to stop (a recompile after warm-up, diverged training, a failed checkpoint write). "
-        "SIGTERM/SIGINT checkpoint at the next step and exit 0; the same command then resumes.",
+        "3 the run had to stop (a recompile after warm-up, diverged training, a failed checkpoint write, "
+        "a replica that died). SIGTERM/SIGINT to any replica: every replica checkpoints the same step and exits 0; "
+        "the same command then resumes. Several replicas on a CPU: PJRT_DEVICE=CPU torchrun --standalone "
+        "--nproc-per-node N finetuning_pipeline/main.py ...",
     )
     parser.add_argument("--config", required=True, help="YAML run config (see finetuning_pipeline/configs/)")
     parser.add_argument("--phase", choices=("1", "2", "all"), default="all", help="which phase(s) to run (default all)")
@@ -95,9 +102,9 @@ def preflight_checks(config: RunConfig, phases: list[int]) -> None:
         if manifest["counts"]["train"] < 1:
             raise ConfigError(f"{key}: {data} has no training blocks")
     if 2 in phases and 1 not in phases and config.phase2.init != "fresh":
-        adapter = Path(config.output_dir) / "phase1" / "adapter" / "adapter_config.json"
-        if not adapter.is_file():
-            raise ConfigError(f"phase2.init={config.phase2.init} needs the phase-1 adapter ({adapter.parent}); "
+        adapter = RunLayout(config.output_dir).adapter(1)
+        if not (adapter / "adapter_config.json").is_file():
+            raise ConfigError(f"phase2.init={config.phase2.init} needs the phase-1 adapter ({adapter}); "
                               "run phase 1 first, or set phase2.init=fresh")
     probe_output_dir(config.output_dir)
 
@@ -116,24 +123,23 @@ def probe_output_dir(output_dir: str) -> None:
 
 def plan_phases(config: RunConfig, phases: list[int], resume: str, force: bool) -> list[PhasePlan]:
     """Which phases to run and where each starts, from --resume and what is on disk."""
-    out = Path(config.output_dir)
+    layout = RunLayout(config.output_dir)
     if resume == "auto":
         plans = []
         for phase in phases:
-            if (out / f"phase{phase}" / "summary.json").is_file():
-                print(f"phase {phase}: already finished ({out / f'phase{phase}' / 'summary.json'}); skipping")
+            if layout.summary(phase).is_file():
+                if launch_rank() == 0:
+                    print(f"phase {phase}: already finished ({layout.summary(phase)}); skipping")
                 continue
-            complete = complete_checkpoints(out / f"phase{phase}" / "checkpoints")
+            complete = complete_checkpoints(layout.checkpoints(phase))
             plans.append(PhasePlan(phase, complete[-1] if complete else None))
         return plans
     if resume == "never":
-        existing = [out / f"phase{p}" for p in phases if (out / f"phase{p}").exists()]
+        existing = [layout.phase_dir(p) for p in phases if layout.phase_dir(p).exists()]
         if existing and not force:
             raise ConfigError(f"--resume never: {existing[0]} already exists; pass --force to replace it, "
                               "or use --resume auto to continue")
-        for path in existing:
-            shutil.rmtree(path)
-        return [PhasePlan(p, None) for p in phases]
+        return [PhasePlan(p, None, replace=layout.phase_dir(p).exists()) for p in phases]
     checkpoint = Path(resume)
     try:
         verify_checkpoint(checkpoint)
@@ -146,65 +152,73 @@ def plan_phases(config: RunConfig, phases: list[int], resume: str, force: bool) 
 
 
 def check_resumable(config: RunConfig, plans: list[PhasePlan]) -> None:
-    """Refuse to resume a checkpoint under settings that would change the result, naming them."""
+    """Refuse to resume a checkpoint under settings, or on prepared data, that would change
+    the result, naming each change. (Keys a checkpoint does not record, from an older version,
+    are not compared.)"""
     for plan in plans:
         if plan.resume_from is None:
             continue
         saved = json.loads((plan.resume_from / "trainer_state.json").read_text()).get("exactness", {})
-        current = config.exactness_keys(plan.phase)
-        changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+        current = resume_keys(config, plan.phase)
+        changed = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
         if changed:
             details = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
+            data_key = f"phase{plan.phase}.data.content"
+            hint = (f" (the prepared data in {config.phase(plan.phase).data} is not what the checkpoint trained on: "
+                    "it was prepared again from other inputs or options)") if data_key in changed else ""
             raise ConfigError(
-                f"--resume: {plan.resume_from} was saved under other settings ({details}); resuming would not give "
-                "the run you started. Restore them, or start over with --resume never --force"
+                f"--resume: {plan.resume_from} was saved under other settings ({details}){hint}; resuming would not "
+                "give the run you started. Restore them, or start over with --resume never --force"
             )
 
 
-class StopOnSignal:
-    """SIGTERM (a spot VM's preemption notice, `kill`) or SIGINT (Ctrl-C) only set a flag; the
-    loop checkpoints at the next step boundary and returns. A second signal is not special:
-    use SIGKILL to stop at once (the next start resumes from the last complete checkpoint)."""
+def launch_rank() -> int:
+    """This process's rank among the processes torchrun started (0 when not under torchrun)."""
+    return int(os.environ.get("RANK", "0")) if torchrun_world() > 1 else 0
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.received: str | None = None
-        self.previous = {}
-
-    def __enter__(self) -> "StopOnSignal":
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self.previous[sig] = signal.signal(sig, self.handle)
-        return self
-
-    def handle(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
-        self.event.set()
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+@contextlib.contextmanager
+def output_dir_lock(layout: RunLayout, parallel):
+    """The master holds output_dir's lock for the run; every replica learns whether it got it."""
+    lock, error = OutputLock(layout), None
+    if parallel.master:
+        try:
+            lock.acquire()
+        except ConfigError as err:
+            error = err
+    if not parallel.collectives.all(error is None):
+        raise error or ConfigError(f"output_dir: {layout.root} is in use by another run (see the master's error)")
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def run_replica(index: int, config: RunConfig, plans: list[PhasePlan], resume_command: str) -> None:
-    """Entry point of each process (one per chip under dp, one per host under fsdp)."""
+    """Entry point of each process (one per chip under dp, one per host under fsdp). Every
+    replica runs the same phases and stops after the same one."""
     from finetuning_pipeline.parallel import compile_cache_dir, start
-    from finetuning_pipeline.train_logic import run_phase
+    from finetuning_pipeline.stop_signal import StopOnSignal
+    from finetuning_pipeline.trainer import run_phase
 
-    parallel, device = start(config.parallel.mode, index, compile_cache_dir(config.xla.compile_cache_dir))
-    rank = parallel.rank
-    with StopOnSignal() as stop:
+    parallel, device = start(config.parallel.mode, (config.parallel.mesh.data, config.parallel.mesh.fsdp), index,
+                             compile_cache_dir(config.xla.compile_cache_dir), config.parallel.host_timeout_s)
+    layout = RunLayout(config.output_dir)
+    with StopOnSignal() as stop, output_dir_lock(layout, parallel):
         for plan in plans:
-            summary = run_phase(config, plan.phase, parallel=parallel, device=device,
-                                resume_from=plan.resume_from, stop_requested=stop.event.is_set)
-            if rank == 0 and summary is not None:
-                print(format_summary(summary), flush=True)
-            if summary is not None and "stopped_at_step" in summary:
-                if rank == 0:
-                    print(f"stopped on {stop.received or 'request'} after a checkpoint at step "
-                          f"{summary['stopped_at_step']} of phase {plan.phase}; resume with:\n  {resume_command}", flush=True)
+            if plan.replace and parallel.master:
+                shutil.rmtree(layout.phase_dir(plan.phase))
+            result = run_phase(config, plan.phase, parallel=parallel, device=device,
+                               resume_from=plan.resume_from, stop_requested=stop.event.is_set)
+            if result.summary is not None:
+                print(format_summary(result.summary), flush=True)
+            if result.stopped_at_step is not None:
+                reason = stop.received or "another replica was signalled"
+                print(f"replica {parallel.rank}: stopped after step {result.stopped_at_step} of phase {plan.phase} "
+                      f"({reason})", flush=True)
+                if parallel.master:
+                    print(f"stopped on {reason} after a checkpoint at step {result.stopped_at_step} of phase "
+                          f"{plan.phase}; resume with:\n  {resume_command}", flush=True)
                 return
 
 
@@ -221,41 +235,38 @@ def format_summary(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_command(train, argv)
+
+
+def train(argv: list[str] | None) -> int:
     args = parse_args(argv)
     phases = [1, 2] if args.phase == "all" else [int(args.phase)]
-    try:
-        config = load_config(args.config, args.overrides)
-        preflight_checks(config, phases)
-        plans = plan_phases(config, phases, args.resume, args.force)
-        check_resumable(config, plans)
-    except (ConfigError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    config = load_config(args.config, args.overrides)
+    preflight_checks(config, phases)
+    plans = plan_phases(config, phases, args.resume, args.force)
+    check_resumable(config, plans)
     if plans:
-        import torch_xla
-
-        from finetuning_pipeline.train_logic import RunError
-
         resume_command = shlex.join([sys.executable, "finetuning_pipeline/main.py", "--config", args.config,
                                      "--phase", args.phase, "--resume", "auto", *args.overrides])
-        try:
-            if config.parallel.mode == "fsdp":
-                # SPMD: this process drives every chip of its host.
-                run_replica(0, config, plans, resume_command)
-            else:
-                # XLA:CPU is a world of one: run the replica in this process (launch would spawn
-                # one, and refuses when this process already initialised the runtime, as tests do).
-                single_process = os.environ.get("PJRT_DEVICE", "CPU") == "CPU"
-                torch_xla.launch(run_replica, args=(config, plans, resume_command),
-                                 debug_single_process=single_process)
-        except RunError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 3
-    from finetuning_pipeline.metrics_log import plot_losses
+        on_cpu = os.environ.get("PJRT_DEVICE", "CPU") == "CPU"
+        if torchrun_world() > 1 and not on_cpu:
+            raise ConfigError("torchrun starts replicas on a CPU only (PJRT_DEVICE=CPU); on a TPU run plain python: "
+                              "torch_xla.launch starts one process per chip")
+        if config.parallel.mode == "fsdp" or on_cpu:
+            # fsdp: this process drives every chip of its host (SPMD). XLA:CPU: this process is
+            # one replica (torch_xla.launch would spawn one, and refuses when this process
+            # already initialised the runtime, as tests do); torchrun may have started others.
+            run_replica(0, config, plans, resume_command)
+        else:
+            import torch_xla
 
-    plot = plot_losses(config.output_dir)
-    if plot is not None:
-        print(f"loss plot: {plot}")
+            torch_xla.launch(run_replica, args=(config, plans, resume_command))
+    if launch_rank() == 0:
+        from finetuning_pipeline.metrics_log import plot_losses
+
+        plot = plot_losses(config.output_dir)
+        if plot is not None:
+            print(f"loss plot: {plot}")
     return 0
 
 

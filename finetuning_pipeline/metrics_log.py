@@ -92,3 +92,60 @@ def plot_losses(output_dir: str | Path, out_name: str = "loss.png") -> Path | No
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+class StepLogger:
+    """A phase's training records and progress bar. Every replica calls `log` from the same
+    step closures (so they agree on what they saw); only the master writes.
+
+    tokens/s and ETA are measured between log steps, from the closures' times (a closure runs
+    once its step has executed)."""
+
+    def __init__(self, log: MetricsLog | None, progress, tokens_per_step: int, max_steps: int,
+                 first_loss: float | None = None) -> None:
+        self.log = log
+        self.progress = progress
+        self.tokens_per_step = tokens_per_step
+        self.max_steps = max_steps
+        self.first_loss = first_loss
+        self._last: tuple[float, int] | None = None
+
+    def log_train(self, step: int, values: dict) -> None:
+        """values: host floats of loss, lr, grad_norm, label_tokens, skipped_steps."""
+        import time
+
+        now = time.perf_counter()
+        rate = None
+        if self._last is not None:
+            rate = (step - self._last[1]) * self.tokens_per_step / (now - self._last[0])
+        self._last = (now, step)
+        if self.first_loss is None:
+            self.first_loss = values["loss"]
+        if self.log is None:
+            return
+        record = {"kind": "train", "step": step, "loss": values["loss"], "lr": values["lr"],
+                  "grad_norm": values["grad_norm"], "label_tokens": int(values["label_tokens"]),
+                  "skipped_steps": int(values["skipped_steps"])}
+        if rate:
+            record["tokens_per_sec"] = round(rate, 1)
+            record["eta_s"] = round((self.max_steps - step) * self.tokens_per_step / rate, 1)
+        self.log.write(record)
+        if self.progress is not None:
+            self.progress.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{rate:,.0f}" if rate else "-", refresh=False)
+
+    def log_eval(self, step: int, result: dict) -> None:
+        if self.log is not None:
+            self.log.write({"kind": "eval", "step": step, **result})
+
+    def advance(self) -> None:
+        if self.progress is not None:
+            self.progress.update(1)
+
+    def state_dict(self) -> dict:
+        return {"train_loss_first": self.first_loss}
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+        if self.log is not None:
+            self.log.close()

@@ -1,44 +1,60 @@
 """How the chips share one run: data parallel processes (`dp`) or one SPMD program (`fsdp`).
 
-dp (the default for models that fit a chip): one process per chip, each with a full copy of
-the model and its own slice of every global batch; gradients, loss sums and eval sums are
-all-reduced explicitly (`xm.all_reduce`).
+dp: one process per chip, each with a full copy of the model and its own slice of every
+global batch; gradients, loss sums and eval sums are summed across processes by
+`collectives.Collectives` (an XLA all-reduce inside the step's graph on a TPU).
 
-fsdp: one process per host, `xr.use_spmd()`, and a 1-D mesh named `fsdp` over every chip of
-every host. The frozen base weights are sharded along it (each chip holds 1/N of each
-matrix), so a model bigger than one chip's HBM fits; each chip computes its share of the
-batch, and XLA's SPMD partitioner inserts the all-gathers of weights and the reductions of
-gradients. The LoRA parameters, their gradients and the optimizer state are replicated: they
-are small (under 1% of a 7B model at r 16), a replicated update needs no collective, and a
-replicated tensor is whole on every host, so saving gathers the real trained values by
-construction (`.cpu()` of a replicated tensor is the full tensor).
+fsdp: one process per host, `xr.use_spmd()`, and a 2-D mesh (`data`, `fsdp`) over every chip
+of every host (MaxText's data and fsdp parallelism). The frozen base weights are sharded along
+`fsdp` (each chip of a data group holds 1/F of each matrix), so a model bigger than one chip's
+HBM fits; the batch is split over both axes, and XLA's SPMD partitioner inserts the
+all-gathers of weights and the reductions of gradients. With `fsdp` = 1 nothing is sharded:
+pure data parallelism in one process per host, one compile per host instead of one per chip.
+The LoRA parameters, their gradients and the optimizer state are replicated: they are small
+(under 1% of a 7B model at r 16), a replicated update needs no collective, and a replicated
+tensor is whole on every host, so saving gathers the real trained values by construction.
+
+Processes started by `torchrun` on a CPU (the test suite's way to run several replicas) use
+the same code; their device sums go through the host (see collectives.py), and under fsdp each
+process's mesh spans its own virtual CPU devices.
 
 Every process calls the same functions in the same order; `Parallel` holds what differs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from finetuning_pipeline.collectives import Collectives, init_host_group, torchrun_world
+
 MODES = ("dp", "fsdp")
-FSDP_AXIS = "fsdp"
+DATA_AXIS, FSDP_AXIS = "data", "fsdp"
+BATCH_AXES = (DATA_AXIS, FSDP_AXIS)  # the batch is split over both axes
 
 
 @dataclass
 class Parallel:
     """mode: "dp" or "fsdp".
-    rank, world: this process among the processes that read data (under fsdp: hosts).
+    collectives: this process's rank among the processes that read data (under fsdp: hosts),
+        their number, and how they talk.
     chips_per_process: how many chips one process's batches feed (1 under dp).
     mesh: the SPMD mesh under fsdp, None under dp."""
 
     mode: str
-    rank: int
-    world: int
+    collectives: Collectives = field(default_factory=Collectives)
     chips_per_process: int = 1
     mesh: object = None
+
+    @property
+    def rank(self) -> int:
+        return self.collectives.rank
+
+    @property
+    def world(self) -> int:
+        return self.collectives.world
 
     @property
     def master(self) -> bool:
@@ -48,11 +64,8 @@ class Parallel:
     def chips(self) -> int:
         return self.world * self.chips_per_process
 
-    @property
-    def explicit_reduce(self) -> bool:
-        """True where the trainer must all-reduce sums itself (dp with several processes);
-        under fsdp every tensor is global and the compiler does it."""
-        return self.mode == "dp" and self.world > 1
+    def fsdp_size(self) -> int:
+        return self.mesh.mesh_shape[1] if self.mesh is not None else 1
 
     def place_model(self, model: torch.nn.Module, device) -> list[str]:
         """Move the model to the device; under fsdp shard frozen weights as they arrive, so no
@@ -69,7 +82,7 @@ class Parallel:
             for name, param in list(module.named_parameters(recurse=False)):
                 if id(param) not in moved:
                     on_device = torch.nn.Parameter(param.detach().to(device), requires_grad=param.requires_grad)
-                    spec = shard_spec(param, self.mesh.size()) if not param.requires_grad else None
+                    spec = shard_spec(param, self.fsdp_size()) if not param.requires_grad else None
                     if spec is not None:
                         sharded.append(f"{module_name}.{name}")
                     xs.mark_sharding(on_device, self.mesh, spec or replicated(param))
@@ -86,7 +99,7 @@ class Parallel:
         import torch_xla.distributed.spmd as xs
 
         hidden = output[0] if isinstance(output, tuple) else output
-        xs.mark_sharding(hidden, self.mesh, (FSDP_AXIS,) + (None,) * (hidden.dim() - 1))
+        xs.mark_sharding(hidden, self.mesh, (BATCH_AXES,) + (None,) * (hidden.dim() - 1))
         return output
 
     def replicate(self, tensors: list[torch.Tensor]) -> None:
@@ -107,40 +120,19 @@ class Parallel:
             return None
         import torch_xla.distributed.spmd as xs
 
-        return xs.ShardingSpec(self.mesh, (FSDP_AXIS, None), minibatch=True)
-
-    def any_process(self, flag: bool, tag: str) -> bool:
-        """True on every process if it is True on any (all processes must stop at one step)."""
-        if self.world == 1:
-            return flag
-        if self.mode == "dp":
-            import torch_xla.core.xla_model as xm
-
-            return bool(xm.mesh_reduce(tag, int(flag), max))
-        import torch.distributed as dist
-
-        value = torch.tensor([int(flag)])
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)  # gloo, host memory: the chips are not involved
-        return bool(value.item())
-
-    def barrier(self, tag: str) -> None:
-        if self.world == 1:
-            return
-        if self.mode == "dp":
-            import torch_xla.core.xla_model as xm
-
-            xm.rendezvous(tag)
-            return
-        import torch.distributed as dist
-
-        dist.barrier()
+        return xs.ShardingSpec(self.mesh, (BATCH_AXES, None), minibatch=True)
 
     def describe(self) -> dict:
-        return {"mode": self.mode, "processes": self.world, "chips": self.chips}
+        described = {"mode": self.mode, "processes": self.world, "chips": self.chips}
+        if self.mesh is not None:
+            described["mesh"] = dict(zip(self.mesh.axis_names, self.mesh.mesh_shape))
+        return described
 
 
-def start(mode: str, local_index: int = 0, compile_cache_dir: str = "") -> tuple[Parallel, torch.device]:
+def start(mode: str, mesh: tuple[int, int] = (1, -1), local_index: int = 0, compile_cache_dir: str = "",
+          host_timeout_s: float = 1800) -> tuple[Parallel, torch.device]:
     """Initialise the runtime for `mode` in this process and return (Parallel, device).
+    mesh: (data, fsdp) axis sizes under fsdp, -1 for "the remaining chips".
     Under fsdp this must run before any XLA tensor exists (SPMD is a process-wide switch);
     so must the compilation cache (one directory per local process: they may not share one)."""
     import os
@@ -158,22 +150,49 @@ def start(mode: str, local_index: int = 0, compile_cache_dir: str = "") -> tuple
     from utils.xla_runtime import init_xla_device
 
     device = init_xla_device()  # before any backward in this process
+    if torchrun_world() > 1:
+        # Processes started by torchrun on a CPU: each is its own XLA world of one; they talk
+        # through gloo on the host (torchrun's MASTER_ADDR/PORT), device sums included.
+        import torch.distributed as dist
+
+        init_host_group(timeout_s=host_timeout_s)
+        collectives = Collectives(dist.get_rank(), dist.get_world_size(), device_reduction="host")
+    elif mode == "dp":
+        world = xr.world_size()
+        if world > 1:
+            init_host_group("xla://", host_timeout_s)  # host votes and barriers; gradients go through XLA
+        collectives = Collectives(xr.global_ordinal(), world, device_reduction="xla")
+    else:
+        if xr.process_count() > 1:
+            init_host_group("xla://", host_timeout_s)
+        collectives = Collectives(xr.process_index(), xr.process_count(), device_reduction="none")
     if mode == "dp":
-        return Parallel("dp", rank=xr.global_ordinal(), world=xr.world_size()), device
+        return Parallel("dp", collectives), device
     import numpy as np
     import torch_xla.distributed.spmd as xs
 
+    # The mesh spans every chip of the SPMD program: all hosts' on a pod, this process's own
+    # under torchrun (where each process is a separate XLA world).
     chips = xr.global_runtime_device_count()
-    mesh = xs.Mesh(np.arange(chips), (chips,), (FSDP_AXIS,))
-    if xr.process_count() > 1:
-        import torch.distributed as dist
+    data, fsdp = mesh_shape(chips, *mesh)
+    spmd_mesh = xs.Mesh(np.arange(chips), (data, fsdp), (DATA_AXIS, FSDP_AXIS))
+    return Parallel("fsdp", collectives, chips_per_process=xr.addressable_runtime_device_count(),
+                    mesh=spmd_mesh), device
 
-        if not dist.is_initialized():
-            import torch_xla.distributed.xla_backend  # noqa: F401  registers the xla:// rendezvous
 
-            dist.init_process_group("gloo", init_method="xla://")  # host-side stop votes and barriers
-    return Parallel("fsdp", rank=xr.process_index(), world=xr.process_count(),
-                    chips_per_process=xr.addressable_runtime_device_count(), mesh=mesh), device
+def mesh_shape(chips: int, data: int, fsdp: int) -> tuple[int, int]:
+    """(data, fsdp) for `chips` chips; one of them may be -1 (the rest). Raises ValueError
+    naming the config keys when the product is not the chip count."""
+    if data == -1 and fsdp == -1:
+        raise ValueError("parallel.mesh: at most one of data and fsdp may be -1")
+    if data == -1:
+        data = chips // fsdp if chips % fsdp == 0 else -1
+    if fsdp == -1:
+        fsdp = chips // data if chips % data == 0 else -1
+    if data < 1 or fsdp < 1 or data * fsdp != chips:
+        raise ValueError(f"parallel.mesh: data x fsdp must equal the {chips} chips of the mesh "
+                         f"(got data={data}, fsdp={fsdp}); e.g. parallel.mesh.data=1 parallel.mesh.fsdp=-1")
+    return data, fsdp
 
 
 def compile_cache_dir(setting: str) -> str:
@@ -190,9 +209,10 @@ def compile_cache_dir(setting: str) -> str:
 
 
 def shard_spec(param: torch.Tensor, chips: int) -> tuple | None:
-    """Shard a weight matrix on its first dimension divisible by the chip count; None
-    (replicate) for vectors and for matrices no dimension of which divides."""
-    if param.dim() < 2:
+    """Shard a weight matrix on its first dimension divisible by the fsdp axis size; None
+    (replicate) for vectors, for matrices no dimension of which divides, and for an fsdp axis
+    of one chip (pure data parallelism)."""
+    if param.dim() < 2 or chips < 2:
         return None
     for dim, size in enumerate(param.shape):
         if size % chips == 0:

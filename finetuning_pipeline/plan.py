@@ -128,6 +128,7 @@ class PlanInputs:
     lora_dropout: float
     assumed_mfu: float
     steps: int  # optimizer steps of the phase
+    fsdp_axis: int = -1  # under fsdp: chips each weight matrix is split over (-1: every chip)
 
 
 def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
@@ -137,7 +138,8 @@ def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
     tokens = inputs.micro_batch * inputs.seq_len  # per device per micro-batch
     weights_full = shape.total_params * act_bytes
     if inputs.mode == "fsdp":
-        weights = weights_full / devices + 2 * shape.layer_params * act_bytes
+        shards = devices if inputs.fsdp_axis == -1 else inputs.fsdp_axis
+        weights = weights_full / shards + (2 * shape.layer_params * act_bytes if shards > 1 else 0)
     else:
         weights = weights_full
     lora_params = shape.lora_params(inputs.lora_r, inputs.lora_targets)
@@ -204,7 +206,10 @@ def suggestions(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> list[dict]
                     change["train.micro_batch"] = micro
                     change["train.grad_accum"] = math.ceil(inputs.grad_accum * inputs.micro_batch / micro)
                 if change:
+                    if mode != inputs.mode and inputs.fsdp_axis != -1:
+                        change["parallel.mesh.fsdp"] = -1  # shard over every chip
                     trial = dataclasses.replace(inputs, mode=mode, checkpointing=checkpointing, micro_batch=micro,
+                                                fsdp_axis=-1 if mode != inputs.mode else inputs.fsdp_axis,
                                                 grad_accum=change.get("train.grad_accum", inputs.grad_accum))
                     result = plan(shape, tpu, trial)
                     if result["fits"]:
@@ -213,3 +218,14 @@ def suggestions(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> list[dict]
                         break  # the largest micro-batch that fits under these settings
                 micro //= 2
     return sorted(candidates, key=lambda c: (len(c["overrides"]), c["step_time_s"]))
+
+
+def mode_advice(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> str:
+    """Which parallel mode to choose for this model on this slice, and why."""
+    whole = plan(shape, tpu, dataclasses.replace(inputs, mode="dp"))
+    if not whole["fits"]:
+        return ("the model with its activations does not fit one chip: parallel.mode=fsdp shards the frozen base over "
+                "the fsdp axis of the mesh (parallel.mesh.fsdp=-1: every chip)")
+    return ("the model fits one chip: parallel.mode=dp (one process per chip) works; parallel.mode=fsdp with "
+            "parallel.mesh.data=-1 parallel.mesh.fsdp=1 is the same data parallelism in one SPMD process per host "
+            "(one compile per host instead of one per chip, and the mesh torch_xla's splash attention needs)")

@@ -38,7 +38,8 @@ if __package__ in (None, ""):
 from dataset.errors import DataError  # noqa: E402
 from dataset.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
 from finetuning_pipeline.config import ConfigError, RunConfig, load_config  # noqa: E402
-from finetuning_pipeline.plan import ModelShape, PlanInputs, plan, suggestions  # noqa: E402
+from finetuning_pipeline.parallel import mesh_shape  # noqa: E402
+from finetuning_pipeline.plan import ModelShape, PlanInputs, mode_advice, plan, suggestions  # noqa: E402
 from finetuning_pipeline.tpu_chips import parse_tpu_type  # noqa: E402
 from utils.atomic_io import atomic_write_json  # noqa: E402
 
@@ -95,12 +96,19 @@ def seq_len_of(config: RunConfig, phase: int) -> int:
                       f"length to plan with (e.g. phase{phase}.seq_len=2048)")
 
 
-def plan_inputs(config: RunConfig, phase: int, mode: str | None = None) -> PlanInputs:
+def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices: int | None = None) -> PlanInputs:
+    """The plan's inputs from the config; `devices` (the slice's chips) resolves parallel.mesh."""
+    fsdp_axis = config.parallel.mesh.fsdp
+    if devices is not None and (mode or config.parallel.mode) == "fsdp":
+        try:
+            fsdp_axis = mesh_shape(devices, config.parallel.mesh.data, config.parallel.mesh.fsdp)[1]
+        except ValueError as err:
+            raise ConfigError(f"{err} (tpu.type={config.tpu.type})") from None
     return PlanInputs(mode=mode or config.parallel.mode, dtype=config.model.dtype, micro_batch=config.train.micro_batch,
                       grad_accum=config.train.grad_accum, seq_len=seq_len_of(config, phase),
                       checkpointing=config.model.gradient_checkpointing, lora_r=config.lora.r,
                       lora_targets=list(config.lora.target_modules), lora_dropout=config.lora.dropout,
-                      assumed_mfu=config.tpu.assumed_mfu, steps=config.max_steps(phase))
+                      assumed_mfu=config.tpu.assumed_mfu, steps=config.max_steps(phase), fsdp_axis=fsdp_axis)
 
 
 def make_plan(config: RunConfig, model_config) -> dict:
@@ -109,8 +117,9 @@ def make_plan(config: RunConfig, model_config) -> dict:
     tpu = parse_tpu_type(config.tpu.type)
     phases = {}
     for phase in phases_of(config):
-        inputs = plan_inputs(config, phase)
+        inputs = plan_inputs(config, phase, devices=tpu.devices)
         phases[f"phase{phase}"] = plan(shape, tpu, inputs)
+        phases[f"phase{phase}"]["parallel_advice"] = mode_advice(shape, tpu, inputs)
         if not phases[f"phase{phase}"]["fits"]:
             phases[f"phase{phase}"]["to_fit"] = suggestions(shape, tpu, inputs)
     first = next(iter(phases.values()))
@@ -205,6 +214,9 @@ def rehearse(config: RunConfig, model_config, root: Path, data_ready: bool) -> d
     run["eval"].update(every=0, max_batches=1, micro_batch=None)
     run["checkpoint"].update(every=2, keep=REHEARSAL_STEPS)
     run["logging"].update(every=1, progress_bar=False, tensorboard=False)
+    # The rehearsal's CPU devices are fewer than the slice's chips: keep the mesh's kind only
+    # (pure data parallelism, or the base sharded over every chip).
+    run["parallel"]["mesh"] = {"data": -1, "fsdp": 1} if config.parallel.mesh.fsdp == 1 else {"data": 1, "fsdp": -1}
     for phase in (1, 2):
         run[f"phase{phase}"].update(data=str(data[phase]) if phase in data else "", max_steps=None, seq_len=None)
     config_path = root / "rehearsal.yaml"
@@ -288,6 +300,7 @@ def format_report(report: dict) -> str:
         for fix in phase.get("to_fit", [])[:3]:
             overrides = " ".join(f"{k}={v}" for k, v in fix["overrides"].items())
             lines.append(f"      to fit: {overrides}  ({fix['hbm_per_chip_gib']} GiB, {fix['step_time_s']} s/step)")
+        lines.append(f"      parallel: {phase['parallel_advice']}")
     lines.append(f"  total: {p['tpu_hours']:.2f} TPU-hours on {p['tpu_type']}; fits: {p['fits']}")
     return "\n".join(lines)
 

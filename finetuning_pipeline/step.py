@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from dataset.encode import IGNORE_INDEX
+from finetuning_pipeline.collectives import Collectives
 
 
 def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype, sdpa: bool) -> torch.Tensor:
@@ -76,7 +77,7 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], packed: bool = Tru
     return loss_sum, count
 
 
-def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, reduce_across_replicas: bool,
+def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, collectives: Collectives | None = None,
                packed: bool = True) -> dict[str, torch.Tensor]:
     """Accumulate gradients over `micro_batches`, average, clip, step. Returns device tensors:
     loss (mean per label token), tokens (label tokens in the step), grad_norm (before
@@ -91,11 +92,8 @@ def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, reduce_
         loss_total = loss_total + loss_sum.detach()
         tokens = tokens + count
     grad = optimizer.flat_grad()  # one vector: clipping and the update are a few operations on it
-    if reduce_across_replicas:
-        import torch_xla.core.xla_model as xm
-
-        # A list is reduced in place, in one collective.
-        xm.all_reduce(xm.REDUCE_SUM, [grad, loss_total, tokens])
+    if collectives is not None:  # sums over the replicas (one collective for all three)
+        grad, loss_total, tokens = collectives.sum_device([grad, loss_total, tokens])
     # Average and clip in one multiplication: norm(scale * g) = scale * norm(g), and the clip
     # coefficient is torch.nn.utils.clip_grad_norm_'s: max_norm / (norm + 1e-6), at most 1.
     scale = (1.0 / torch.clamp(tokens, min=1.0)).reshape(())  # no label tokens: grads stay 0

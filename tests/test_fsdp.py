@@ -1,4 +1,6 @@
-"""parallel.mode=fsdp on four virtual XLA:CPU devices against a one-device dp run.
+"""parallel.mode=fsdp on four virtual XLA:CPU devices against a one-device dp run, on the
+default mesh (fsdp over all four chips), on a 2 x 2 (data, fsdp) mesh, and as pure data
+parallelism in one SPMD process (data 4, fsdp 1: nothing sharded).
 
 SPMD is a process-wide switch (and this test process already runs XLA without it), so the
 fsdp runs are subprocesses with CPU_NUM_DEVICES=4. Both runs see the same global batch of
@@ -33,14 +35,18 @@ def data(tiny_model_dir, tmp_path_factory):
     return prepare_demo_data(tiny_model_dir, tmp_path_factory.mktemp("data"))
 
 
-def write_config(root: Path, model_dir: Path, data, mode: str) -> Path:
-    per_chip = 4 if mode == "dp" else 4 // CHIPS
+MESHES = {"fsdp": {"data": 1, "fsdp": -1}, "mesh2x2": {"data": 2, "fsdp": 2}, "spmd_dp": {"data": -1, "fsdp": 1}}
+
+
+def write_config(root: Path, model_dir: Path, data, name: str) -> Path:
+    per_chip = 4 if name == "dp" else 4 // CHIPS
     sections = {k: dict(v) for k, v in RUN.items()}
     sections["train"]["micro_batch"] = per_chip
     sections["eval"]["micro_batch"] = per_chip
     root.mkdir(parents=True, exist_ok=True)
-    path = write_run_config(root / f"{mode}.yaml", model_dir, data, root / mode, parallel={"mode": mode}, **sections)
-    if mode == "fsdp":
+    parallel = {"mode": "dp"} if name == "dp" else {"mode": "fsdp", "mesh": MESHES[name]}
+    path = write_run_config(root / f"{name}.yaml", model_dir, data, root / name, parallel=parallel, **sections)
+    if name == "fsdp":
         config = yaml.safe_load(path.read_text())
         config["model"]["gradient_checkpointing"] = True
         path.write_text(yaml.safe_dump(config))
@@ -62,7 +68,8 @@ def runs(tiny_model_dir, data, tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     dp = write_config(root, tiny_model_dir, data, "dp")
     assert main.main(["--config", str(dp)]) == 0
-    run_fsdp(write_config(root, tiny_model_dir, data, "fsdp"))
+    for name in MESHES:
+        run_fsdp(write_config(root, tiny_model_dir, data, name))
     return root
 
 
@@ -75,16 +82,17 @@ def adapter(out: Path, phase: int) -> dict[str, torch.Tensor]:
     return load_file(out / f"phase{phase}" / "adapter" / "adapter_model.safetensors")
 
 
+@pytest.mark.parametrize("mesh", list(MESHES))
 @pytest.mark.parametrize("phase", [1, 2])
-def test_fsdp_gives_the_losses_and_adapter_of_one_device(runs, phase):
-    dp, fsdp = records(runs / "dp", phase, "train"), records(runs / "fsdp", phase, "train")
+def test_fsdp_gives_the_losses_and_adapter_of_one_device(runs, phase, mesh):
+    dp, fsdp = records(runs / "dp", phase, "train"), records(runs / mesh, phase, "train")
     assert [r["step"] for r in fsdp] == [r["step"] for r in dp] == list(range(1, 9))
     for ours, reference in zip(fsdp, dp):
         assert ours["loss"] == pytest.approx(reference["loss"], abs=1e-5)
         assert ours["label_tokens"] == reference["label_tokens"]
-    for ours, reference in zip(records(runs / "fsdp", phase, "eval"), records(runs / "dp", phase, "eval")):
+    for ours, reference in zip(records(runs / mesh, phase, "eval"), records(runs / "dp", phase, "eval")):
         assert ours["loss"] == pytest.approx(reference["loss"], abs=1e-5)
-    ours, reference = adapter(runs / "fsdp", phase), adapter(runs / "dp", phase)
+    ours, reference = adapter(runs / mesh, phase), adapter(runs / "dp", phase)
     assert ours.keys() == reference.keys()
     for key in reference:
         # Adam divides by sqrt(v): float-rounding differences in the sharded reductions grow to
@@ -96,13 +104,24 @@ def test_fsdp_sharded_the_base_and_saved_the_trained_values(runs):
     for phase in (1, 2):
         summary = json.loads((runs / "fsdp" / f"phase{phase}" / "summary.json").read_text())
         # Every matrix of the tiny model (7 targets x 2 layers, embeddings, lm_head) is sharded.
-        assert summary["parallel"] == {"mode": "fsdp", "processes": 1, "chips": CHIPS, "sharded_base_parameters": 16}
+        assert summary["parallel"] == {"mode": "fsdp", "processes": 1, "chips": CHIPS, "sharded_base_parameters": 16,
+                                       "mesh": {"data": 1, "fsdp": CHIPS}}
         assert summary["global_batch"] == 8 and summary["compiles_after_warmup"] == 0
         assert summary["host_syncs_per_step"] == 0
     # The known failure of sharded trainers: an exported adapter that is (nearly) the initial
     # one, because each host wrote its local shard. B starts at zero; here it must have trained.
     b_norms = [t.norm().item() for k, t in adapter(runs / "fsdp", 1).items() if "lora_B" in k]
     assert len(b_norms) == 14 and min(b_norms) > 1e-2
+
+
+def test_the_mesh_axes_decide_what_is_sharded(runs):
+    """data x fsdp: weights are sharded over the fsdp axis only; fsdp 1 is pure data parallelism."""
+    two_by_two = json.loads((runs / "mesh2x2" / "phase1" / "summary.json").read_text())["parallel"]
+    assert two_by_two["mesh"] == {"data": 2, "fsdp": 2} and two_by_two["sharded_base_parameters"] == 16
+    spmd_dp = json.loads((runs / "spmd_dp" / "phase1" / "summary.json").read_text())
+    assert spmd_dp["parallel"]["mesh"] == {"data": CHIPS, "fsdp": 1}
+    assert spmd_dp["parallel"]["sharded_base_parameters"] == 0
+    assert spmd_dp["compiles_after_warmup"] == 0 and spmd_dp["host_syncs_per_step"] == 0
 
 
 def test_fsdp_resumes_to_the_same_adapter(runs):

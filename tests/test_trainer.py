@@ -200,7 +200,7 @@ def test_gradient_accumulation_equals_one_large_batch():
         params = lora_parameters(model)
         recorder = RecordGradients(params)
         moved = [{k: v.to(device) for k, v in b.items()} for b in micro_batches]
-        results = train_step(model, recorder, moved, max_grad_norm=0.0, reduce_across_replicas=False)
+        results = train_step(model, recorder, moved, max_grad_norm=0.0)
         torch_xla.sync()
         return [g.cpu() for g in recorder.grads], {k: v.cpu() for k, v in results.items()}
 

@@ -45,3 +45,62 @@ def write_run_config(path: Path, model_dir: Path, data: dict[int, Path], output_
             config[section] = values
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Replicas:
+    """N trainer processes started with torchrun's environment contract (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID), each its own Popen, so a test can signal,
+    kill and read every replica on its own. (`torchrun` itself is used where that is not needed.)"""
+
+    def __init__(self, n: int, args: list[str], log_dir: Path, env: dict | None = None) -> None:
+        import os
+        import subprocess
+        import sys
+
+        port = free_port()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.logs = [log_dir / f"rank{rank}.log" for rank in range(n)]
+        self.procs = []
+        for rank in range(n):
+            replica_env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                           "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n),
+                           "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                           "TORCHELASTIC_RUN_ID": "tests", **(env or {})}
+            with open(self.logs[rank], "w") as log:
+                self.procs.append(subprocess.Popen([sys.executable, "finetuning_pipeline/main.py", *args],
+                                                   stdout=log, stderr=subprocess.STDOUT, env=replica_env))
+
+    def wait(self, timeout: float) -> list[int]:
+        """Exit codes; a replica still running after `timeout` seconds is a test failure (a hang)."""
+        import subprocess
+        import time
+
+        deadline = time.time() + timeout
+        codes = []
+        for rank, proc in enumerate(self.procs):
+            try:
+                codes.append(proc.wait(timeout=max(deadline - time.time(), 0.1)))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(f"replica {rank} still running after {timeout} s:\n{self.output(rank)}") from None
+        return codes
+
+    def output(self, rank: int) -> str:
+        return self.logs[rank].read_text()
+
+    def outputs(self) -> str:
+        return "\n".join(f"--- replica {r} ---\n{self.output(r)}" for r in range(len(self.procs)))
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

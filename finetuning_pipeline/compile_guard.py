@@ -1,0 +1,93 @@
+"""The recompile guard and the phase's clock.
+
+After `train.warmup_compiles_steps` steps every step must replay a compiled graph: a new
+compile is a bug (a shape or a Python scalar that changes) that would cost minutes of TPU time
+per occurrence, so by default it stops the run. The same per-step counter reads give the
+host syncs per step (0 is the target: the host never waits for the device inside a step).
+
+The clock starts once the warm-up steps have *run* (`xm.wait_device_ops`): between step
+boundaries the host may run several steps ahead of the device, so only the time to the end of
+the last step's execution measures the steps.
+"""
+
+from __future__ import annotations
+
+import time
+
+from finetuning_pipeline.errors import RecompileError
+from utils.xla_counters import read_counters
+
+
+class CompileGuard:
+    """Made when the phase starts (its compile and wall-time figures count from there);
+    `resume_at(step)` once the first step is known."""
+
+    def __init__(self, phase: int, warmup_steps: int, policy: str) -> None:
+        self.phase = phase
+        self.warmup_steps = warmup_steps
+        self.warm_after = warmup_steps
+        self.policy = policy
+        self.started = time.perf_counter()
+        self.at_start = read_counters()
+        self.warm_time: float | None = None
+        self.steps_timed = 0
+        self.compiles_after_warmup = 0
+        self.host_syncs_after_warmup = 0
+        self.data_wait = 0.0
+        self._before = None
+        self._wait_started = 0.0
+        self._waited = 0.0
+
+    def resume_at(self, start_step: int) -> None:
+        self.warm_after = start_step + self.warmup_steps
+
+    def step_started(self) -> None:
+        """Call before fetching the step's batches."""
+        self._before = read_counters()
+        self._wait_started = time.perf_counter()
+
+    def data_ready(self) -> None:
+        """Call once the step's batches are in hand."""
+        self._waited = time.perf_counter() - self._wait_started
+
+    def step_ended(self, step: int) -> None:
+        """Call after the step's `torch_xla.sync()`; raises RecompileError (policy "error")."""
+        import torch_xla.core.xla_model as xm
+
+        delta = read_counters() - self._before
+        if step == self.warm_after:
+            xm.wait_device_ops()
+            self.warm_time = time.perf_counter()
+        if step <= self.warm_after:
+            return
+        self.steps_timed += 1
+        self.data_wait += self._waited
+        self.host_syncs_after_warmup += delta.host_syncs
+        if delta.compiles:
+            self.compiles_after_warmup += delta.compiles
+            message = (f"phase {self.phase} step {step}: {delta.compiles} new XLA graph(s) compiled after warm-up "
+                       "(a changing shape or Python scalar); rerun with PT_XLA_DEBUG_LEVEL=2 to see the cause")
+            if self.policy == "error":
+                raise RecompileError(message)
+            print(f"warning: {message}", flush=True)
+
+    def summary(self, steps_run: int, tokens_per_step: int) -> dict:
+        """Throughput and compile figures of this process's run of the phase (after the device
+        finished: call `xm.wait_device_ops()` first)."""
+        seconds = time.perf_counter() - (self.warm_time or self.started)
+        timed = self.steps_timed if self.warm_time is not None else steps_run
+        counters = read_counters()
+        return {
+            "tokens_per_sec": round(timed * tokens_per_step / seconds, 1) if timed else None,
+            "step_time_s": round(seconds / timed, 4) if timed else None,
+            "data_wait_fraction": round(self.data_wait / seconds, 4) if self.steps_timed else None,
+            "compiles_total": counters.compiles - self.at_start.compiles,
+            # With the persistent cache warm, "compiles" load executables from disk: fast.
+            "compile_seconds": round(counters.compile_seconds - self.at_start.compile_seconds, 2),
+            "compiles_after_warmup": self.compiles_after_warmup,
+            "host_syncs_per_step": self.host_syncs_after_warmup / self.steps_timed if self.steps_timed else None,
+        }
+
+    def elapsed(self) -> float:
+        """Seconds since the phase started."""
+        return time.perf_counter() - self.started

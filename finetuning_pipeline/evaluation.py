@@ -1,0 +1,61 @@
+"""The evaluation loop, shared by the trainer (every replica, on the XLA device) and the
+`evaluate` command (one process, CPU or XLA): mean next-token loss per label token over a
+prepared split, and its perplexity. The loss is the trainer's (`step.eval_sums`), so the two
+report the same figure for the same model and data.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dataset.loader import iter_eval_batches
+from finetuning_pipeline.collectives import Collectives
+from finetuning_pipeline.step import eval_sums
+
+
+def to_host(*tensors: torch.Tensor) -> list[float]:
+    """Values of materialised tensors, by plain transfers. (`torch.stack(...).cpu()` would
+    first compile and run a small graph of its own.)"""
+    return [t.cpu().item() for t in tensors]
+
+
+def evaluate_loss(model, data_dir: str, *, micro_batch: int, pad_id: int, packed: bool, device,
+                  split: str = "eval", max_batches: int | None = None, collectives: Collectives | None = None,
+                  input_sharding=None, replicate=lambda tensors: None) -> dict:
+    """{"loss", "perplexity", "label_tokens"} over `split`, every block counted once across the
+    replicas of `collectives` (each reads its share). On an XLA device every batch runs the
+    same small graph and the totals are read once, at the end: one host sync per evaluation.
+    replicate: marks the running sums' sharding under SPMD (Parallel.replicate)."""
+    collectives = collectives or Collectives()
+    xla = device.type == "xla"
+    if xla:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+    was_training = model.training
+    model.eval()
+    # [1]-shaped sums made on the host: they reach the device as data (utils.xla_runtime.device_zeros).
+    loss_sum, count = torch.zeros(1).to(device), torch.zeros(1).to(device)
+    replicate([loss_sum, count])
+    batches = iter_eval_batches(data_dir, micro_batch, pad_id=pad_id, split=split, rank=collectives.rank,
+                                world_size=collectives.world)
+    for index, batch in enumerate(batches):
+        if max_batches is not None and index >= max_batches:
+            break
+        if xla:
+            batch = xm.send_cpu_data_to_device(batch, device, input_sharding)
+        else:
+            batch = {name: tensor.to(device) for name, tensor in batch.items()}
+        batch_loss, batch_count = eval_sums(model, batch, packed)
+        loss_sum = loss_sum + batch_loss
+        count = count + batch_count
+        if xla:
+            torch_xla.sync()  # one small graph per batch, the same every time
+    loss_sum, count = collectives.sum_device([loss_sum, count])
+    if xla:
+        torch_xla.sync()
+    total_loss, total_count = to_host(loss_sum, count)
+    model.train(was_training)
+    loss = total_loss / max(total_count, 1.0)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "label_tokens": int(total_count)}

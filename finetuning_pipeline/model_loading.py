@@ -1,0 +1,56 @@
+"""One way to load a model: a Hugging Face base, then adapters in order, merged or not.
+
+Used by the trainer (phase 2 on top of phase 1), `evaluate`, `generate` and `export`, so they
+cannot disagree about what "base + adapter" means. A missing or mismatched directory is a
+`ModelLoadError` naming it (the commands print it and exit 2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from finetuning_pipeline.errors import ModelLoadError
+from lora_logic import LoraConfig, load_adapter, merge_and_unload
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_base(path: str | Path, dtype: torch.dtype = torch.float32):
+    """The Hugging Face causal LM in `path`, in `dtype`, with the KV cache off (training and
+    scoring never use it; under XLA transformers 5's cache code breaks with sliding windows)."""
+    from transformers import AutoModelForCausalLM
+
+    if not (Path(path) / "config.json").is_file():
+        raise ModelLoadError(f"{path}: no config.json here; expected a Hugging Face model directory")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"{path}: cannot load the model ({err})") from None
+    model.config.use_cache = False
+    return model
+
+
+def add_adapter(model, adapter: str | Path, *, merge: bool) -> LoraConfig:
+    """Load the PEFT-layout adapter in `adapter` into `model`; with merge, fold it into the base
+    weights (W0 += scaling B A, in the model's dtype) and drop the LoRA layers."""
+    try:
+        config = load_adapter(model, adapter)
+        if merge:
+            merge_and_unload(model)
+    except (FileNotFoundError, ValueError, OSError) as err:
+        raise ModelLoadError(f"adapter {adapter}: {err}") from None
+    return config
+
+
+def load_model(path: str | Path, adapters: list[str | Path] = (), dtype: torch.dtype = torch.float32,
+               keep_last: bool = False):
+    """The base in `path` with `adapters` merged in order. keep_last: the last adapter stays a
+    trainable LoRA (not merged). Returns (model, the last adapter's LoraConfig or None)."""
+    model = load_base(path, dtype)
+    config = None
+    for index, adapter in enumerate(adapters):
+        last = index == len(adapters) - 1
+        config = add_adapter(model, adapter, merge=not (keep_last and last))
+    return model, config

@@ -1,0 +1,312 @@
+"""The training loop of one phase, run by every replica (one process per TPU chip under dp,
+one per host under fsdp).
+
+Per optimizer step: `grad_accum` micro-batches arrive on the device (MpDeviceLoader prefetches
+them on a background thread), `step.train_step` builds forwards, backwards, the sums over
+replicas, clipping and the masked AdamW update into one lazy graph, and `torch_xla.sync()`
+marks the step boundary. Nothing in a step waits for the device: logging reads the step's
+results in a step closure on log steps, and the stop vote is a host collective on a host flag.
+
+`run_phase` is the loop; each concern is a small part with its own state:
+  CompileGuard (compile_guard.py)       no new graph after warm-up; the phase's clock
+  DivergenceMonitor (divergence.py)     skipped non-finite steps, counted on the device
+  Checkpointer (checkpointing.py)       cadence, the collective save, a failed write
+  StepLogger (metrics_log.py)           metrics.jsonl, TensorBoard, progress bar
+  StopVote (stop_signal.py)             any replica signalled -> all stop at the same step
+Each decision is taken from values every replica has (all-reduced losses, voted flags), so
+every replica takes it at the same step by construction.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dataset.loader import ShardLoader
+from dataset.manifest import is_packed, read_manifest
+from finetuning_pipeline.activation_checkpointing import enable_activation_checkpointing
+from finetuning_pipeline.adamw import MaskedAdamW
+from finetuning_pipeline.checkpointing import Checkpointer, load_checkpoint, resume_keys
+from finetuning_pipeline.compile_guard import CompileGuard
+from finetuning_pipeline.config import RunConfig
+from finetuning_pipeline.divergence import DivergenceMonitor, device_counter
+from finetuning_pipeline.errors import ConfigError
+from finetuning_pipeline.evaluation import evaluate_loss, to_host
+from finetuning_pipeline.lr_schedule import lr_table
+from finetuning_pipeline.metrics_log import MetricsLog, StepLogger
+from finetuning_pipeline.model_loading import DTYPES, load_base, load_model
+from finetuning_pipeline.parallel import Parallel
+from finetuning_pipeline.run_layout import RunLayout
+from finetuning_pipeline.step import train_step
+from finetuning_pipeline.stop_signal import StopVote
+from lora_logic import inject_lora, lora_parameters, save_adapter
+from utils.atomic_io import atomic_write_json
+
+
+@dataclass
+class PhaseResult:
+    """What a phase returns on every replica: stopped_at_step after a stop request; the
+    summary (master only) when the phase finished."""
+
+    phase: int
+    stopped_at_step: int | None = None
+    summary: dict | None = None
+
+
+def seed_everything(seed: int) -> None:
+    """The host RNGs (LoRA init, data order); the XLA RNG is seeded at every step (step_seed)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def step_seed(seed: int, phase: int, rank: int, step: int) -> int:
+    """The XLA RNG seed of one training step (distinct per phase, replica and step; < 2**63)."""
+    return (((seed * 3 + phase) * 1_000_003 + rank) * 1_000_000_007 + step) % (2**63 - 1)
+
+
+def build_model(config: RunConfig, phase: int):
+    """The base model (on CPU) with this phase's LoRA; returns (model, lora config).
+
+    Phase 2 `continue` trains the phase-1 adapter further (its own r/alpha/targets);
+    `merge` folds it into the base and starts config.lora fresh; `fresh` ignores phase 1.
+    """
+    dtype = DTYPES[config.model.dtype]
+    init = config.phase2.init if phase == 2 else "fresh"
+    if init == "fresh":
+        model, lora_config = load_base(config.model.path, dtype), None
+    else:
+        phase1_adapter = RunLayout(config.output_dir).adapter(1)
+        model, lora_config = load_model(config.model.path, [phase1_adapter], dtype, keep_last=init == "continue")
+    if config.model.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    if init != "continue":
+        lora_config = config.lora_config()
+        inject_lora(model, lora_config)
+    return model, lora_config
+
+
+class Stepper:
+    """One optimizer step on the device: the step's XLA seed, its LR from the schedule table,
+    `train_step`, and the running label-token count. The step count lives on the device (an
+    integer [1]: see device_zeros), so nothing per step crosses from the host but the seed."""
+
+    def __init__(self, model, optimizer, config: RunConfig, phase: int, parallel: Parallel, device,
+                 start_step: int, packed: bool) -> None:
+        t = config.train
+        self.model, self.optimizer, self.parallel, self.device = model, optimizer, parallel, device
+        self.seed, self.phase, self.packed = t.seed, phase, packed
+        self.max_grad_norm = t.max_grad_norm
+        self.step_count = torch.tensor([start_step]).to(device)
+        self.schedule = lr_table(peak=config.lr(phase), warmup_steps=t.warmup_steps,
+                                 total_steps=config.max_steps(phase), min_lr_ratio=t.min_lr_ratio).to(device)
+        self.label_tokens = device_counter(0, device)
+
+    def device_state(self) -> list[torch.Tensor]:
+        return [self.step_count, self.schedule, self.label_tokens]
+
+    def __call__(self, step: int, micro_batches: list[dict]) -> dict:
+        import torch_xla.core.xla_model as xm
+
+        # The random numbers of step k (LoRA and attention dropout) depend on (seed, phase,
+        # rank, k) only, so a resumed run draws the masks the uninterrupted one drew: restoring
+        # torch_xla's saved RNG state did not (same state read back, different masks: verified
+        # with lora.dropout 0.1). A new seed each step is data for the graph, not a recompile.
+        xm.set_rng_state(step_seed(self.seed, self.phase, self.parallel.rank, step), device=self.device)
+        self.optimizer.lr = self.schedule[self.step_count]
+        results = train_step(self.model, self.optimizer, micro_batches, max_grad_norm=self.max_grad_norm,
+                             collectives=self.parallel.collectives, packed=self.packed)
+        self.label_tokens = self.label_tokens + results["tokens"]
+        self.step_count = self.step_count + 1
+        return {**results, "lr": self.optimizer.lr}
+
+
+def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resume_from: Path | None,
+              stop_requested=lambda: False) -> PhaseResult:
+    """Train one phase on this replica; the master writes adapter, metrics, checkpoints and summary."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    t, layout, max_steps = config.train, RunLayout(config.output_dir), config.max_steps(phase)
+    guard = CompileGuard(phase, t.warmup_compiles_steps, t.recompile_policy)
+    seed_everything(t.seed + phase)
+    model, lora_config = build_model(config, phase)
+    sharded = parallel.place_model(model, device)
+    model.train()
+    optimizer = MaskedAdamW(lora_parameters(model), lr=config.lr(phase), betas=tuple(t.betas), eps=t.eps,
+                            weight_decay=t.weight_decay)
+    data = PhaseData(config, phase, parallel)
+    checkpointer = Checkpointer(layout.checkpoints(phase), every=config.checkpoint.every, keep=config.checkpoint.keep,
+                                collectives=parallel.collectives, base_model=config.model.path, lora_config=lora_config)
+    checkpointer.clean()
+    state = load_checkpoint(resume_from, model=model, optimizer=optimizer) if resume_from else {}
+    start_step = data.resume(state, resume_from)
+    guard.resume_at(start_step)
+    monitor = DivergenceMonitor(device, t.max_bad_steps)
+    monitor.load_state_dict(state, device)
+    logger = make_logger(config, phase, parallel, data, start_step, resume_from, state)
+
+    def evaluate() -> dict:
+        return evaluate_loss(model, data.dir, micro_batch=data.eval_micro_batch, pad_id=data.pad_id,
+                             packed=data.packed, device=device, max_batches=config.eval.max_batches,
+                             collectives=parallel.collectives, input_sharding=parallel.input_sharding(),
+                             replicate=parallel.replicate)
+
+    eval_before = state.get("eval_before") or evaluate()
+    if resume_from is None:
+        logger.log_eval(0, eval_before)
+
+    def trainer_state() -> dict:
+        return {"phase": phase, "eval_before": eval_before, **logger.state_dict(), **monitor.state_dict(),
+                "global_batch": data.batches_per_step, "chips": parallel.chips,
+                "exactness": resume_keys(config, phase)}
+
+    stepper = Stepper(model, optimizer, config, phase, parallel, device, start_step, data.packed)
+    parallel.replicate(optimizer.params + optimizer.state_tensors() + stepper.device_state() + monitor.device_state())
+    # A resumed run's checkpoint was copied into parameters and optimizer state: run those
+    # copies now, or they would join step 1's graph and make it a graph of its own.
+    torch_xla.sync()
+    batches = data.device_batches(device)
+    stop = StopVote(parallel.collectives, stop_requested)
+    step = start_step
+    while step < max_steps:
+        guard.step_started()
+        # Fetch first: MpDeviceLoader's next() marks a step itself, which would cut anything
+        # already traced for this step (the LR) into a graph of its own.
+        micro_batches = [next(batches) for _ in range(t.grad_accum)]
+        guard.data_ready()
+        results = stepper(step, micro_batches)
+        monitor.update(results["applied"])
+        step += 1
+        log_now = step % config.logging.every == 0 or step == max_steps or step == start_step + 1
+        if log_now:
+            xm.add_step_closure(log_step, args=(logger, monitor, step, results, monitor.skipped, monitor.worst_bad_run))
+        torch_xla.sync()
+        guard.step_ended(step)
+        logger.advance()
+        if log_now:
+            monitor.check(phase, step, checkpointer.latest())
+        if config.eval.every and step % config.eval.every == 0 and step < max_steps:
+            logger.log_eval(step, evaluate())
+        stopping = stop.due()
+        if stopping or checkpointer.due(step, max_steps):
+            checkpointer.save(step, model=model, optimizer=optimizer, trainer_state=trainer_state())
+        if stopping:
+            logger.close()
+            return PhaseResult(phase, stopped_at_step=step)
+
+    xm.wait_device_ops()
+    timing = guard.summary(step - start_step, data.tokens_per_step)
+    eval_after = evaluate()
+    final_state = trainer_state()
+    checkpointer.save(step, model=model, optimizer=optimizer, trainer_state=final_state)
+    last_loss, label_tokens = to_host(results["loss"], stepper.label_tokens) if step > start_step else (None, 0)
+    logger.log_eval(step, eval_after)
+    logger.close()
+    if not parallel.master:
+        return PhaseResult(phase)
+    save_adapter(model, layout.adapter(phase), lora_config, config.model.path)
+    summary = {
+        "phase": phase,
+        "steps": step,
+        "resumed_from_step": start_step if resume_from else None,
+        "resumed_on_other_chips": data.chips_changed,
+        "tokens": step * data.tokens_per_step,
+        "label_tokens_this_run": int(label_tokens),
+        "skipped_steps": final_state["skipped_steps"],
+        "train_loss_first": final_state["train_loss_first"],
+        "train_loss_last": last_loss,
+        "eval_loss_before": eval_before["loss"],
+        "eval_loss_after": eval_after["loss"],
+        "perplexity_before": eval_before["perplexity"],
+        "perplexity_after": eval_after["perplexity"],
+        **timing,
+        "wall_time_s": round(guard.elapsed(), 2),
+        "world_size": parallel.world,
+        "parallel": {**parallel.describe(), "sharded_base_parameters": len(sharded)},
+        "seq_len": data.seq_len,
+        "global_batch": data.batches_per_step,
+    }
+    atomic_write_json(layout.summary(phase), summary)  # written last: marks the phase as done
+    return PhaseResult(phase, summary=summary)
+
+
+def log_step(logger: StepLogger, monitor: DivergenceMonitor, step: int, results: dict, skipped, worst) -> None:
+    # A step closure: runs once the step's graph has been issued; reading the results waits
+    # for that step only, on log steps only. Every replica runs it with the same values
+    # (losses are summed over replicas), so every replica takes the same stop decision.
+    loss, grad_norm, tokens, skipped, worst, lr = to_host(results["loss"], results["grad_norm"], results["tokens"],
+                                                          skipped, worst, results["lr"])
+    monitor.observe(worst)
+    logger.log_train(step, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "label_tokens": tokens,
+                            "skipped_steps": skipped})
+
+
+def make_logger(config: RunConfig, phase: int, parallel: Parallel, data: "PhaseData", start_step: int,
+                resume_from: Path | None, state: dict) -> StepLogger:
+    layout = RunLayout(config.output_dir)
+    log = progress = None
+    if parallel.master:
+        tb = layout.tensorboard(phase) if config.logging.tensorboard else None
+        log = MetricsLog(layout.metrics(phase), tb, resume_step=start_step if resume_from else None)
+        if config.logging.progress_bar:
+            from tqdm import tqdm
+
+            progress = tqdm(total=config.max_steps(phase), initial=start_step, desc=f"phase {phase}", unit="step",
+                            dynamic_ncols=True)
+    return StepLogger(log, progress, data.tokens_per_step, config.max_steps(phase), state.get("train_loss_first"))
+
+
+class PhaseData:
+    """The phase's prepared data on this replica: its manifest, the resumable shard loader,
+    and the batch arithmetic. Under fsdp a process reads the batches of all its chips; the
+    global batch is the same sequence of blocks as dp over the same number of chips, and the
+    cursor counts global blocks, so a run may resume on another number of chips as long as
+    the global batch is the same."""
+
+    def __init__(self, config: RunConfig, phase: int, parallel: Parallel) -> None:
+        t = config.train
+        self.dir = config.phase(phase).data
+        manifest = read_manifest(self.dir)
+        self.seq_len = manifest["seq_len"]
+        self.packed = is_packed(manifest)
+        self.pad_id = manifest["tokenizer"]["pad_id"]
+        self.parallel = parallel
+        self.loader = ShardLoader(self.dir, t.micro_batch * parallel.chips_per_process, seed=t.seed,
+                                  rank=parallel.rank, world_size=parallel.world)
+        self.eval_micro_batch = (config.eval.micro_batch or t.micro_batch) * parallel.chips_per_process
+        self.batches_per_step = t.grad_accum * parallel.chips * t.micro_batch  # global blocks per step
+        self.tokens_per_step = self.batches_per_step * self.seq_len
+        self.chips_changed = None
+
+    def resume(self, state: dict, resume_from: Path | None) -> int:
+        """The first step to run; positions the loader at the global block it starts with."""
+        start_step = state.get("step", 0)
+        saved_batch = state.get("global_batch", self.batches_per_step)
+        if saved_batch != self.batches_per_step:
+            raise ConfigError(
+                f"--resume: {resume_from} was saved with a global batch of {saved_batch} sequences, this run has "
+                f"{self.batches_per_step} (train.micro_batch x train.grad_accum x {self.parallel.chips} chips); set "
+                f"them so the product is {saved_batch}"
+            )
+        saved_chips = state.get("chips", self.parallel.chips)
+        if saved_chips != self.parallel.chips:
+            self.chips_changed = {"saved_on": saved_chips, "resumed_on": self.parallel.chips}
+            if self.parallel.master:
+                print(f"note: {resume_from} was saved on {saved_chips} chips, resuming on {self.parallel.chips} with the "
+                      f"same global batch of {saved_batch}: the data continues at global block "
+                      f"{start_step * saved_batch}", flush=True)
+        self.loader.position = start_step * self.batches_per_step
+        return start_step
+
+    def device_batches(self, device):
+        import torch_xla.distributed.parallel_loader as pl
+
+        # We mark every step ourselves; by default the loader would also sync at each next().
+        loader = pl.MpDeviceLoader(self.loader, device, batches_per_execution=1 << 30,
+                                   input_sharding=self.parallel.input_sharding())
+        return iter(loader)

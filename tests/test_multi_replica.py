@@ -1,0 +1,295 @@
+"""Several replicas on a CPU: the real trainer as N processes talking through gloo on the
+loopback (collectives.py), the way a v5e-8 runs 8 and a pod runs many.
+
+XLA:CPU has no collectives across processes, so here the device sums go through the host;
+everything else (the data split, stop votes, the collective checkpoint, failure handling)
+is the code a TPU runs. Each failure these tests inject is one a one-replica run cannot show:
+a stop signal that reaches some replicas only, a master whose disk fails, a replica that dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from finetuning_pipeline import main
+from finetuning_pipeline.checkpointing import complete_checkpoints
+from trainer_helpers import Replicas, prepare_demo_data, write_run_config
+
+STEPS = 24
+# 2 replicas x micro-batch 2 x 2 micro-batches: a global batch of 8 sequences. LoRA dropout on:
+# a resumed run must draw every replica's masks again.
+RUN = {"train": {"max_steps": STEPS, "micro_batch": 2, "grad_accum": 2}, "lora": {"dropout": 0.1},
+       "checkpoint": {"every": 4, "keep": 3}, "logging": {"every": 1, "progress_bar": False, "tensorboard": False},
+       "eval": {"every": 0, "max_batches": 2}}
+HANG = 180  # seconds: a replica still running after this is hung
+
+
+@pytest.fixture(scope="module")
+def data(tiny_model_dir, tmp_path_factory):
+    return prepare_demo_data(tiny_model_dir, tmp_path_factory.mktemp("data"))
+
+
+def config_for(root: Path, model_dir: Path, data, name: str = "run", **sections) -> Path:
+    merged = {k: dict(v) for k, v in RUN.items()}
+    for section, values in sections.items():
+        merged.setdefault(section, {}).update(values)
+    root.mkdir(parents=True, exist_ok=True)
+    return write_run_config(root / f"{name}.yaml", model_dir, data, root / name, **merged)
+
+
+def out_of(config: Path) -> Path:
+    return config.parent / config.stem
+
+
+def records(out: Path, kind: str = "train", phase: int = 1) -> list[dict]:
+    path = out / f"phase{phase}" / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def losses(out: Path, phase: int = 1) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in records(out, "train", phase)]
+
+
+def adapter(out: Path, phase: int = 1) -> dict[str, torch.Tensor]:
+    return load_file(out / f"phase{phase}" / "adapter" / "adapter_model.safetensors")
+
+
+def checkpoint_steps(out: Path) -> list[int]:
+    return [int(p.name.split("_")[1]) for p in complete_checkpoints(out / "phase1" / "checkpoints")]
+
+
+def wait_for_step(replicas: Replicas, out: Path, step: int, timeout: float = HANG) -> int:
+    """The newest logged step, once it is at least `step`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        seen = [s for s, _ in losses(out)]
+        if seen and max(seen) >= step:
+            return max(seen)
+        if any(p.poll() is not None for p in replicas.procs):
+            raise AssertionError(f"a replica exited early:\n{replicas.outputs()}")
+        time.sleep(0.02)
+    replicas.kill()
+    raise AssertionError(f"step {step} not reached in {timeout} s:\n{replicas.outputs()}")
+
+
+def assert_same_run(out: Path, reference: Path) -> None:
+    assert losses(out) == losses(reference)  # every logged step's loss, bitwise
+    ours, theirs = adapter(out), adapter(reference)
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+def run_replicas(n: int, config: Path, log_dir: Path, *args: str, env: dict | None = None) -> Replicas:
+    return Replicas(n, ["--config", str(config), "--phase", "1", *args], log_dir, env)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, data, tmp_path_factory):
+    """An uninterrupted two-replica run of phase 1."""
+    config = config_for(tmp_path_factory.mktemp("reference"), tiny_model_dir, data)
+    replicas = run_replicas(2, config, config.parent / "logs")
+    assert replicas.wait(HANG) == [0, 0], replicas.outputs()
+    summary = json.loads((out_of(config) / "phase1" / "summary.json").read_text())
+    assert summary["parallel"]["processes"] == 2 and summary["global_batch"] == 8
+    assert summary["compiles_after_warmup"] == 0
+    return out_of(config)
+
+
+# -- the documented command: torchrun, equal to one replica with the same global batch ----------
+@pytest.fixture(scope="module")
+def torchrun_and_single(tiny_model_dir, data, tmp_path_factory):
+    """Both phases, no dropout (its masks depend on the replica), as 2 replicas through torchrun
+    (micro-batch 2) and as 1 replica (micro-batch 4): the same global batch of 8."""
+    root = tmp_path_factory.mktemp("torchrun")
+    common = {"train": {"max_steps": 6}, "lora": {"dropout": 0.0}, "checkpoint": {"every": 3, "keep": 3}}
+    two = config_for(root, tiny_model_dir, data, "two", **common)
+    one = config_for(root, tiny_model_dir, data, "one", **{**common, "train": {"max_steps": 6, "micro_batch": 4}})
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "finetuning_pipeline/main.py", "--config", str(two)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PJRT_DEVICE": "CPU"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert main.main(["--config", str(one)]) == 0
+    return out_of(two), out_of(one), one
+
+
+@pytest.mark.parametrize("phase", [1, 2])
+def test_two_replicas_through_torchrun_equal_one_replica(torchrun_and_single, phase):
+    two, one, _ = torchrun_and_single
+    ours, single = records(two, "train", phase), records(one, "train", phase)
+    assert [r["step"] for r in ours] == [r["step"] for r in single] == list(range(1, 7))
+    for a, b in zip(ours, single):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["label_tokens"] == b["label_tokens"]  # the same blocks, split over two replicas
+    for a, b in zip(records(two, "eval", phase), records(one, "eval", phase)):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    ours_adapter, single_adapter = adapter(two, phase), adapter(one, phase)
+    for key in single_adapter:
+        torch.testing.assert_close(ours_adapter[key], single_adapter[key], rtol=1e-3, atol=2e-4, msg=key)
+    summary = json.loads((two / f"phase{phase}" / "summary.json").read_text())
+    assert summary["parallel"]["processes"] == 2 and summary["global_batch"] == 8
+    assert summary["compiles_after_warmup"] == 0
+
+
+def test_resume_on_another_number_of_chips_with_the_same_global_batch(torchrun_and_single, tmp_path, capsys):
+    """A spot v6e-8 that comes back as something else: the two-replica run's step-3 checkpoint
+    resumed by one replica with micro-batch 4 continues the same stream of global blocks."""
+    two, _, one_config = torchrun_and_single
+    checkpoint = two / "phase1" / "checkpoints" / "step_00000003"
+    out = tmp_path / "resumed"
+    args = ["--config", str(one_config), "--phase", "1", "--resume", str(checkpoint), f"output_dir={out}"]
+    assert main.main(args) == 0
+    summary = json.loads((out / "phase1" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 3
+    assert summary["resumed_on_other_chips"] == {"saved_on": 2, "resumed_on": 1}
+    assert "saved on 2 chips, resuming on 1 with the same global batch of 8" in capsys.readouterr().out
+    resumed, original = dict(losses(out)), dict(losses(two))
+    assert sorted(resumed) == [4, 5, 6]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(original[step], abs=1e-5)
+
+    # Another global batch would be another run: refused, naming both values.
+    assert main.main([*args[:-1], f"output_dir={tmp_path / 'other'}", "train.micro_batch=2"]) == 2
+    err = capsys.readouterr().err
+    assert "global batch of 8 sequences, this run has 4" in err
+
+
+# -- stop requests --------------------------------------------------------------------------
+def stop_lines(replicas: Replicas) -> list[int]:
+    """The step each replica says it stopped after."""
+    steps = []
+    for rank in range(len(replicas.procs)):
+        line = next(line for line in replicas.output(rank).splitlines() if line.startswith(f"replica {rank}: stopped"))
+        steps.append(int(line.split("after step ")[1].split()[0]))
+    return steps
+
+
+def test_sigterm_to_every_replica_checkpoints_one_step_and_resumes_exactly(tiny_model_dir, data, reference, tmp_path):
+    """A preempted VM: every process gets SIGTERM."""
+    config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 0})  # only the stop writes one
+    replicas = run_replicas(2, config, tmp_path / "logs")
+    seen = wait_for_step(replicas, out_of(config), 3)
+    for proc in replicas.procs:
+        proc.send_signal(signal.SIGTERM)
+    assert replicas.wait(HANG) == [0, 0], replicas.outputs()
+    stopped = checkpoint_steps(out_of(config))
+    assert len(stopped) == 1 and seen <= stopped[0] <= seen + 2 and stopped[0] < STEPS, (seen, stopped)
+    assert stop_lines(replicas) == [stopped[0]] * 2
+    assert "resume with:" in replicas.output(0)
+    assert not (out_of(config) / "phase1" / "summary.json").exists()
+
+    resumed = run_replicas(2, config, tmp_path / "logs-resumed")
+    assert resumed.wait(HANG) == [0, 0], resumed.outputs()
+    assert json.loads((out_of(config) / "phase1" / "summary.json").read_text())["resumed_from_step"] == stopped[0]
+    assert_same_run(out_of(config), reference)
+
+
+def test_sigterm_to_one_replica_stops_them_all_at_the_next_step(tiny_model_dir, data, reference, tmp_path):
+    """A stray `kill` of one worker, with log steps rare (logging.every beyond the phase): the
+    vote runs every step, not only on log steps, so the run still stops within a step or two."""
+    config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 0}, logging={"every": 1000})
+    replicas = run_replicas(2, config, tmp_path / "logs")
+    wait_for_step(replicas, out_of(config), 1)  # step 1 is always logged
+    replicas.procs[1].send_signal(signal.SIGTERM)  # not the master
+    assert replicas.wait(HANG) == [0, 0], replicas.outputs()
+    stopped = checkpoint_steps(out_of(config))
+    assert len(stopped) == 1 and stopped[0] < STEPS // 2, stopped
+    assert stop_lines(replicas) == [stopped[0]] * 2
+    assert "replica 1: stopped after step" in replicas.output(1) and "(SIGTERM)" in replicas.output(1)
+
+    resumed = run_replicas(2, config, tmp_path / "logs-resumed", "logging.every=1")
+    assert resumed.wait(HANG) == [0, 0], resumed.outputs()
+    ours, theirs = adapter(out_of(config)), adapter(reference)
+    for key in theirs:
+        assert torch.equal(ours[key], theirs[key]), key
+    steps_after = [s for s, _ in losses(out_of(config)) if s > stopped[0]]
+    assert dict(losses(out_of(config)))[STEPS] == dict(losses(reference))[STEPS] and steps_after
+
+
+# -- failures -------------------------------------------------------------------------------
+def test_a_checkpoint_write_failing_on_the_master_stops_every_replica_with_exit_3(tiny_model_dir, data, tmp_path):
+    config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 2})
+    blocked = out_of(config) / "phase1" / "checkpoints"
+    blocked.parent.mkdir(parents=True)
+    blocked.write_text("a file where the checkpoints directory goes: every save fails on the master\n")
+    replicas = run_replicas(2, config, tmp_path / "logs")
+    assert replicas.wait(HANG) == [3, 3], replicas.outputs()
+    assert "could not write checkpoint step 2" in replicas.output(0)
+    assert "the master could not write checkpoint step 2" in replicas.output(1)
+    assert "Traceback" not in replicas.outputs()
+
+
+def test_a_killed_replica_stops_the_others_and_the_run_resumes(tiny_model_dir, data, reference, tmp_path):
+    config = config_for(tmp_path, tiny_model_dir, data)
+    replicas = run_replicas(2, config, tmp_path / "logs")
+    wait_for_step(replicas, out_of(config), random.Random().randint(5, 14))
+    victim = random.Random().randint(0, 1)
+    started = time.time()
+    replicas.procs[victim].kill()  # SIGKILL: no handler runs
+    codes = replicas.wait(60)
+    assert codes[1 - victim] != 0, replicas.outputs()
+    assert time.time() - started < 60
+    checkpoints = checkpoint_steps(out_of(config))
+    assert checkpoints
+
+    resumed = run_replicas(2, config, tmp_path / "logs-resumed")
+    assert resumed.wait(HANG) == [0, 0], resumed.outputs()
+    summary = json.loads((out_of(config) / "phase1" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == checkpoints[-1]
+    assert_same_run(out_of(config), reference)
+
+
+# -- fsdp with several hosts: one SPMD process per host, two virtual chips each -------------------
+@pytest.fixture(scope="module")
+def fsdp_runs(tiny_model_dir, data, tmp_path_factory):
+    """Phase 1, no dropout: one dp replica (micro-batch 4) and two fsdp "hosts" of two chips
+    each (micro-batch 1 per chip): the same global batch of 8."""
+    root = tmp_path_factory.mktemp("fsdp-hosts")
+    common = {"train": {"max_steps": 12}, "lora": {"dropout": 0.0}}
+    single = config_for(root, tiny_model_dir, data, "single", **{**common, "train": {"max_steps": 12, "micro_batch": 4}})
+    assert main.main(["--config", str(single), "--phase", "1"]) == 0
+    fsdp = config_for(root, tiny_model_dir, data, "fsdp", **{**common, "train": {"max_steps": 12, "micro_batch": 1}},
+                      parallel={"mode": "fsdp"})
+    replicas = run_replicas(2, fsdp, root / "logs", env={"CPU_NUM_DEVICES": "2"})
+    assert replicas.wait(HANG) == [0, 0], replicas.outputs()
+    return out_of(single), out_of(fsdp), fsdp
+
+
+def test_fsdp_on_two_hosts_equals_one_replica(fsdp_runs):
+    single, fsdp, _ = fsdp_runs
+    assert [s for s, _ in losses(fsdp)] == list(range(1, 13))
+    for (_, ours), (_, theirs) in zip(losses(fsdp), losses(single)):
+        assert ours == pytest.approx(theirs, abs=1e-5)
+    summary = json.loads((fsdp / "phase1" / "summary.json").read_text())
+    assert summary["parallel"]["processes"] == 2 and summary["parallel"]["chips"] == 4
+    assert summary["parallel"]["mesh"] == {"data": 1, "fsdp": 2}
+    assert summary["global_batch"] == 8 and summary["compiles_after_warmup"] == 0
+
+
+def test_fsdp_hosts_stop_together_and_resume_exactly(fsdp_runs, tmp_path):
+    _, reference, config = fsdp_runs
+    stopped_config = tmp_path / "fsdp.yaml"
+    stopped_config.write_text(config.read_text().replace(str(reference), str(tmp_path / "fsdp")))
+    replicas = run_replicas(2, stopped_config, tmp_path / "logs", "checkpoint.every=0", env={"CPU_NUM_DEVICES": "2"})
+    wait_for_step(replicas, tmp_path / "fsdp", 2)
+    replicas.procs[1].send_signal(signal.SIGTERM)
+    assert replicas.wait(HANG) == [0, 0], replicas.outputs()
+    stopped = checkpoint_steps(tmp_path / "fsdp")
+    assert len(stopped) == 1 and stop_lines(replicas) == [stopped[0]] * 2
+    resumed = run_replicas(2, stopped_config, tmp_path / "logs-resumed", env={"CPU_NUM_DEVICES": "2"})
+    assert resumed.wait(HANG) == [0, 0], resumed.outputs()
+    assert_same_run(tmp_path / "fsdp", reference)
