@@ -125,14 +125,95 @@ class Stepper:
         return {**results, "lr": self.optimizer.lr}
 
 
+@dataclass
+class Phase:
+    """Everything one replica's phase is made of, built by `start_phase`."""
+
+    config: RunConfig
+    number: int
+    parallel: Parallel
+    device: object
+    model: torch.nn.Module
+    lora_config: object
+    optimizer: MaskedAdamW
+    data: "PhaseData"
+    stepper: Stepper
+    guard: CompileGuard
+    monitor: DivergenceMonitor
+    checkpointer: Checkpointer
+    logger: StepLogger
+    stop: StopVote
+    start_step: int
+    resumed: bool
+    eval_before: dict
+    sharded: list
+
+    @property
+    def max_steps(self) -> int:
+        return self.config.max_steps(self.number)
+
+    def evaluate(self) -> dict:
+        return evaluate_loss(self.model, self.data.dir, micro_batch=self.data.eval_micro_batch, pad_id=self.data.pad_id,
+                             packed=self.data.packed, device=self.device, max_batches=self.config.eval.max_batches,
+                             collectives=self.parallel.collectives, input_sharding=self.parallel.input_sharding(),
+                             replicate=self.parallel.replicate)
+
+    def trainer_state(self) -> dict:
+        """What a checkpoint records besides weights and optimizer, as of the step just run."""
+        return {"phase": self.number, "eval_before": self.eval_before, **self.logger.state_dict(),
+                **self.monitor.state_dict(), "global_batch": self.data.batches_per_step, "chips": self.parallel.chips,
+                "exactness": resume_keys(self.config, self.number)}
+
+    def save(self, step: int) -> None:
+        self.checkpointer.save(step, model=self.model, optimizer=self.optimizer, trainer_state=self.trainer_state())
+
+
 def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resume_from: Path | None,
               stop_requested=lambda: False) -> PhaseResult:
     """Train one phase on this replica; the master writes adapter, metrics, checkpoints and summary."""
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    t, layout, max_steps = config.train, RunLayout(config.output_dir), config.max_steps(phase)
-    guard = CompileGuard(phase, t.warmup_compiles_steps, t.recompile_policy)
+    p = start_phase(config, phase, parallel, device, resume_from, stop_requested)
+    batches = p.data.device_batches(device)
+    step = p.start_step
+    while step < p.max_steps:
+        p.guard.step_started()
+        # Fetch first: MpDeviceLoader's next() marks a step itself, which would cut anything
+        # already traced for this step (the LR) into a graph of its own.
+        micro_batches = [next(batches) for _ in range(config.train.grad_accum)]
+        p.guard.data_ready()
+        results = p.stepper(step, micro_batches)
+        p.monitor.update(results["applied"])
+        step += 1
+        log_now = step % config.logging.every == 0 or step == p.max_steps or step == p.start_step + 1
+        if log_now:
+            xm.add_step_closure(log_step, args=(p.logger, p.monitor, step, results, p.monitor.skipped,
+                                                p.monitor.worst_bad_run))
+        torch_xla.sync()
+        p.guard.step_ended(step)
+        p.logger.advance()
+        if log_now:
+            p.monitor.check(phase, step, p.checkpointer.latest())
+        if config.eval.every and step % config.eval.every == 0 and step < p.max_steps:
+            p.logger.log_eval(step, p.evaluate())
+        stopping = p.stop.due()
+        if stopping or p.checkpointer.due(step, p.max_steps):
+            p.save(step)
+        if stopping:
+            p.logger.close()
+            return PhaseResult(phase, stopped_at_step=step)
+    return finish_phase(p, step, results["loss"] if step > p.start_step else None)
+
+
+def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resume_from: Path | None,
+                stop_requested) -> Phase:
+    """Model, optimizer, data and the loop's parts, resumed from `resume_from` when given, with
+    the phase's first evaluation done (or taken from the checkpoint)."""
+    import torch_xla
+
+    t, layout = config.train, RunLayout(config.output_dir)
+    guard = CompileGuard(phase, t.warmup_compiles_steps, t.recompile_policy)  # counts from here
     seed_everything(t.seed + phase)
     model, lora_config = build_model(config, phase)
     sharded = parallel.place_model(model, device)
@@ -148,91 +229,60 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
     guard.resume_at(start_step)
     monitor = DivergenceMonitor(device, t.max_bad_steps)
     monitor.load_state_dict(state, device)
-    logger = make_logger(config, phase, parallel, data, start_step, resume_from, state)
-
-    def evaluate() -> dict:
-        return evaluate_loss(model, data.dir, micro_batch=data.eval_micro_batch, pad_id=data.pad_id,
-                             packed=data.packed, device=device, max_batches=config.eval.max_batches,
-                             collectives=parallel.collectives, input_sharding=parallel.input_sharding(),
-                             replicate=parallel.replicate)
-
-    eval_before = state.get("eval_before") or evaluate()
-    if resume_from is None:
-        logger.log_eval(0, eval_before)
-
-    def trainer_state() -> dict:
-        return {"phase": phase, "eval_before": eval_before, **logger.state_dict(), **monitor.state_dict(),
-                "global_batch": data.batches_per_step, "chips": parallel.chips,
-                "exactness": resume_keys(config, phase)}
-
     stepper = Stepper(model, optimizer, config, phase, parallel, device, start_step, data.packed)
+    p = Phase(config, phase, parallel, device, model, lora_config, optimizer, data, stepper, guard, monitor,
+              checkpointer, make_logger(config, phase, parallel, data, start_step, resume_from, state),
+              StopVote(parallel.collectives, stop_requested), start_step, resume_from is not None,
+              state.get("eval_before"), sharded)
+    if p.eval_before is None:
+        p.eval_before = p.evaluate()
+        p.logger.log_eval(0, p.eval_before)
     parallel.replicate(optimizer.params + optimizer.state_tensors() + stepper.device_state() + monitor.device_state())
     # A resumed run's checkpoint was copied into parameters and optimizer state: run those
     # copies now, or they would join step 1's graph and make it a graph of its own.
     torch_xla.sync()
-    batches = data.device_batches(device)
-    stop = StopVote(parallel.collectives, stop_requested)
-    step = start_step
-    while step < max_steps:
-        guard.step_started()
-        # Fetch first: MpDeviceLoader's next() marks a step itself, which would cut anything
-        # already traced for this step (the LR) into a graph of its own.
-        micro_batches = [next(batches) for _ in range(t.grad_accum)]
-        guard.data_ready()
-        results = stepper(step, micro_batches)
-        monitor.update(results["applied"])
-        step += 1
-        log_now = step % config.logging.every == 0 or step == max_steps or step == start_step + 1
-        if log_now:
-            xm.add_step_closure(log_step, args=(logger, monitor, step, results, monitor.skipped, monitor.worst_bad_run))
-        torch_xla.sync()
-        guard.step_ended(step)
-        logger.advance()
-        if log_now:
-            monitor.check(phase, step, checkpointer.latest())
-        if config.eval.every and step % config.eval.every == 0 and step < max_steps:
-            logger.log_eval(step, evaluate())
-        stopping = stop.due()
-        if stopping or checkpointer.due(step, max_steps):
-            checkpointer.save(step, model=model, optimizer=optimizer, trainer_state=trainer_state())
-        if stopping:
-            logger.close()
-            return PhaseResult(phase, stopped_at_step=step)
+    return p
+
+
+def finish_phase(p: Phase, step: int, last_loss) -> PhaseResult:
+    """The final evaluation and checkpoint (every replica); adapter and summary (the master)."""
+    import torch_xla.core.xla_model as xm
 
     xm.wait_device_ops()
-    timing = guard.summary(step - start_step, data.tokens_per_step)
-    eval_after = evaluate()
-    final_state = trainer_state()
-    checkpointer.save(step, model=model, optimizer=optimizer, trainer_state=final_state)
-    last_loss, label_tokens = to_host(results["loss"], stepper.label_tokens) if step > start_step else (None, 0)
-    logger.log_eval(step, eval_after)
-    logger.close()
-    if not parallel.master:
-        return PhaseResult(phase)
-    save_adapter(model, layout.adapter(phase), lora_config, config.model.path)
+    timing = p.guard.summary(step - p.start_step, p.data.tokens_per_step)
+    eval_after = p.evaluate()
+    final_state = p.trainer_state()
+    p.save(step)
+    last_loss, label_tokens = to_host(last_loss, p.stepper.label_tokens) if last_loss is not None else (None, 0)
+    p.logger.log_eval(step, eval_after)
+    p.logger.close()
+    if not p.parallel.master:
+        return PhaseResult(p.number)
+    layout = RunLayout(p.config.output_dir)
+    save_adapter(p.model, layout.adapter(p.number), p.lora_config, p.config.model.path)
     summary = {
-        "phase": phase,
+        "phase": p.number,
         "steps": step,
-        "resumed_from_step": start_step if resume_from else None,
-        "resumed_on_other_chips": data.chips_changed,
-        "tokens": step * data.tokens_per_step,
+        "resumed_from_step": p.start_step if p.resumed else None,
+        "resumed_on_other_chips": p.data.chips_changed,
+        "tokens": step * p.data.tokens_per_step,
         "label_tokens_this_run": int(label_tokens),
         "skipped_steps": final_state["skipped_steps"],
         "train_loss_first": final_state["train_loss_first"],
         "train_loss_last": last_loss,
-        "eval_loss_before": eval_before["loss"],
+        "eval_loss_before": p.eval_before["loss"],
         "eval_loss_after": eval_after["loss"],
-        "perplexity_before": eval_before["perplexity"],
+        "perplexity_before": p.eval_before["perplexity"],
         "perplexity_after": eval_after["perplexity"],
         **timing,
-        "wall_time_s": round(guard.elapsed(), 2),
-        "world_size": parallel.world,
-        "parallel": {**parallel.describe(), "sharded_base_parameters": len(sharded)},
-        "seq_len": data.seq_len,
-        "global_batch": data.batches_per_step,
+        "wall_time_s": round(p.guard.elapsed(), 2),
+        "world_size": p.parallel.world,
+        "parallel": {**p.parallel.describe(), "sharded_base_parameters": len(p.sharded)},
+        "seq_len": p.data.seq_len,
+        "global_batch": p.data.batches_per_step,
     }
-    atomic_write_json(layout.summary(phase), summary)  # written last: marks the phase as done
-    return PhaseResult(phase, summary=summary)
+    atomic_write_json(layout.summary(p.number), summary)  # written last: marks the phase as done
+    return PhaseResult(p.number, summary=summary)
 
 
 def log_step(logger: StepLogger, monitor: DivergenceMonitor, step: int, results: dict, skipped, worst) -> None:

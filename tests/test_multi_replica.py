@@ -109,46 +109,54 @@ def reference(tiny_model_dir, data, tmp_path_factory):
 
 
 # -- the documented command: torchrun, equal to one replica with the same global batch ----------
-@pytest.fixture(scope="module")
-def torchrun_and_single(tiny_model_dir, data, tmp_path_factory):
-    """Both phases, no dropout (its masks depend on the replica), as 2 replicas through torchrun
-    (micro-batch 2) and as 1 replica (micro-batch 4): the same global batch of 8."""
-    root = tmp_path_factory.mktemp("torchrun")
-    common = {"train": {"max_steps": 6}, "lora": {"dropout": 0.0}, "checkpoint": {"every": 3, "keep": 3}}
-    two = config_for(root, tiny_model_dir, data, "two", **common)
-    one = config_for(root, tiny_model_dir, data, "one", **{**common, "train": {"max_steps": 6, "micro_batch": 4}})
+def torchrun(replicas: int, config: Path, *args: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "finetuning_pipeline/main.py", "--config", str(two)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(replicas),
+         "finetuning_pipeline/main.py", "--config", str(config), *args],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PJRT_DEVICE": "CPU"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def torchrun_and_single(tiny_model_dir, data, tmp_path_factory):
+    """No dropout (its masks depend on the replica), the same global batch of 8: 2 replicas
+    through torchrun (micro-batch 2, both phases), 4 replicas (micro-batch 1, phase 1), and
+    1 replica (micro-batch 4)."""
+    root = tmp_path_factory.mktemp("torchrun")
+    common = {"train": {"max_steps": 6}, "lora": {"dropout": 0.0}, "checkpoint": {"every": 3, "keep": 3}}
+    two = config_for(root, tiny_model_dir, data, "two", **common)
+    four = config_for(root, tiny_model_dir, data, "four", **{**common, "train": {"max_steps": 6, "micro_batch": 1}})
+    one = config_for(root, tiny_model_dir, data, "one", **{**common, "train": {"max_steps": 6, "micro_batch": 4}})
+    torchrun(2, two)
+    torchrun(4, four, "--phase", "1")
     assert main.main(["--config", str(one)]) == 0
-    return out_of(two), out_of(one), one
+    return out_of(two), out_of(one), one, out_of(four)
 
 
-@pytest.mark.parametrize("phase", [1, 2])
-def test_two_replicas_through_torchrun_equal_one_replica(torchrun_and_single, phase):
-    two, one, _ = torchrun_and_single
-    ours, single = records(two, "train", phase), records(one, "train", phase)
+@pytest.mark.parametrize("replicas, phase", [(2, 1), (2, 2), (4, 1)])
+def test_replicas_through_torchrun_equal_one_replica(torchrun_and_single, replicas, phase):
+    two, one, _, four = torchrun_and_single
+    several = two if replicas == 2 else four
+    ours, single = records(several, "train", phase), records(one, "train", phase)
     assert [r["step"] for r in ours] == [r["step"] for r in single] == list(range(1, 7))
     for a, b in zip(ours, single):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
         assert a["label_tokens"] == b["label_tokens"]  # the same blocks, split over two replicas
-    for a, b in zip(records(two, "eval", phase), records(one, "eval", phase)):
+    for a, b in zip(records(several, "eval", phase), records(one, "eval", phase)):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
-    ours_adapter, single_adapter = adapter(two, phase), adapter(one, phase)
+    ours_adapter, single_adapter = adapter(several, phase), adapter(one, phase)
     for key in single_adapter:
         torch.testing.assert_close(ours_adapter[key], single_adapter[key], rtol=1e-3, atol=2e-4, msg=key)
-    summary = json.loads((two / f"phase{phase}" / "summary.json").read_text())
-    assert summary["parallel"]["processes"] == 2 and summary["global_batch"] == 8
+    summary = json.loads((several / f"phase{phase}" / "summary.json").read_text())
+    assert summary["parallel"]["processes"] == replicas and summary["global_batch"] == 8
     assert summary["compiles_after_warmup"] == 0
 
 
 def test_resume_on_another_number_of_chips_with_the_same_global_batch(torchrun_and_single, tmp_path, capsys):
     """A spot v6e-8 that comes back as something else: the two-replica run's step-3 checkpoint
     resumed by one replica with micro-batch 4 continues the same stream of global blocks."""
-    two, _, one_config = torchrun_and_single
+    two, _, one_config, _ = torchrun_and_single
     checkpoint = two / "phase1" / "checkpoints" / "step_00000003"
     out = tmp_path / "resumed"
     args = ["--config", str(one_config), "--phase", "1", "--resume", str(checkpoint), f"output_dir={out}"]
