@@ -101,10 +101,11 @@ def measure_ours(model_dir: str, data: str, micro_batch: int, steps: int, out_di
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config))
     from finetuning_pipeline import main
+    from finetuning_pipeline.run_layout import RunLayout
 
     if main.main(["--config", str(path), "--phase", "1", "--resume", "never", "--force"]) != 0:
         raise SystemExit("our trainer failed")
-    summary = json.loads((Path(out_dir) / "phase1" / "summary.json").read_text())
+    summary = json.loads(RunLayout(out_dir).summary(1).read_text())
     return {
         "step_time_s": summary["step_time_s"],
         "compiles_total": summary["compiles_total"],

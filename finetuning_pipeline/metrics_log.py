@@ -55,19 +55,21 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
-def plot_losses(output_dir: str | Path, out_name: str = "loss.png") -> Path | None:
+def plot_losses(output_dir: str | Path) -> Path | None:
     """Train and eval loss of both phases on one axis (phase 2 steps follow phase 1's)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    output_dir = Path(output_dir)
+    from finetuning_pipeline.run_layout import RunLayout
+
+    layout = RunLayout(output_dir)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     offset = 0
     plotted = False
     for phase, color in ((1, "tab:blue"), (2, "tab:orange")):
-        records = read_metrics(output_dir / f"phase{phase}" / "metrics.jsonl")
+        records = read_metrics(layout.metrics(phase))
         train = [(r["step"] + offset, r["loss"]) for r in records if r["kind"] == "train"]
         evals = [(r["step"] + offset, r["loss"]) for r in records if r["kind"] == "eval"]
         if train:
@@ -87,7 +89,7 @@ def plot_losses(output_dir: str | Path, out_name: str = "loss.png") -> Path | No
     ax.set_title("Training and eval loss")
     ax.legend()
     ax.grid(alpha=0.3)
-    path = output_dir / out_name
+    path = layout.loss_plot
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

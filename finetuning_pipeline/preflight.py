@@ -40,6 +40,7 @@ from dataset.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
 from finetuning_pipeline.config import ConfigError, RunConfig, load_config  # noqa: E402
 from finetuning_pipeline.parallel import mesh_shape  # noqa: E402
 from finetuning_pipeline.plan import ModelShape, PlanInputs, mode_advice, plan, suggestions  # noqa: E402
+from finetuning_pipeline.run_layout import RunLayout  # noqa: E402
 from finetuning_pipeline.tpu_chips import parse_tpu_type  # noqa: E402
 from utils.atomic_io import atomic_write_json  # noqa: E402
 
@@ -228,16 +229,16 @@ def rehearse(config: RunConfig, model_config, root: Path, data_ready: bool) -> d
     proc = run_trainer(config_path, ["--resume", "never", "--force"], mode, log)
     if proc.returncode != 0:
         return {**steps, "passed": False, "failed_at": "training", "detail": (proc.stdout + proc.stderr)[-3000:]}
-    out = root / "run"
-    summaries = {p: json.loads((out / f"phase{p}" / "summary.json").read_text()) for p in phases}
+    out = RunLayout(root / "run")
+    summaries = {p: json.loads(out.summary(p).read_text()) for p in phases}
     steps["phases"] = {f"phase{p}": {k: s[k] for k in ("steps", "compiles_total", "compiles_after_warmup",
                                                          "host_syncs_per_step", "eval_loss_before", "eval_loss_after")}
                        for p, s in summaries.items()}
 
     first = phases[0]
-    adapter_file = out / f"phase{first}" / "adapter" / "adapter_model.safetensors"
+    adapter_file = out.adapter(first) / "adapter_model.safetensors"
     uninterrupted = load_file(adapter_file)
-    checkpoint = out / f"phase{first}" / "checkpoints" / "step_00000002"
+    checkpoint = out.checkpoints(first) / "step_00000002"
     proc = run_trainer(config_path, ["--phase", str(first), "--resume", str(checkpoint)], mode, log)
     if proc.returncode != 0:
         return {**steps, "passed": False, "failed_at": "resume", "detail": (proc.stdout + proc.stderr)[-3000:]}
@@ -249,11 +250,11 @@ def rehearse(config: RunConfig, model_config, root: Path, data_ready: bool) -> d
 
     from finetuning_pipeline.export import export_merged
 
-    adapters = [str(out / "phase1" / "adapter")] if 1 in phases else []
+    adapters = [str(out.adapter(1))] if 1 in phases else []
     if 2 in phases and (config.phase2.init == "merge" or not adapters):
-        adapters.append(str(out / "phase2" / "adapter"))
+        adapters.append(str(out.adapter(2)))
     elif 2 in phases:
-        adapters = [str(out / "phase2" / "adapter")]  # continue: phase 2's adapter carries phase 1's training
+        adapters = [str(out.adapter(2))]  # continue: phase 2's adapter carries phase 1's training
     merged = export_merged(str(root / "model"), adapters, str(root / "merged"))
     AutoModelForCausalLM.from_pretrained(merged)  # plain transformers, no project code
     steps["export"] = str(merged)
@@ -351,9 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     ok = plan_result["fits"] and all(c["status"] != "failed" for c in checks.values())
     report["ok"] = ok
     output_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(output_dir / "preflight.json", report)
+    atomic_write_json(RunLayout(output_dir).preflight, report)
     print(format_report(report))
-    print(f"wrote {output_dir / 'preflight.json'}")
+    print(f"wrote {RunLayout(output_dir).preflight}")
     return 0 if ok else 1
 
 

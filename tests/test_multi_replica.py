@@ -229,12 +229,14 @@ def test_sigterm_to_one_replica_stops_them_all_at_the_next_step(tiny_model_dir, 
 
 
 # -- failures -------------------------------------------------------------------------------
-def test_a_checkpoint_write_failing_on_the_master_stops_every_replica_with_exit_3(tiny_model_dir, data, tmp_path):
-    config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 2})
+@pytest.mark.parametrize("mode", ["dp", "fsdp"])
+def test_a_checkpoint_write_failing_on_the_master_stops_every_replica_with_exit_3(tiny_model_dir, data, tmp_path, mode):
+    per_chip = {"train": {"max_steps": STEPS, "micro_batch": 1}} if mode == "fsdp" else {}
+    config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 2}, parallel={"mode": mode}, **per_chip)
     blocked = out_of(config) / "phase1" / "checkpoints"
     blocked.parent.mkdir(parents=True)
     blocked.write_text("a file where the checkpoints directory goes: every save fails on the master\n")
-    replicas = run_replicas(2, config, tmp_path / "logs")
+    replicas = run_replicas(2, config, tmp_path / "logs", env={"CPU_NUM_DEVICES": "2"} if mode == "fsdp" else None)
     assert replicas.wait(HANG) == [3, 3], replicas.outputs()
     assert "could not write checkpoint step 2" in replicas.output(0)
     assert "the master could not write checkpoint step 2" in replicas.output(1)
