@@ -180,7 +180,7 @@ def measure_frozen(model_dir: str, data: str, micro_batch: int, steps: int, out_
     import torch_xla.core.xla_model as xm
     from transformers import AutoModelForCausalLM
 
-    from finetuning_pipeline.step import causal_mask
+    from finetuning_pipeline.attention_masks import attention_masks
     from utils.xla_runtime import init_xla_device
 
     device = init_xla_device()
@@ -189,7 +189,7 @@ def measure_frozen(model_dir: str, data: str, micro_batch: int, steps: int, out_
     for p in model.parameters():
         p.requires_grad_(False)
     ids = torch.from_numpy(np.load(Path(data) / "train" / "input_ids.npy")[:micro_batch]).long().to(device)
-    mask = causal_mask(ids.shape[1], device, torch.float32, sdpa=True)  # as our phase-1 step's forward
+    mask = attention_masks(model.config, ids.shape[1], device, torch.float32)  # as our phase-1 step's forward
     ends = []
     for step in range(steps):
         embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)

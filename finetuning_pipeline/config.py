@@ -65,6 +65,10 @@ class TrainConfig:
     max_bad_steps: a step whose loss or gradient norm is NaN/inf is skipped on the device
         (adapter and optimizer unchanged) and counted; this many in a row stop the run.
     seed: model init of LoRA weights, dropout and data order.
+    loss_chunk_tokens: tokens per chunk of the output projection and loss, so the full
+        [tokens, vocab] logits never exist (finetuning_pipeline/chunked_loss.py). None (default):
+        about 256 MiB of fp32 logits per chunk for the model types the chunked loss is verified
+        on, full logits otherwise; 0: full logits.
     warmup_compiles_steps: steps after which no new graph may compile (the recompile guard);
         a phase compiles two graphs (a training step, an eval batch), both before or in step 1.
     recompile_policy: "error" stops the run at a recompile after warm-up, "warn" logs it.
@@ -82,6 +86,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     max_bad_steps: int = 10
     seed: int = 0
+    loss_chunk_tokens: int | None = None
     warmup_compiles_steps: int = 1
     recompile_policy: str = "error"
 
@@ -343,6 +348,8 @@ def validate(config: RunConfig) -> None:
                        "train.max_grad_norm": t.max_grad_norm, "train.weight_decay": t.weight_decay}.items():
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")
+    if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 0:
+        raise ConfigError(f"train.loss_chunk_tokens must be >= 0 (0: full logits), got {t.loss_chunk_tokens}")
     if not t.lr > 0:
         raise ConfigError(f"train.lr must be > 0, got {t.lr}")
     if not 0 < t.min_lr_ratio <= 1:

@@ -11,6 +11,7 @@ import math
 import torch
 
 from dataset.loader import iter_eval_batches
+from finetuning_pipeline.chunked_loss import auto_chunk_tokens
 from finetuning_pipeline.collectives import Collectives
 from finetuning_pipeline.step import eval_sums
 
@@ -22,13 +23,16 @@ def to_host(*tensors: torch.Tensor) -> list[float]:
 
 
 def evaluate_loss(model, data_dir: str, *, micro_batch: int, pad_id: int, packed: bool, device,
-                  split: str = "eval", max_batches: int | None = None, collectives: Collectives | None = None,
-                  input_sharding=None, replicate=lambda tensors: None) -> dict:
+                  split: str = "eval", max_batches: int | None = None, loss_chunk: int | None = None,
+                  collectives: Collectives | None = None, input_sharding=None, replicate=lambda tensors: None) -> dict:
     """{"loss", "perplexity", "label_tokens"} over `split`, every block counted once across the
     replicas of `collectives` (each reads its share). On an XLA device every batch runs the
     same small graph and the totals are read once, at the end: one host sync per evaluation.
+    loss_chunk: tokens per loss chunk (None: the model's default, chunked_loss.auto_chunk_tokens).
     replicate: marks the running sums' sharding under SPMD (Parallel.replicate)."""
     collectives = collectives or Collectives()
+    if loss_chunk is None:
+        loss_chunk = auto_chunk_tokens(model.config)
     xla = device.type == "xla"
     if xla:
         import torch_xla
@@ -47,7 +51,7 @@ def evaluate_loss(model, data_dir: str, *, micro_batch: int, pad_id: int, packed
             batch = xm.send_cpu_data_to_device(batch, device, input_sharding)
         else:
             batch = {name: tensor.to(device) for name, tensor in batch.items()}
-        batch_loss, batch_count = eval_sums(model, batch, packed)
+        batch_loss, batch_count = eval_sums(model, batch, packed, loss_chunk)
         loss_sum = loss_sum + batch_loss
         count = count + batch_count
         if xla:

@@ -71,12 +71,19 @@ def preflight_checks(config: RunConfig, phases: list[int]) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from dataset.loader import open_prepared
+    from finetuning_pipeline.attention_masks import mask_windows
+    from finetuning_pipeline.chunked_loss import resolve_chunk_tokens
     from dataset.manifest import tokenizer_fingerprint
 
     model_dir = Path(config.model.path)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model.path: {model_dir} has no config.json (a local Hugging Face model directory is expected)")
     model_config = AutoConfig.from_pretrained(model_dir)
+    try:
+        resolve_chunk_tokens(config.train.loss_chunk_tokens, model_config)
+        mask_windows(model_config)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     tokenizer_dir = config.model.tokenizer or config.model.path
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

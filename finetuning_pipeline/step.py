@@ -15,55 +15,34 @@ import torch
 import torch.nn.functional as F
 
 from dataset.encode import IGNORE_INDEX
+from finetuning_pipeline.attention_masks import attention_masks
+from finetuning_pipeline.chunked_loss import chunked_loss_sum
 from finetuning_pipeline.collectives import Collectives
 
 
-def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype, sdpa: bool) -> torch.Tensor:
-    """[B, 1, L, L] mask letting each token see earlier tokens of its own packed segment only.
-
-    Segments start where position_ids == 0 (how `dataset.packing` lays out blocks). Passing a
-    4D mask also keeps transformers from inspecting position_ids for packing itself, which
-    branches in Python on a tensor (a host sync per forward on XLA, and a graph that depends
-    on the data). sdpa takes a boolean mask (True = attend); eager attention adds a float one.
-    """
-    segment = torch.cumsum((position_ids == 0).to(torch.int32), dim=-1)  # [B, L]
-    same_segment = segment[:, :, None] == segment[:, None, :]  # [B, L, L]
-    length = position_ids.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
-    allowed = (same_segment & causal)[:, None]  # [B, 1, L, L]
-    if sdpa:
-        return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-def causal_mask(length: int, device, dtype: torch.dtype, sdpa: bool) -> torch.Tensor:
-    """[1, 1, L, L] plain causal mask, broadcast over the batch (same conventions as above)."""
-    allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
-    if sdpa:
-        return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], packed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], packed: bool = True,
+                       loss_chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of next-token losses over label tokens, number of label tokens), fp32, on device.
 
-    packed: the block holds separate samples (phase 2): positions restart per sample and a
-    block-diagonal mask keeps them apart. Otherwise (phase 1: one stream of text, positions
-    0..L-1) a plain causal mask is exact, and cheaper: one [1, 1, L, L] mask instead of a
-    per-sequence [B, 1, L, L] one (12% of a step on the benchmark's large model). Either way
-    the mask is explicit: without one, transformers derives positions and probes them for
-    packing with a Python branch on a tensor, a host sync every forward.
+    packed: the block holds separate samples (phase 2): positions restart per sample and each
+    sample attends to itself only. Otherwise (phase 1: one stream of text, positions 0..L-1)
+    the masks are [1, 1, L, L], broadcast over the batch (cheaper than [B, 1, L, L]: 12% of a
+    step on the benchmark's large model). Each layer type gets its own mask (attention_masks.py).
+    loss_chunk: tokens per chunk of the output projection and loss (chunked_loss.py); 0 builds
+    the full logits.
     """
     input_ids = batch["input_ids"].long()
     labels = batch["labels"].long()
-    sdpa = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
+    position_ids = batch["position_ids"].long() if packed else None
+    masks = attention_masks(model.config, input_ids.shape[1], input_ids.device, model.dtype, position_ids)
+    inputs = {"input_ids": input_ids, "attention_mask": masks, "use_cache": False}
     if packed:
-        position_ids = batch["position_ids"].long()
-        mask = block_causal_mask(position_ids, model.dtype, sdpa)
-        logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False).logits
-    else:
-        mask = causal_mask(input_ids.shape[1], input_ids.device, model.dtype, sdpa)
-        logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
+        inputs["position_ids"] = position_ids
+    count = (labels[:, 1:] != IGNORE_INDEX).sum().to(torch.float32)
+    if loss_chunk:
+        hidden = model.base_model(**inputs).last_hidden_state  # [B, L, H], after the final norm
+        return chunked_loss_sum(hidden, labels, model.get_output_embeddings(), model.config, loss_chunk), count
+    logits = model(**inputs).logits
     # Token t predicts token t+1: logits [B, L-1, V] against labels [B, L-1].
     shifted_logits = logits[:, :-1].float()
     shifted_labels = labels[:, 1:]
@@ -73,12 +52,11 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], packed: bool = Tru
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
-    count = (shifted_labels != IGNORE_INDEX).sum().to(torch.float32)
     return loss_sum, count
 
 
 def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, collectives: Collectives | None = None,
-               packed: bool = True) -> dict[str, torch.Tensor]:
+               packed: bool = True, loss_chunk: int = 0) -> dict[str, torch.Tensor]:
     """Accumulate gradients over `micro_batches`, average, clip, step. Returns device tensors:
     loss (mean per label token), tokens (label tokens in the step), grad_norm (before
     clipping) and applied (False when the loss or the gradient norm was not finite: the
@@ -87,7 +65,7 @@ def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, collect
     loss_total = torch.zeros((), device=device)
     tokens = torch.zeros((), device=device)
     for batch in micro_batches:
-        loss_sum, count = causal_lm_loss_sum(model, batch, packed)
+        loss_sum, count = causal_lm_loss_sum(model, batch, packed, loss_chunk)
         loss_sum.backward()
         loss_total = loss_total + loss_sum.detach()
         tokens = tokens + count
@@ -109,5 +87,6 @@ def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, collect
 
 
 @torch.no_grad()
-def eval_sums(model, batch: dict[str, torch.Tensor], packed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    return causal_lm_loss_sum(model, batch, packed)
+def eval_sums(model, batch: dict[str, torch.Tensor], packed: bool = True,
+              loss_chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    return causal_lm_loss_sum(model, batch, packed, loss_chunk)

@@ -31,6 +31,7 @@ from dataset.manifest import is_packed, read_manifest
 from finetuning_pipeline.activation_checkpointing import enable_activation_checkpointing
 from finetuning_pipeline.adamw import MaskedAdamW
 from finetuning_pipeline.checkpointing import Checkpointer, load_checkpoint, resume_keys
+from finetuning_pipeline.chunked_loss import resolve_chunk_tokens
 from finetuning_pipeline.compile_guard import CompileGuard
 from finetuning_pipeline.config import RunConfig
 from finetuning_pipeline.divergence import DivergenceMonitor, device_counter
@@ -100,6 +101,7 @@ class Stepper:
         t = config.train
         self.model, self.optimizer, self.parallel, self.device = model, optimizer, parallel, device
         self.seed, self.phase, self.packed = t.seed, phase, packed
+        self.loss_chunk = resolve_chunk_tokens(t.loss_chunk_tokens, model.config)
         self.max_grad_norm = t.max_grad_norm
         self.step_count = torch.tensor([start_step]).to(device)
         self.schedule = lr_table(peak=config.lr(phase), warmup_steps=t.warmup_steps,
@@ -119,7 +121,7 @@ class Stepper:
         xm.set_rng_state(step_seed(self.seed, self.phase, self.parallel.rank, step), device=self.device)
         self.optimizer.lr = self.schedule[self.step_count]
         results = train_step(self.model, self.optimizer, micro_batches, max_grad_norm=self.max_grad_norm,
-                             collectives=self.parallel.collectives, packed=self.packed)
+                             collectives=self.parallel.collectives, packed=self.packed, loss_chunk=self.loss_chunk)
         self.label_tokens = self.label_tokens + results["tokens"]
         self.step_count = self.step_count + 1
         return {**results, "lr": self.optimizer.lr}
@@ -155,6 +157,7 @@ class Phase:
     def evaluate(self) -> dict:
         return evaluate_loss(self.model, self.data.dir, micro_batch=self.data.eval_micro_batch, pad_id=self.data.pad_id,
                              packed=self.data.packed, device=self.device, max_batches=self.config.eval.max_batches,
+                             loss_chunk=self.stepper.loss_chunk,
                              collectives=self.parallel.collectives, input_sharding=self.parallel.input_sharding(),
                              replicate=self.parallel.replicate)
 

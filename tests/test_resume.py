@@ -163,8 +163,8 @@ def poison_nan_in_steps(monkeypatch, steps: set[int], grad_accum: int) -> None:
     real = step_module.causal_lm_loss_sum
     calls = {"n": 0}
 
-    def poisoned(model, batch, packed=True):
-        loss_sum, count = real(model, batch, packed)
+    def poisoned(model, batch, packed=True, loss_chunk=0):
+        loss_sum, count = real(model, batch, packed, loss_chunk)
         poison = False
         if torch.is_grad_enabled():  # a training micro-batch (evaluation runs under no_grad)
             poison = calls["n"] // grad_accum + 1 in steps

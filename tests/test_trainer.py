@@ -16,7 +16,8 @@ from finetuning_pipeline.evaluate import main as evaluate_main
 from finetuning_pipeline.export import export_merged
 from finetuning_pipeline.generate import generate
 from finetuning_pipeline.lr_schedule import lr_at
-from finetuning_pipeline.step import block_causal_mask, train_step
+from finetuning_pipeline.attention_masks import allowed_positions, as_attention_mask
+from finetuning_pipeline.step import train_step
 from lora_logic import LoraConfig, inject_lora, load_adapter, lora_modules, lora_parameters
 from trainer_helpers import prepare_demo_data, write_run_config
 
@@ -140,7 +141,7 @@ def test_lr_schedule():
 
 def test_block_causal_mask_keeps_packed_segments_apart():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
-    mask = block_causal_mask(positions, torch.float32, sdpa=True)[0, 0]
+    mask = allowed_positions(6, "cpu", None, positions)[0, 0]
     expected = torch.tensor([
         [1, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0],
@@ -150,7 +151,7 @@ def test_block_causal_mask_keeps_packed_segments_apart():
         [0, 0, 0, 0, 0, 1],
     ], dtype=torch.bool)
     assert torch.equal(mask, expected)
-    additive = block_causal_mask(positions, torch.float32, sdpa=False)[0, 0]
+    additive = as_attention_mask(allowed_positions(6, "cpu", None, positions), torch.float32, sdpa=False)[0, 0]
     assert torch.equal(additive == 0, expected)
 
 

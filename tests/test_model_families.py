@@ -1,0 +1,174 @@
+"""Each model family trained exactly as transformers defines it: our loss (explicit masks per
+layer type, plain and packed, full or chunked logits) against transformers' own loss with its
+own masks, fp32, loss and LoRA gradients.
+
+transformers' reference gets no mask at all: for plain rows it builds its causal (and sliding
+window) masks itself, and for packed rows it detects the samples from the restarting
+`position_ids`. Every family with a sliding window gets one smaller than the sequence, so a
+mask that dropped the window would fail (checked: test_a_single_full_mask_would_be_wrong).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from finetuning_pipeline.attention_masks import mask_windows
+from finetuning_pipeline.chunked_loss import CHUNKED_MODEL_TYPES
+from finetuning_pipeline.step import causal_lm_loss_sum
+from lora_logic import LoraConfig, inject_lora, lora_modules, lora_parameters
+
+VOCAB, LENGTH, WINDOW = 96, 32, 6
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+FAMILIES = {
+    "mistral": lambda: MistralConfig(**SHAPE, sliding_window=WINDOW),
+    "llama": lambda: LlamaConfig(**SHAPE),
+    "qwen2": lambda: Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "qwen3": lambda: Qwen3Config(**SHAPE, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "gemma2": lambda: Gemma2Config(**SHAPE, sliding_window=WINDOW, attn_logit_softcapping=5.0,
+                                   final_logit_softcapping=3.0),
+    "gemma3": lambda: Gemma3TextConfig(**SHAPE, sliding_window=WINDOW,
+                                       layer_types=["sliding_attention", "full_attention"]),
+    "phi3": lambda: Phi3Config(**SHAPE, sliding_window=WINDOW, pad_token_id=0),
+}
+# Phi-3 fuses q/k/v and gate/up into single projections.
+TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+SLIDING = {"mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"}
+
+
+def family_model(name: str) -> torch.nn.Module:
+    """A tiny fp32 model of the family with LoRA on every default target, B random (so both
+    LoRA matrices get gradients), dropout 0."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FAMILIES[name]()).float()
+    model.config.use_cache = False
+    targets = TARGETS.get(name)
+    inject_lora(model, LoraConfig(r=4, alpha=8, **({"target_modules": targets} if targets else {})))
+    with torch.no_grad():
+        for _, module in lora_modules(model):
+            module.lora_B.weight.normal_(std=0.05)
+    return model.train()
+
+
+def batch(packed: bool) -> dict[str, torch.Tensor]:
+    """Two rows of LENGTH tokens; packed rows hold samples of 11, 13 and 8 tokens (and 20, 12),
+    each with its first 3 tokens masked out of the loss, as phase 2's prompts are."""
+    generator = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(1, VOCAB, (2, LENGTH), generator=generator)
+    labels = input_ids.clone()
+    positions = torch.arange(LENGTH).repeat(2, 1)
+    if packed:
+        for row, lengths in enumerate(([11, 13, 8], [20, 12])):
+            start = 0
+            for length in lengths:
+                positions[row, start:start + length] = torch.arange(length)
+                labels[row, start:start + 3] = -100
+                start += length
+    return {"input_ids": input_ids, "labels": labels, "position_ids": positions}
+
+
+def reference_loss(model, data: dict, packed: bool) -> torch.Tensor:
+    """transformers' own: no mask, its own loss (mean over label tokens)."""
+    kwargs = {"position_ids": data["position_ids"]} if packed else {}
+    return model(input_ids=data["input_ids"], labels=data["labels"], use_cache=False, **kwargs).loss
+
+
+def ours(model, data: dict, packed: bool, loss_chunk: int = 0) -> torch.Tensor:
+    loss_sum, count = causal_lm_loss_sum(model, data, packed=packed, loss_chunk=loss_chunk)
+    return loss_sum / count
+
+
+def loss_and_grads(model, compute) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = compute()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in lora_parameters(model)]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_our_loss_and_lora_gradients_equal_transformers(family, packed):
+    model = family_model(family)
+    data = batch(packed)
+    expected, expected_grads = loss_and_grads(model, lambda: reference_loss(model, data, packed))
+    loss, grads = loss_and_grads(model, lambda: ours(model, data, packed))
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
+    for ours_grad, reference_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(ours_grad, reference_grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_chunked_loss_equals_the_full_logits(family, packed):
+    """7 tokens a chunk: nine full chunks and a ragged one over 2 x 32 tokens."""
+    model = family_model(family)
+    assert model.config.model_type in CHUNKED_MODEL_TYPES
+    data = batch(packed)
+    expected, expected_grads = loss_and_grads(model, lambda: ours(model, data, packed))
+    loss, grads = loss_and_grads(model, lambda: ours(model, data, packed, loss_chunk=7))
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
+    for chunked_grad, full_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(chunked_grad, full_grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", sorted(SLIDING))
+def test_a_single_full_mask_would_be_wrong(family):
+    """The failure these tests guard against: one full causal mask for every layer (what the
+    trainer passed before) trains another loss than the family's own whenever window < seq_len."""
+    model = family_model(family)
+    data = batch(packed=False)
+    assert any(window for window in mask_windows(model.config).values())
+    full = torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        logits = model(input_ids=data["input_ids"], attention_mask=full, use_cache=False).logits
+        single_mask = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), data["labels"][:, 1:].reshape(-1))
+        assert abs(single_mask.item() - reference_loss(model, data, False).item()) > 1e-4
+
+
+def test_the_gemma2_reference_really_soft_caps():
+    """Soft-capping on: the final logits of the tiny Gemma 2 stay inside +-3."""
+    model = family_model("gemma2")
+    with torch.no_grad():
+        logits = model(input_ids=batch(False)["input_ids"], use_cache=False).logits
+    assert logits.abs().max().item() <= 3.0
+
+
+def test_masks_on_xla_cost_no_host_sync_and_no_new_graph():
+    """A packed Gemma 3 forward+backward with its per-layer-type masks and the chunked loss, twice
+    on the XLA device: the second call compiles nothing and no call reads a value on the host."""
+    import torch_xla
+
+    from utils.xla_counters import read_counters
+    from utils.xla_runtime import init_xla_device
+
+    device = init_xla_device()
+    model = family_model("gemma3")
+    expected, expected_grads = loss_and_grads(model, lambda: ours(model, batch(packed=True), True))  # CPU, full logits
+    model.to(device)
+    data = {k: v.to(torch.int32).to(device) for k, v in batch(packed=True).items()}
+    deltas = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)  # as the trainer: every step starts without gradients
+        before = read_counters()
+        loss_sum, _ = causal_lm_loss_sum(model, data, packed=True, loss_chunk=16)
+        loss_sum.backward()
+        torch_xla.sync()
+        deltas.append(read_counters() - before)
+    assert deltas[1].compiles == 0
+    assert deltas[0].host_syncs == 0 and deltas[1].host_syncs == 0
+    # torch_xla's checkpoint recomputes each chunk: the same loss and gradients as the full path.
+    count = (batch(packed=True)["labels"][:, 1:] != -100).sum()
+    assert (loss_sum.cpu() / count).item() == pytest.approx(expected.item(), abs=1e-5)
+    for param, reference_grad in zip(lora_parameters(model), expected_grads):
+        torch.testing.assert_close(param.grad.cpu() / count, reference_grad, atol=1e-5, rtol=1e-4)  # of the mean
