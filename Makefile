@@ -23,7 +23,7 @@ SAMPLES := dataset/samples
 # The demo config's phases need the demo's base model and prepared data; other configs bring their own.
 PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 
-.PHONY: help setup test tiny-model demo-data demo phase1 phase2 preflight bench bench-train bench-prepare clean
+.PHONY: help setup test tiny-model demo-data demo phase1 phase2 preflight bench bench-train bench-prepare bench-memory clean
 
 help:
 	@echo "make setup       create .venv with the pinned stack (torch 2.9.0 + torch_xla 2.9.0) and test tools"
@@ -35,9 +35,10 @@ help:
 	@echo "make preflight   check CONFIG and plan its TPU time (HBM, step time, TPU-hours) on this CPU, with a"
 	@echo "                 rehearsal on a shrunken model; ARGS=\"tpu.type=v5e-8 parallel.mode=fsdp\" (preflight.json)"
 	@echo "make tiny-model  write the tiny demo base model + tokenizer to outputs/demo/base"
-	@echo "make bench       both benchmarks below (about 15 minutes on 2 cores)"
+	@echo "make bench       the three benchmarks below (about 20 minutes on 2 cores)"
 	@echo "make bench-train our trainer vs HF Trainer + PEFT on XLA:CPU, two shapes (outputs/bench/bench.json)"
 	@echo "make bench-prepare  measure dataset.prepare throughput and peak memory (a few minutes)"
+	@echo "make bench-memory   peak memory of a step with a 262k vocabulary: chunked loss, full logits, HF + PEFT"
 	@echo "make clean       remove outputs/ and caches (keeps .venv)"
 
 setup: $(STAMP)
@@ -83,13 +84,16 @@ phase2: $(STAMP) $(PHASE_DEPS)
 preflight: $(STAMP) $(PHASE_DEPS)
 	$(BIN)/python -m finetuning_pipeline.preflight --config $(CONFIG) $(ARGS)
 
-bench: bench-train bench-prepare
+bench: bench-train bench-prepare bench-memory
 
 bench-train: $(STAMP)
 	$(BIN)/python -m benchmarks.train_bench
 
 bench-prepare: $(STAMP)
 	$(BIN)/python -m benchmarks.prepare_throughput
+
+bench-memory: $(STAMP)
+	$(BIN)/python -m benchmarks.memory_bench
 
 clean:
 	rm -rf outputs .pytest_cache

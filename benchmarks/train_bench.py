@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.results import update_results
+
 SHAPES = {
     "small": {"model": "tiny", "seq_len": 128, "micro_batch": 4},
     "large": {"model": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
@@ -312,8 +314,8 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.shapes.split(","):
             results[name] = bench_shape(name, args.steps, peer, Path(tmp), matmul_rate)
             print_shape(name, results[name])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    for section, values in results.items():  # other benchmarks' sections stay
+        update_results(Path(args.out), section, values)
     print(f"host XLA matmul: {matmul_rate / 1e9:.1f} GFLOP/s; wrote {args.out}")
 
 

@@ -13,7 +13,10 @@ HBM per device (a chip, or a v3 TensorCore), each term an estimate with its assu
   dropout > 0. With gradient checkpointing only each layer's input is kept, plus one layer's
   full set during its recompute;
 - logits: the bf16 logits, their fp32 copy and fp32 gradient (10 bytes per vocabulary entry
-  per token): for 150k-260k vocabularies the largest single tensor of a step.
+  per token): for 150k-260k vocabularies the largest single tensor of a step. With the
+  chunked loss (train.loss_chunk_tokens, on by default for the verified families) only one
+  chunk's tokens hold logits at a time, and each chunk's output projection runs once more in
+  the backward (2 * hidden * vocab FLOPs per token).
 A plan fits when the total is at most (1 - HEADROOM) of the device's HBM: XLA needs room for
 temporaries, fusion buffers and fragmentation that no formula here sees.
 
@@ -129,6 +132,7 @@ class PlanInputs:
     assumed_mfu: float
     steps: int  # optimizer steps of the phase
     fsdp_axis: int = -1  # under fsdp: chips each weight matrix is split over (-1: every chip)
+    loss_chunk: int = 0  # tokens per chunk of the loss (0: the full logits)
 
 
 def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
@@ -149,13 +153,16 @@ def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
         activations = tokens * (shape.layers * shape.hidden * act_bytes + per_layer)
     else:
         activations = tokens * shape.layers * per_layer
-    logits = tokens * shape.vocab * LOGIT_BYTES_PER_ENTRY
+    logit_tokens = min(tokens, inputs.loss_chunk) if inputs.loss_chunk else tokens
+    logits = logit_tokens * shape.vocab * LOGIT_BYTES_PER_ENTRY
     total = weights + lora_and_optimizer + activations + logits
     capacity = tpu.hbm_bytes_per_device
     fits = total <= (1 - HEADROOM) * capacity
 
     global_tokens = tokens * inputs.grad_accum * devices
     per_token = flops_per_token(shape, inputs.seq_len, inputs.lora_r, inputs.lora_targets, inputs.checkpointing)
+    if inputs.loss_chunk and tokens > inputs.loss_chunk:
+        per_token += 2 * shape.hidden * shape.vocab  # each chunk's projection again in the backward
     step_flops = per_token * global_tokens
     step_time = step_flops / (devices * tpu.peak_flops_per_device * inputs.assumed_mfu)
     hours = inputs.steps * step_time / 3600  # compiling (minutes, once per phase) not included

@@ -38,6 +38,7 @@ if __package__ in (None, ""):
 from dataset.errors import DataError  # noqa: E402
 from dataset.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
 from finetuning_pipeline.config import ConfigError, RunConfig, load_config  # noqa: E402
+from finetuning_pipeline.chunked_loss import resolve_chunk_tokens  # noqa: E402
 from finetuning_pipeline.parallel import mesh_shape  # noqa: E402
 from finetuning_pipeline.plan import ModelShape, PlanInputs, mode_advice, plan, suggestions  # noqa: E402
 from finetuning_pipeline.run_layout import RunLayout  # noqa: E402
@@ -97,9 +98,17 @@ def seq_len_of(config: RunConfig, phase: int) -> int:
                       f"length to plan with (e.g. phase{phase}.seq_len=2048)")
 
 
-def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices: int | None = None) -> PlanInputs:
-    """The plan's inputs from the config; `devices` (the slice's chips) resolves parallel.mesh."""
+def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices: int | None = None,
+                model_config=None) -> PlanInputs:
+    """The plan's inputs from the config; `devices` (the slice's chips) resolves parallel.mesh,
+    `model_config` the loss chunk."""
     fsdp_axis = config.parallel.mesh.fsdp
+    loss_chunk = 0
+    if model_config is not None:
+        try:
+            loss_chunk = resolve_chunk_tokens(config.train.loss_chunk_tokens, model_config)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     if devices is not None and (mode or config.parallel.mode) == "fsdp":
         try:
             fsdp_axis = mesh_shape(devices, config.parallel.mesh.data, config.parallel.mesh.fsdp)[1]
@@ -109,7 +118,8 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
                       grad_accum=config.train.grad_accum, seq_len=seq_len_of(config, phase),
                       checkpointing=config.model.gradient_checkpointing, lora_r=config.lora.r,
                       lora_targets=list(config.lora.target_modules), lora_dropout=config.lora.dropout,
-                      assumed_mfu=config.tpu.assumed_mfu, steps=config.max_steps(phase), fsdp_axis=fsdp_axis)
+                      assumed_mfu=config.tpu.assumed_mfu, steps=config.max_steps(phase), fsdp_axis=fsdp_axis,
+                      loss_chunk=loss_chunk)
 
 
 def make_plan(config: RunConfig, model_config) -> dict:
@@ -118,7 +128,7 @@ def make_plan(config: RunConfig, model_config) -> dict:
     tpu = parse_tpu_type(config.tpu.type)
     phases = {}
     for phase in phases_of(config):
-        inputs = plan_inputs(config, phase, devices=tpu.devices)
+        inputs = plan_inputs(config, phase, devices=tpu.devices, model_config=model_config)
         phases[f"phase{phase}"] = plan(shape, tpu, inputs)
         phases[f"phase{phase}"]["parallel_advice"] = mode_advice(shape, tpu, inputs)
         if not phases[f"phase{phase}"]["fits"]:

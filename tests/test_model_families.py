@@ -172,3 +172,37 @@ def test_masks_on_xla_cost_no_host_sync_and_no_new_graph():
     assert (loss_sum.cpu() / count).item() == pytest.approx(expected.item(), abs=1e-5)
     for param, reference_grad in zip(lora_parameters(model), expected_grads):
         torch.testing.assert_close(param.grad.cpu() / count, reference_grad, atol=1e-5, rtol=1e-4)  # of the mean
+
+
+def test_the_hand_written_backward_matches_autograd_for_every_logit_processing():
+    """LinearCrossEntropy's gradient against autograd through the same processing: scaling
+    (Cohere), dividing (Granite) and soft-capping (Gemma), all at once, with ignored targets."""
+    from finetuning_pipeline.chunked_loss import LinearCrossEntropy, process_logits
+
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, 5, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(40, 16, generator=generator)
+    targets = torch.randint(0, 40, (3, 5), generator=generator)
+    targets[0, :2] = -100
+    processing = (1.7, 2.5, 4.0)  # scale, divide, softcap
+    LinearCrossEntropy.apply(hidden, weight, targets, processing).backward()
+    ours = hidden.grad.clone()
+    hidden.grad = None
+    logits = process_logits(hidden.reshape(-1, 16) @ weight.t(), *processing)
+    torch.nn.functional.cross_entropy(logits, targets.reshape(-1), ignore_index=-100, reduction="sum").backward()
+    torch.testing.assert_close(ours, hidden.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_a_lora_wrapped_lm_head_takes_checkpointed_chunks_with_the_same_loss():
+    model = AutoModelForCausalLM.from_config(FAMILIES["llama"]()).float()
+    torch.manual_seed(0)
+    inject_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "lm_head"]))
+    with torch.no_grad():
+        for _, module in lora_modules(model):
+            module.lora_B.weight.normal_(std=0.05)
+    data = batch(packed=False)
+    expected, expected_grads = loss_and_grads(model, lambda: ours(model, data, False))
+    loss, grads = loss_and_grads(model, lambda: ours(model, data, False, loss_chunk=7))
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
+    for chunked_grad, full_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(chunked_grad, full_grad, atol=1e-5, rtol=1e-4)
