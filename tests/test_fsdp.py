@@ -36,6 +36,9 @@ def data(tiny_model_dir, tmp_path_factory):
 
 
 MESHES = {"fsdp": {"data": 1, "fsdp": -1}, "mesh2x2": {"data": 2, "fsdp": 2}, "spmd_dp": {"data": -1, "fsdp": 1}}
+# The 2 x 2 mesh also takes the chunked loss in 50-token chunks (a ragged last one): its scan
+# runs over batch-sharded hidden states and a sharded lm_head.
+CHUNKED = {"mesh2x2": 50}
 
 
 def write_config(root: Path, model_dir: Path, data, name: str) -> Path:
@@ -45,6 +48,8 @@ def write_config(root: Path, model_dir: Path, data, name: str) -> Path:
     sections["eval"]["micro_batch"] = per_chip
     root.mkdir(parents=True, exist_ok=True)
     parallel = {"mode": "dp"} if name == "dp" else {"mode": "fsdp", "mesh": MESHES[name]}
+    if name in CHUNKED:
+        sections["train"]["loss_chunk_tokens"] = CHUNKED[name]
     path = write_run_config(root / f"{name}.yaml", model_dir, data, root / name, parallel=parallel, **sections)
     if name == "fsdp":
         config = yaml.safe_load(path.read_text())
