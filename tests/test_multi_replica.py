@@ -195,7 +195,9 @@ def test_sigterm_to_every_replica_checkpoints_one_step_and_resumes_exactly(tiny_
         proc.send_signal(signal.SIGTERM)
     assert replicas.wait(HANG) == [0, 0], replicas.outputs()
     stopped = checkpoint_steps(out_of(config))
-    assert len(stopped) == 1 and seen <= stopped[0] <= seen + 2 and stopped[0] < STEPS, (seen, stopped)
+    # The signal went out once step `seen` was logged; the replicas vote after every step, so
+    # they stop after the step running then or the next (one more for the test's polling lag).
+    assert len(stopped) == 1 and seen <= stopped[0] <= seen + 3 and stopped[0] < STEPS, (seen, stopped)
     assert stop_lines(replicas) == [stopped[0]] * 2
     assert "resume with:" in replicas.output(0)
     assert not (out_of(config) / "phase1" / "summary.json").exists()
