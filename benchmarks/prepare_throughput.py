@@ -4,9 +4,10 @@
 
 The inputs are the bundled corpora repeated to the target size (300 MB of phase-1 text and
 100 MB of phase-2 chat at scale 1, and a tenth of each to show memory does not grow with the
-input). Repeated text is kinder to the tokenizer's word cache than fresh text would be; the
-figure is an upper bound of what a real corpus gets with the tiny tokenizer. Each run is a
-fresh process, so its peak RSS is its own. Results go to outputs/bench/bench_prepare.json.
+input), at seq_len 512, and one run per phase at seq_len 32,768 (long-context packing must
+keep the throughput and memory). Repeated text is kinder to the tokenizer's word cache than
+fresh text would be; the figure is an upper bound of what a real corpus gets with the tiny
+tokenizer. Each run is a fresh process, so its peak RSS is its own. Results go to outputs/bench/bench_prepare.json.
 """
 
 from __future__ import annotations
@@ -37,14 +38,16 @@ def repeat_to_size(source: Path, target: Path, size_bytes: int) -> None:
             f.write(chunk)
 
 
-def run_prepare(inputs: Path, tokenizer: Path, out: Path) -> dict:
-    args = ["--input", str(inputs), "--tokenizer", str(tokenizer), "--seq-len", "512", "--out", str(out), "--quiet", "--force"]
+def run_prepare(inputs: Path, tokenizer: Path, out: Path, seq_len: int) -> dict:
+    args = ["--input", str(inputs), "--tokenizer", str(tokenizer), "--seq-len", str(seq_len), "--out", str(out),
+            "--quiet", "--force"]
     proc = subprocess.run([sys.executable, "-c", RUN_ONE, *args], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"prepare failed:\n{proc.stderr}")
     measured = json.loads(proc.stdout.strip().splitlines()[-1])
     stats = json.loads((out / "stats.json").read_text())
     return {
+        "seq_len": seq_len,
         "input_mb": round(inputs.stat().st_size / 1e6, 1),
         "records": stats["records"]["read"],
         "tokens": stats["tokens"],
@@ -66,14 +69,16 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         tokenizer = write_tiny_model(tmp / "base")
-        plan = [("1", DOMAIN_TEXT, 30e6), ("1", DOMAIN_TEXT, 300e6), ("2", CHAT_QA, 10e6), ("2", CHAT_QA, 100e6)]
-        for phase, source, size in plan:
+        # The long-context rows: packing 32K blocks must keep the throughput and memory of 512.
+        plan = [("1", DOMAIN_TEXT, 30e6, 512), ("1", DOMAIN_TEXT, 300e6, 512), ("1", DOMAIN_TEXT, 30e6, 32768),
+                ("2", CHAT_QA, 10e6, 512), ("2", CHAT_QA, 100e6, 512), ("2", CHAT_QA, 10e6, 32768)]
+        for phase, source, size, seq_len in plan:
             inputs = tmp / f"phase{phase}_{int(size)}.jsonl"
             repeat_to_size(source, inputs, int(size * args.scale))
-            run = {"phase": int(phase), **run_prepare(inputs, tokenizer, tmp / "out")}
+            run = {"phase": int(phase), **run_prepare(inputs, tokenizer, tmp / "out", seq_len)}
             results["runs"].append(run)
             print(
-                f"phase {run['phase']}  {run['input_mb']:7.1f} MB  {run['tokens']:>12,} tokens  "
+                f"phase {run['phase']}  seq_len {seq_len:>6}  {run['input_mb']:7.1f} MB  {run['tokens']:>12,} tokens  "
                 f"{run['tokens_per_sec']:>9,} tokens/s  peak RSS {run['peak_rss_mb']:>5} MB  fill {run['fill_ratio']:.3f}"
             )
             inputs.unlink()

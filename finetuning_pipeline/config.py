@@ -31,12 +31,17 @@ class ModelConfig:
     tokenizer: tokenizer directory; defaults to `path`.
     dtype: weights' dtype on the device: bfloat16 on TPU; float32 for exact CPU tests.
     gradient_checkpointing: recompute activations in backward (less HBM, ~30% more compute).
+    attention: "auto" (a Pallas kernel on TPU where it covers the model: splash under
+        parallel.mode=fsdp, flash under dp for models without window or soft-cap; dense
+        elsewhere, and the log says why), "dense", "splash" or "flash" (TPU only; refused where
+        the kernel cannot run the model). See finetuning_pipeline/kernel_attention.py.
     """
 
     path: str = ""
     tokenizer: str | None = None
     dtype: str = "bfloat16"
     gradient_checkpointing: bool = False
+    attention: str = "auto"
 
 
 @dataclass
@@ -358,6 +363,8 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"train.betas must be two numbers in [0, 1), got {t.betas}")
     if t.recompile_policy not in ("error", "warn"):
         raise ConfigError(f"train.recompile_policy must be 'error' or 'warn', got {t.recompile_policy!r}")
+    if config.model.attention not in ("auto", "dense", "splash", "flash"):
+        raise ConfigError(f"model.attention must be auto, dense, splash or flash, got {config.model.attention!r}")
     if config.model.dtype not in DTYPES:
         raise ConfigError(f"model.dtype must be one of {list(DTYPES)}, got {config.model.dtype!r}")
     if config.parallel.mode not in MODES:

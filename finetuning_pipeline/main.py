@@ -73,6 +73,8 @@ def preflight_checks(config: RunConfig, phases: list[int]) -> None:
     from dataset.loader import open_prepared
     from finetuning_pipeline.attention_masks import mask_windows
     from finetuning_pipeline.chunked_loss import resolve_chunk_tokens
+    from finetuning_pipeline.kernel_attention import choose_attention
+    from utils.xla_runtime import device_kind
     from dataset.manifest import tokenizer_fingerprint
 
     model_dir = Path(config.model.path)
@@ -82,6 +84,8 @@ def preflight_checks(config: RunConfig, phases: list[int]) -> None:
     try:
         resolve_chunk_tokens(config.train.loss_chunk_tokens, model_config)
         mask_windows(model_config)
+        choose_attention(config.model.attention, model_config, on_tpu=device_kind() == "TPU",
+                         spmd_mesh=config.parallel.mode == "fsdp")
     except ValueError as err:
         raise ConfigError(str(err)) from None
     tokenizer_dir = config.model.tokenizer or config.model.path

@@ -108,12 +108,14 @@ def flops_per_token(shape: ModelShape, seq_len: int, r: int, targets: list[str],
     return float(total)
 
 
-def activation_bytes_per_token_layer(shape: ModelShape, seq_len: int, act_bytes: int, lora_dropout: bool) -> float:
-    """Bytes one decoder layer keeps per token for the backward, without checkpointing."""
+def activation_bytes_per_token_layer(shape: ModelShape, seq_len: int, act_bytes: int, lora_dropout: bool,
+                                     kernel_attention: bool = False) -> float:
+    """Bytes one decoder layer keeps per token for the backward, without checkpointing. A
+    kernel attention (splash/flash) keeps no [heads, seq_len] scores, only its output."""
     h, i = shape.hidden, shape.intermediate
     hidden_sized = 4 * h + 2 * shape.q_width + 3 * shape.kv_width + shape.q_width  # norms, residual, q/k/v (+rope), attn out
     mlp_sized = 4 * i  # gate, up, act(gate), act(gate) * up
-    attention = 2 * shape.heads * seq_len  # scores and probabilities
+    attention = 0 if kernel_attention else 2 * shape.heads * seq_len  # scores and probabilities
     dropout_masks = (5 * h + shape.q_width + i) if lora_dropout else 0  # each target's dropped input
     return float((hidden_sized + mlp_sized + attention + dropout_masks) * act_bytes)
 
@@ -133,6 +135,7 @@ class PlanInputs:
     steps: int  # optimizer steps of the phase
     fsdp_axis: int = -1  # under fsdp: chips each weight matrix is split over (-1: every chip)
     loss_chunk: int = 0  # tokens per chunk of the loss (0: the full logits)
+    attention: str = "dense"  # what model.attention resolves to on the planned TPU: dense, splash, flash
 
 
 def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
@@ -148,7 +151,8 @@ def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
         weights = weights_full
     lora_params = shape.lora_params(inputs.lora_r, inputs.lora_targets)
     lora_and_optimizer = lora_params * 16
-    per_layer = activation_bytes_per_token_layer(shape, inputs.seq_len, act_bytes, inputs.lora_dropout > 0)
+    per_layer = activation_bytes_per_token_layer(shape, inputs.seq_len, act_bytes, inputs.lora_dropout > 0,
+                                                 inputs.attention != "dense")
     if inputs.checkpointing:
         activations = tokens * (shape.layers * shape.hidden * act_bytes + per_layer)
     else:

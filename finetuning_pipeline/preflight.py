@@ -39,6 +39,7 @@ from dataset.errors import DataError  # noqa: E402
 from dataset.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
 from finetuning_pipeline.config import ConfigError, RunConfig, load_config  # noqa: E402
 from finetuning_pipeline.chunked_loss import resolve_chunk_tokens  # noqa: E402
+from finetuning_pipeline.kernel_attention import choose_attention  # noqa: E402
 from finetuning_pipeline.parallel import mesh_shape  # noqa: E402
 from finetuning_pipeline.plan import ModelShape, PlanInputs, mode_advice, plan, suggestions  # noqa: E402
 from finetuning_pipeline.run_layout import RunLayout  # noqa: E402
@@ -103,10 +104,12 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
     """The plan's inputs from the config; `devices` (the slice's chips) resolves parallel.mesh,
     `model_config` the loss chunk."""
     fsdp_axis = config.parallel.mesh.fsdp
-    loss_chunk = 0
+    loss_chunk, attention = 0, "dense"
     if model_config is not None:
         try:
             loss_chunk = resolve_chunk_tokens(config.train.loss_chunk_tokens, model_config)
+            attention = choose_attention(config.model.attention, model_config, on_tpu=True,
+                                         spmd_mesh=(mode or config.parallel.mode) == "fsdp")[0]
         except ValueError as err:
             raise ConfigError(str(err)) from None
     if devices is not None and (mode or config.parallel.mode) == "fsdp":
@@ -119,7 +122,7 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
                       checkpointing=config.model.gradient_checkpointing, lora_r=config.lora.r,
                       lora_targets=list(config.lora.target_modules), lora_dropout=config.lora.dropout,
                       assumed_mfu=config.tpu.assumed_mfu, steps=config.max_steps(phase), fsdp_axis=fsdp_axis,
-                      loss_chunk=loss_chunk)
+                      loss_chunk=loss_chunk, attention=attention)
 
 
 def make_plan(config: RunConfig, model_config) -> dict:

@@ -18,6 +18,7 @@ from dataset.encode import IGNORE_INDEX
 from finetuning_pipeline.attention_masks import attention_masks
 from finetuning_pipeline.chunked_loss import chunked_loss_sum
 from finetuning_pipeline.collectives import Collectives
+from finetuning_pipeline.kernel_attention import kernel_masks, segment_ids, uses_kernel
 
 
 def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], packed: bool = True,
@@ -34,7 +35,10 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], packed: bool = Tru
     input_ids = batch["input_ids"].long()
     labels = batch["labels"].long()
     position_ids = batch["position_ids"].long() if packed else None
-    masks = attention_masks(model.config, input_ids.shape[1], input_ids.device, model.dtype, position_ids)
+    if uses_kernel(model.config):  # Pallas attention: segment ids instead of [L, L] masks
+        masks = kernel_masks(model.config, segment_ids(position_ids, *input_ids.shape, input_ids.device))
+    else:
+        masks = attention_masks(model.config, input_ids.shape[1], input_ids.device, model.dtype, position_ids)
     inputs = {"input_ids": input_ids, "attention_mask": masks, "use_cache": False}
     if packed:
         inputs["position_ids"] = position_ids

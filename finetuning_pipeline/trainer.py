@@ -37,6 +37,7 @@ from finetuning_pipeline.config import RunConfig
 from finetuning_pipeline.divergence import DivergenceMonitor, device_counter
 from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.evaluation import evaluate_loss, to_host
+from finetuning_pipeline.kernel_attention import choose_attention, enable_kernel_attention
 from finetuning_pipeline.lr_schedule import lr_table
 from finetuning_pipeline.metrics_log import MetricsLog, StepLogger
 from finetuning_pipeline.model_loading import DTYPES, load_base, load_model
@@ -46,6 +47,7 @@ from finetuning_pipeline.step import train_step
 from finetuning_pipeline.stop_signal import StopVote
 from lora_logic import inject_lora, lora_parameters, save_adapter
 from utils.atomic_io import atomic_write_json
+from utils.xla_runtime import device_kind
 
 
 @dataclass
@@ -220,6 +222,12 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     seed_everything(t.seed + phase)
     model, lora_config = build_model(config, phase)
     sharded = parallel.place_model(model, device)
+    attention, why = choose_attention(config.model.attention, model.config, on_tpu=device_kind() == "TPU",
+                                      spmd_mesh=parallel.mesh is not None)
+    if attention != "dense":
+        enable_kernel_attention(model, attention, parallel.mesh)
+    if parallel.master:
+        print(f"phase {phase}: {why}", flush=True)
     model.train()
     optimizer = MaskedAdamW(lora_parameters(model), lr=config.lr(phase), betas=tuple(t.betas), eps=t.eps,
                             weight_decay=t.weight_decay)
@@ -281,6 +289,7 @@ def finish_phase(p: Phase, step: int, last_loss) -> PhaseResult:
         "wall_time_s": round(p.guard.elapsed(), 2),
         "world_size": p.parallel.world,
         "parallel": {**p.parallel.describe(), "sharded_base_parameters": len(p.sharded)},
+        "attention": p.model.config._attn_implementation,
         "seq_len": p.data.seq_len,
         "global_batch": p.data.batches_per_step,
     }

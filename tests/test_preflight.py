@@ -130,3 +130,23 @@ def test_rehearsal_before_the_download_uses_the_bundled_samples(tmp_path):
     rehearsal = report["checks"]["rehearsal"]
     assert code == 0 and rehearsal["status"] == "passed", rehearsal
     assert rehearsal["architecture"] == "MistralForCausalLM" and rehearsal["data"].startswith("bundled samples")
+
+
+@pytest.mark.parametrize("tpu_type, attention, fits", [("v6e-8", "auto", True), ("v6e-8", "dense", False),
+                                                        ("v5e-8", "auto", False)])
+def test_a_9b_model_at_32k_context_fits_a_v6e_8_only_with_kernel_attention(tmp_path, tpu_type, attention, fits):
+    """Gemma 2 9B at seq_len 32,768 under fsdp with activation checkpointing and the chunked
+    loss: splash attention (what auto picks on an SPMD mesh) keeps no [heads, L, L] scores."""
+    config = tmp_path / "gemma2_9b_32k.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"path": "models/gemma-2-9b", "dtype": "bfloat16", "gradient_checkpointing": True},
+        "train": {"max_steps": 100, "micro_batch": 1, "grad_accum": 4}, "parallel": {"mode": "fsdp"},
+        "phase1": {"data": str(tmp_path / "none1"), "seq_len": 32768},
+        "phase2": {"data": str(tmp_path / "none2"), "seq_len": 32768}}))
+    code, report = run_preflight(tmp_path, config, f"tpu.type={tpu_type}", f"model.attention={attention}")
+    phase = report["phases"]["phase1"]
+    assert report["fits"] is fits and code == (0 if fits else 1)
+    assert phase["inputs"]["seq_len"] == 32768 and phase["inputs"]["attention"] == ("splash" if attention == "auto" else "dense")
+    assert phase["hbm_breakdown_gib"]["logits"] < 1  # one chunk of 256 tokens x 256k vocabulary
+    if attention == "dense":
+        assert phase["hbm_breakdown_gib"]["activations"] > 60  # the [heads, L, L] scores of a layer

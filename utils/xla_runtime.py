@@ -46,3 +46,8 @@ def device_zeros(shape, dtype, device) -> torch.Tensor:
     an XLA device are a fill op compiled into the next graph (an extra graph for the first
     step). Keep counters [1]-shaped: a 0-dim 0 or 1 is baked into graphs as a constant."""
     return torch.zeros(shape, dtype=dtype).to(device)
+
+
+def device_kind() -> str:
+    """The PJRT device kind this process runs on ("TPU", "CPU", ...)."""
+    return os.environ.get("PJRT_DEVICE", "CPU").upper()
