@@ -20,6 +20,7 @@ import yaml
 
 from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.parallel import MODES
+from finetuning_pipeline.stop_signal import parse_duration
 from lora_logic import DEFAULT_TARGET_MODULES, LoraConfig
 
 __all__ = ["ConfigError", "RunConfig", "load_config"]
@@ -70,6 +71,9 @@ class TrainConfig:
     max_bad_steps: a step whose loss or gradient norm is NaN/inf is skipped on the device
         (adapter and optimizer unchanged) and counted; this many in a row stop the run.
     seed: model init of LoRA weights, dropout and data order.
+    max_wall_time: a session budget such as "8h30m" (Kaggle ends sessions at 9 h, Colab sooner,
+        without a signal): the run checkpoints and exits 0 before it is spent, and the same
+        command continues in the next session. None: no budget.
     loss_chunk_tokens: tokens per chunk of the output projection and loss, so the full
         [tokens, vocab] logits never exist (finetuning_pipeline/chunked_loss.py). None (default):
         about 256 MiB of fp32 logits per chunk for the model types the chunked loss is verified
@@ -92,6 +96,7 @@ class TrainConfig:
     max_bad_steps: int = 10
     seed: int = 0
     loss_chunk_tokens: int | None = None
+    max_wall_time: str | None = None
     warmup_compiles_steps: int = 1
     recompile_policy: str = "error"
 
@@ -229,7 +234,8 @@ class RunConfig:
         batch stays the same: the trainer checks that product itself."""
         flat = {"model.path": self.model.path, "model.dtype": self.model.dtype}
         flat.update({f"lora.{k}": v for k, v in dataclasses.asdict(self.lora).items()})
-        skip = {"warmup_compiles_steps", "recompile_policy", "max_bad_steps", "micro_batch", "grad_accum"}
+        skip = {"warmup_compiles_steps", "recompile_policy", "max_bad_steps", "micro_batch", "grad_accum",
+                "max_wall_time"}
         flat.update({f"train.{k}": v for k, v in dataclasses.asdict(self.train).items() if k not in skip})
         phase_cfg = dataclasses.asdict(self.phase(phase))
         if phase == 1:
@@ -353,6 +359,12 @@ def validate(config: RunConfig) -> None:
                        "train.max_grad_norm": t.max_grad_norm, "train.weight_decay": t.weight_decay}.items():
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")
+    if t.max_wall_time is not None:
+        try:
+            if parse_duration(t.max_wall_time) <= 0:
+                raise ValueError(f"train.max_wall_time must be positive, got {t.max_wall_time!r}")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 0:
         raise ConfigError(f"train.loss_chunk_tokens must be >= 0 (0: full logits), got {t.loss_chunk_tokens}")
     if not t.lr > 0:

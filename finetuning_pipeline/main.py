@@ -25,6 +25,7 @@ import os
 import shlex
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from finetuning_pipeline.collectives import torchrun_world  # noqa: E402
 from finetuning_pipeline.config import RunConfig, load_config  # noqa: E402
 from finetuning_pipeline.errors import ConfigError, run_command  # noqa: E402
 from finetuning_pipeline.run_layout import OutputLock, RunLayout  # noqa: E402
+from finetuning_pipeline.stop_signal import WallClockBudget, parse_duration  # noqa: E402
 
 
 @dataclass
@@ -205,7 +207,7 @@ def output_dir_lock(layout: RunLayout, parallel):
         lock.release()
 
 
-def run_replica(index: int, config: RunConfig, plans: list[PhasePlan], resume_command: str) -> None:
+def run_replica(index: int, config: RunConfig, plans: list[PhasePlan], resume_command: str, budget) -> None:
     """Entry point of each process (one per chip under dp, one per host under fsdp). Every
     replica runs the same phases and stops after the same one."""
     from finetuning_pipeline.parallel import compile_cache_dir, start
@@ -219,15 +221,19 @@ def run_replica(index: int, config: RunConfig, plans: list[PhasePlan], resume_co
         for plan in plans:
             if plan.replace and parallel.master:
                 shutil.rmtree(layout.phase_dir(plan.phase))
-            result = run_phase(config, plan.phase, parallel=parallel, device=device,
-                               resume_from=plan.resume_from, stop_requested=stop.event.is_set)
+            result = run_phase(config, plan.phase, parallel=parallel, device=device, resume_from=plan.resume_from,
+                               stop_requested=lambda: stop.event.is_set() or budget.exhausted())
             if result.summary is not None:
                 print(format_summary(result.summary), flush=True)
             if result.stopped_at_step is not None:
-                reason = stop.received or "another replica was signalled"
+                reason = stop.received or ("the session budget" if budget.hit else "another replica was signalled")
                 print(f"replica {parallel.rank}: stopped after step {result.stopped_at_step} of phase {plan.phase} "
                       f"({reason})", flush=True)
-                if parallel.master:
+                if parallel.master and reason == "the session budget":
+                    print(f"stopped before the session budget (train.max_wall_time={config.train.max_wall_time}) ran "
+                          f"out, after a checkpoint at step {result.stopped_at_step} of phase {plan.phase}; the next "
+                          f"session continues with the same command:\n  {resume_command}", flush=True)
+                elif parallel.master:
                     print(f"stopped on {reason} after a checkpoint at step {result.stopped_at_step} of phase "
                           f"{plan.phase}; resume with:\n  {resume_command}", flush=True)
                 return
@@ -250,12 +256,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(argv: list[str] | None) -> int:
+    started = time.time()  # a session budget (train.max_wall_time) counts from here
     args = parse_args(argv)
     phases = [1, 2] if args.phase == "all" else [int(args.phase)]
     config = load_config(args.config, args.overrides)
     preflight_checks(config, phases)
     plans = plan_phases(config, phases, args.resume, args.force)
     check_resumable(config, plans)
+    budget = WallClockBudget(parse_duration(config.train.max_wall_time) if config.train.max_wall_time else None,
+                             started)
     if plans:
         resume_command = shlex.join([sys.executable, "finetuning_pipeline/main.py", "--config", args.config,
                                      "--phase", args.phase, "--resume", "auto", *args.overrides])
@@ -267,11 +276,11 @@ def train(argv: list[str] | None) -> int:
             # fsdp: this process drives every chip of its host (SPMD). XLA:CPU: this process is
             # one replica (torch_xla.launch would spawn one, and refuses when this process
             # already initialised the runtime, as tests do); torchrun may have started others.
-            run_replica(0, config, plans, resume_command)
+            run_replica(0, config, plans, resume_command, budget)
         else:
             import torch_xla
 
-            torch_xla.launch(run_replica, args=(config, plans, resume_command))
+            torch_xla.launch(run_replica, args=(config, plans, resume_command, budget))
     if launch_rank() == 0:
         from finetuning_pipeline.metrics_log import plot_losses
 

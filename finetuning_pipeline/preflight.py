@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -43,6 +44,7 @@ from finetuning_pipeline.kernel_attention import choose_attention  # noqa: E402
 from finetuning_pipeline.parallel import mesh_shape  # noqa: E402
 from finetuning_pipeline.plan import ModelShape, PlanInputs, mode_advice, plan, suggestions  # noqa: E402
 from finetuning_pipeline.run_layout import RunLayout  # noqa: E402
+from finetuning_pipeline.stop_signal import parse_duration  # noqa: E402
 from finetuning_pipeline.tpu_chips import parse_tpu_type  # noqa: E402
 from utils.atomic_io import atomic_write_json  # noqa: E402
 
@@ -134,6 +136,9 @@ def make_plan(config: RunConfig, model_config) -> dict:
         inputs = plan_inputs(config, phase, devices=tpu.devices, model_config=model_config)
         phases[f"phase{phase}"] = plan(shape, tpu, inputs)
         phases[f"phase{phase}"]["parallel_advice"] = mode_advice(shape, tpu, inputs)
+        if config.train.max_wall_time:  # sessions of that budget the phase's steps need (compiles not counted)
+            budget = parse_duration(config.train.max_wall_time)
+            phases[f"phase{phase}"]["sessions"] = max(1, math.ceil(phases[f"phase{phase}"]["tpu_hours"] * 3600 / budget))
         if not phases[f"phase{phase}"]["fits"]:
             phases[f"phase{phase}"]["to_fit"] = suggestions(shape, tpu, inputs)
     first = next(iter(phases.values()))
@@ -148,6 +153,7 @@ def make_plan(config: RunConfig, model_config) -> dict:
         "tpu_hours": round(sum(p["tpu_hours"] for p in phases.values()), 3),
         "chip_hours": round(sum(p["chip_hours"] for p in phases.values()), 2),
         "assumed_mfu": config.tpu.assumed_mfu,
+        "max_wall_time": config.train.max_wall_time,
         "phases": phases,
     }
 
@@ -315,6 +321,8 @@ def format_report(report: dict) -> str:
             overrides = " ".join(f"{k}={v}" for k, v in fix["overrides"].items())
             lines.append(f"      to fit: {overrides}  ({fix['hbm_per_chip_gib']} GiB, {fix['step_time_s']} s/step)")
         lines.append(f"      parallel: {phase['parallel_advice']}")
+        if "sessions" in phase:
+            lines.append(f"      sessions: {phase['sessions']} of train.max_wall_time={report['max_wall_time']}")
     lines.append(f"  total: {p['tpu_hours']:.2f} TPU-hours on {p['tpu_type']}; fits: {p['fits']}")
     return "\n".join(lines)
 

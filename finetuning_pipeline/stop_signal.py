@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 
 class StopOnSignal:
@@ -50,3 +51,44 @@ class StopVote:
 
     def due(self) -> bool:
         return self.collectives.any(self.requested())
+
+
+def parse_duration(text: str, key: str = "train.max_wall_time") -> float:
+    """Seconds in "8h30m", "45m", "90s", "1h5m30s" or a plain number of seconds; ValueError
+    naming `key` otherwise."""
+    import re
+
+    text = str(text).strip()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    match = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", text)
+    if not text or match is None:
+        raise ValueError(f"{key}: {text!r} is not a duration; write it like 8h30m, 45m or 90s")
+    hours, minutes, seconds = (int(part or 0) for part in match.groups())
+    return hours * 3600.0 + minutes * 60.0 + seconds
+
+
+class WallClockBudget:
+    """train.max_wall_time: a session that ends without a signal (Kaggle's 9 hours, Colab's
+    less). `exhausted()` is asked once per step; it is True once the time left is less than
+    twice the slowest interval between two asks so far (a step, plus an evaluation or a
+    checkpoint when one fell in between), so the stop's checkpoint is written before the
+    budget runs out. The clock runs from the start of the process."""
+
+    def __init__(self, seconds: float | None, started: float, clock=time.time) -> None:
+        self.seconds = seconds
+        self.started = started
+        self.clock = clock
+        self.slowest = 0.0
+        self.hit = False
+        self._last: float | None = None
+
+    def exhausted(self) -> bool:
+        if self.seconds is None:
+            return False
+        now = self.clock()
+        if self._last is not None:
+            self.slowest = max(self.slowest, now - self._last)
+        self._last = now
+        self.hit = self.hit or now - self.started + 2 * self.slowest >= self.seconds
+        return self.hit

@@ -214,3 +214,38 @@ def test_bad_resume_paths_and_changed_settings(tiny_model_dir, data, reference, 
     assert main.main(["--config", str(config), "--resume", str(checkpoint), "train.lr=0.5", "lora.r=4"]) == 2
     err = capsys.readouterr().err
     assert "was saved under other settings" in err and "lora.r: 8 -> 4" in err and "train.lr: 0.01 -> 0.5" in err
+
+
+def test_a_session_budget_checkpoints_exits_0_and_the_next_session_continues(tiny_model_dir, data, reference,
+                                                                             tmp_path, monkeypatch, capsys):
+    """train.max_wall_time on a clock that advances one second per step: with 10 s, the budget
+    ends the first session after step 8 (8 s spent + twice the slowest step > 10 - 1); the same
+    command then finishes the phase, bitwise equal to an uninterrupted run."""
+    import itertools
+
+    class OneSecondPerStep(main.WallClockBudget):
+        def __init__(self, seconds, started):
+            ticks = itertools.count(1)
+            super().__init__(seconds, 0.0, clock=lambda: float(next(ticks)))
+
+    monkeypatch.setattr(main, "WallClockBudget", OneSecondPerStep)
+    config = config_for(tmp_path, tiny_model_dir, data, train={"max_wall_time": "10s"}, checkpoint={"every": 0})
+    assert main.main(["--config", str(config), "--phase", "1"]) == 0
+    out = capsys.readouterr().out
+    assert ("stopped before the session budget (train.max_wall_time=10s) ran out, after a checkpoint at step 8 of "
+            "phase 1; the next session continues with the same command:") in out
+    assert [p.name for p in complete_checkpoints(tmp_path / "out" / "phase1" / "checkpoints")] == ["step_00000008"]
+    assert main.main(["--config", str(config), "--phase", "1"]) == 0
+    assert json.loads((tmp_path / "out" / "phase1" / "summary.json").read_text())["resumed_from_step"] == 8
+    assert_same_as_reference(tmp_path / "out", reference)
+
+
+def test_the_session_budget_leaves_twice_the_slowest_step():
+    from finetuning_pipeline.stop_signal import WallClockBudget, parse_duration
+
+    times = iter([10.0, 30.0, 40.0, 61.0])
+    budget = WallClockBudget(100.0, 0.0, clock=lambda: next(times))
+    assert [budget.exhausted() for _ in range(4)] == [False, False, False, True]  # 61 + 2 x 21 >= 100
+    assert parse_duration("8h30m") == 30600 and parse_duration("45m") == 2700 and parse_duration("90s") == 90
+    with pytest.raises(ValueError, match="train.max_wall_time: '8x' is not a duration"):
+        parse_duration("8x")

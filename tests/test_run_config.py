@@ -39,6 +39,11 @@ def test_demo_config_loads_and_overrides_apply():
         ("tpu.assumed_mfu=1.5", "tpu.assumed_mfu must be in (0, 1]"),
         ("phase2.init=restart", "phase2.init must be"),
         ("train.max_steps", "expected key=value"),
+        ("train.max_wall_time=8x", "train.max_wall_time: '8x' is not a duration"),
+        ("train.loss_chunk_tokens=-1", "train.loss_chunk_tokens must be >= 0"),
+        ("model.attention=sdpa", "model.attention must be auto, dense, splash or flash"),
+        ("parallel.mesh.data=0", "parallel.mesh.data must be a chip count >= 1"),
+        ("parallel.mesh.data=-1", "at most one of data and fsdp may be -1"),
     ],
 )
 def test_bad_values_name_their_key(override, message):
