@@ -128,13 +128,14 @@ def save_checkpoint(root: str | Path, step: int, *, model, optimizer, lora_confi
     return final
 
 
-def resume_keys(config, phase: int) -> dict:
+def resume_keys(config, phase: int, manifest: dict | None = None) -> dict:
     """What a checkpoint records to refuse a resume that would not continue the same run: the
     settings that decide the result (RunConfig.exactness_keys) and the content of the phase's
     prepared data (re-preparing into the same directory between a stop and its resume would
-    otherwise silently continue on another stream)."""
+    otherwise silently continue on another stream). manifest: the phase's, if already read."""
     keys = config.exactness_keys(phase)
-    keys[f"phase{phase}.data.content"] = content_digest(read_manifest(config.phase(phase).data))
+    manifest = manifest if manifest is not None else read_manifest(config.phase(phase).data)
+    keys[f"phase{phase}.data.content"] = content_digest(manifest)
     return keys
 
 

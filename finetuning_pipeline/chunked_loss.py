@@ -147,22 +147,19 @@ def _piece_loss(head, processing, hidden: torch.Tensor, targets: torch.Tensor) -
 def _checkpointed_chunks(head, processing, flat, targets, chunk_tokens) -> torch.Tensor:
     """Any other head (a LoRA-wrapped or trainable lm_head): each chunk checkpointed. Exact,
     but on XLA the chunks share one graph, which does not bound their memory."""
-    from torch.utils.checkpoint import checkpoint
-
     piece = functools.partial(_piece_loss, head, processing)
-    total = None
-    for start in range(0, flat.shape[0], chunk_tokens):
-        args = (flat[start:start + chunk_tokens], targets[start:start + chunk_tokens])
-        if torch.is_grad_enabled() and flat.requires_grad and flat.device.type != "xla":
-            loss = checkpoint(piece, *args, use_reentrant=False)
-        elif torch.is_grad_enabled() and flat.requires_grad:
-            from torch_xla.utils.checkpoint import checkpoint as xla_checkpoint
+    recompute = torch.is_grad_enabled() and flat.requires_grad
+    if flat.device.type == "xla":  # its optimization barrier keeps XLA from merging the recompute away
+        from torch_xla.utils.checkpoint import checkpoint
 
-            loss = xla_checkpoint(piece, *args, use_reentrant=True)
-        else:
-            loss = piece(*args)
-        total = loss if total is None else total + loss
-    return total
+        checkpointed = functools.partial(checkpoint, piece, use_reentrant=True)
+    else:
+        from torch.utils.checkpoint import checkpoint
+
+        checkpointed = functools.partial(checkpoint, piece, use_reentrant=False)
+    losses = [(checkpointed if recompute else piece)(flat[start:start + chunk_tokens], targets[start:start + chunk_tokens])
+              for start in range(0, flat.shape[0], chunk_tokens)]
+    return torch.stack(losses).sum()
 
 
 def chunked_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, model_config,

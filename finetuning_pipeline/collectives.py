@@ -64,12 +64,17 @@ class Collectives:
         import torch.distributed as dist
 
         tensor = torch.tensor([value], dtype=torch.int64)
+        self._all_reduce(tensor, dist.ReduceOp.MAX)
+        return int(tensor.item())  # a host tensor: no device sync
+
+    def _all_reduce(self, host_tensor: torch.Tensor, op) -> None:
+        import torch.distributed as dist
+
         try:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            dist.all_reduce(host_tensor, op=op)
         except RuntimeError as err:  # gloo: "Connection closed by peer", a timeout, ...
             raise ReplicaLost(f"replica {self.rank}: another replica stopped answering ({err}); the run "
                               "resumes from its last complete checkpoint with --resume auto") from None
-        return int(tensor.item())  # a host tensor: no device sync
 
     def any(self, flag: bool) -> bool:
         """True on every replica if it is True on any."""
@@ -84,32 +89,25 @@ class Collectives:
 
     # -- device sums --------------------------------------------------------------------------
     def sum_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each tensor summed over the replicas (same shapes on every replica); returns new
-        tensors (or the same ones when there is nothing to reduce)."""
+        """Each tensor summed over the replicas (same shapes on every replica); returns the
+        sums (the same tensors, reduced in place, under XLA collectives)."""
         if self.device_reduction == "none":
             return tensors
         if self.device_reduction == "xla":
             import torch_xla.core.xla_model as xm
 
-            reduced = [t.clone() for t in tensors]
-            xm.all_reduce(xm.REDUCE_SUM, reduced)  # a list is reduced in place, in one collective
-            return reduced
+            xm.all_reduce(xm.REDUCE_SUM, tensors)  # a list is reduced in place, in one collective
+            return tensors
         import torch.distributed as dist
         import torch_xla
 
         flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
         torch_xla.sync()  # materialise before the transfer; one graph, the same every step
         host = flat.cpu()
-        try:
-            dist.all_reduce(host)
-        except RuntimeError as err:
-            raise ReplicaLost(f"replica {self.rank}: another replica is gone ({err})") from None
+        self._all_reduce(host, dist.ReduceOp.SUM)
         flat = host.to(tensors[0].device)
         out, offset = [], 0
         for t in tensors:
             out.append(flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype))
             offset += t.numel()
         return out
-
-    def describe(self) -> dict:
-        return {"processes": self.world, "device_reduction": self.device_reduction}

@@ -12,11 +12,7 @@ from __future__ import annotations
 import torch
 
 from finetuning_pipeline.errors import TrainingDiverged
-
-
-def device_counter(value: float, device) -> torch.Tensor:
-    """A [1]-shaped fp32 counter that reaches the device as data (see utils.xla_runtime.device_zeros)."""
-    return torch.tensor([float(value)]).to(device)
+from utils.xla_runtime import device_counter
 
 
 class DivergenceMonitor:
@@ -42,11 +38,12 @@ class DivergenceMonitor:
         self.seen_worst_bad_run = int(worst_bad_run)
 
     def check(self, phase: int, step: int, last_good_checkpoint) -> None:
+        """last_good_checkpoint: a callable, asked only when the run has to stop."""
         if self.seen_worst_bad_run >= self.max_bad_steps:
             raise TrainingDiverged(
                 f"phase {phase} stopped at step {step}: {self.seen_worst_bad_run} consecutive steps had a non-finite "
                 f"loss or gradient norm (train.max_bad_steps={self.max_bad_steps}); their updates were skipped, "
-                f"nothing non-finite was saved. Last good checkpoint: {last_good_checkpoint or 'none'}. Lower "
+                f"nothing non-finite was saved. Last good checkpoint: {last_good_checkpoint() or 'none'}. Lower "
                 "train.lr or check the data, then resume with --resume auto"
             )
 

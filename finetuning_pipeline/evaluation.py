@@ -8,18 +8,11 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from dataset.loader import iter_eval_batches
 from finetuning_pipeline.chunked_loss import auto_chunk_tokens
 from finetuning_pipeline.collectives import Collectives
 from finetuning_pipeline.step import eval_sums
-
-
-def to_host(*tensors: torch.Tensor) -> list[float]:
-    """Values of materialised tensors, by plain transfers. (`torch.stack(...).cpu()` would
-    first compile and run a small graph of its own.)"""
-    return [t.cpu().item() for t in tensors]
+from utils.xla_runtime import device_counter, to_host
 
 
 def evaluate_loss(model, data_dir: str, *, micro_batch: int, pad_id: int, packed: bool, device,
@@ -39,8 +32,7 @@ def evaluate_loss(model, data_dir: str, *, micro_batch: int, pad_id: int, packed
         import torch_xla.core.xla_model as xm
     was_training = model.training
     model.eval()
-    # [1]-shaped sums made on the host: they reach the device as data (utils.xla_runtime.device_zeros).
-    loss_sum, count = torch.zeros(1).to(device), torch.zeros(1).to(device)
+    loss_sum, count = device_counter(0, device), device_counter(0, device)  # data: every batch runs one graph
     replicate([loss_sum, count])
     batches = iter_eval_batches(data_dir, micro_batch, pad_id=pad_id, split=split, rank=collectives.rank,
                                 world_size=collectives.world)

@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 
 from finetuning_pipeline.errors import ConfigError, ModelLoadError, run_command
+from finetuning_pipeline.model_loading import DTYPES as MODEL_DTYPES
 from finetuning_pipeline.model_loading import load_model
 
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"auto": None, **MODEL_DTYPES}
 
 
 def export_merged(base: str, adapters: list[str], out: str, dtype: str = "auto", tokenizer: str | None = None,

@@ -73,11 +73,11 @@ def preflight_checks(config: RunConfig, phases: list[int]) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from dataset.loader import open_prepared
+    from dataset.manifest import tokenizer_fingerprint
     from finetuning_pipeline.attention_masks import mask_windows
     from finetuning_pipeline.chunked_loss import resolve_chunk_tokens
     from finetuning_pipeline.kernel_attention import choose_attention
     from utils.xla_runtime import device_kind
-    from dataset.manifest import tokenizer_fingerprint
 
     model_dir = Path(config.model.path)
     if not (model_dir / "config.json").is_file():
@@ -217,25 +217,19 @@ def run_replica(index: int, config: RunConfig, plans: list[PhasePlan], resume_co
     parallel, device = start(config.parallel.mode, (config.parallel.mesh.data, config.parallel.mesh.fsdp), index,
                              compile_cache_dir(config.xla.compile_cache_dir), config.parallel.host_timeout_s)
     layout = RunLayout(config.output_dir)
-    with StopOnSignal() as stop, output_dir_lock(layout, parallel):
+    with StopOnSignal(budget) as stop, output_dir_lock(layout, parallel):
         for plan in plans:
             if plan.replace and parallel.master:
                 shutil.rmtree(layout.phase_dir(plan.phase))
             result = run_phase(config, plan.phase, parallel=parallel, device=device, resume_from=plan.resume_from,
-                               stop_requested=lambda: stop.event.is_set() or budget.exhausted())
+                               stop_requested=stop.requested)
             if result.summary is not None:
                 print(format_summary(result.summary), flush=True)
             if result.stopped_at_step is not None:
-                reason = stop.received or ("the session budget" if budget.hit else "another replica was signalled")
                 print(f"replica {parallel.rank}: stopped after step {result.stopped_at_step} of phase {plan.phase} "
-                      f"({reason})", flush=True)
-                if parallel.master and reason == "the session budget":
-                    print(f"stopped before the session budget (train.max_wall_time={config.train.max_wall_time}) ran "
-                          f"out, after a checkpoint at step {result.stopped_at_step} of phase {plan.phase}; the next "
-                          f"session continues with the same command:\n  {resume_command}", flush=True)
-                elif parallel.master:
-                    print(f"stopped on {reason} after a checkpoint at step {result.stopped_at_step} of phase "
-                          f"{plan.phase}; resume with:\n  {resume_command}", flush=True)
+                      f"({stop.reason()})", flush=True)
+                if parallel.master:
+                    print(stop.after_stop(result.stopped_at_step, plan.phase, resume_command), flush=True)
                 return
 
 
@@ -264,7 +258,7 @@ def train(argv: list[str] | None) -> int:
     plans = plan_phases(config, phases, args.resume, args.force)
     check_resumable(config, plans)
     budget = WallClockBudget(parse_duration(config.train.max_wall_time) if config.train.max_wall_time else None,
-                             started)
+                             started, label=config.train.max_wall_time or "")
     if plans:
         resume_command = shlex.join([sys.executable, "finetuning_pipeline/main.py", "--config", args.config,
                                      "--phase", args.phase, "--resume", "auto", *args.overrides])

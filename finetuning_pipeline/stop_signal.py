@@ -15,16 +15,36 @@ import time
 
 
 class StopOnSignal:
-    """Within the `with` block, SIGTERM/SIGINT set `event` instead of killing the process. A
-    second signal is not special: use SIGKILL to stop at once (the next start resumes from
-    the last complete checkpoint)."""
+    """This process's own reasons to stop: within the `with` block, SIGTERM/SIGINT set `event`
+    instead of killing the process, and `budget` (train.max_wall_time) may run out. A second
+    signal is not special: use SIGKILL to stop at once (the next start resumes from the last
+    complete checkpoint)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
+    def __init__(self, budget: "WallClockBudget | None" = None) -> None:
         self.event = threading.Event()
         self.received: str | None = None
+        self.budget = budget
         self.previous = {}
+
+    def requested(self) -> bool:
+        """Asked once per step (StopVote)."""
+        return self.event.is_set() or (self.budget is not None and self.budget.exhausted())
+
+    def reason(self) -> str:
+        if self.received:
+            return self.received
+        if self.budget is not None and self.budget.hit:
+            return f"the session budget (train.max_wall_time={self.budget.label})"
+        return "another replica's request"
+
+    def after_stop(self, step: int, phase: int, resume_command: str) -> str:
+        """What the master prints once every replica has stopped and the checkpoint is written."""
+        if not self.received and self.budget is not None and self.budget.hit:
+            return (f"stopped before {self.reason()} ran out, after a checkpoint at step {step} of phase {phase}; "
+                    f"the next session continues with the same command:\n  {resume_command}")
+        return f"stopped on {self.reason()} after a checkpoint at step {step} of phase {phase}; resume with:\n  {resume_command}"
 
     def __enter__(self) -> "StopOnSignal":
         if threading.current_thread() is threading.main_thread():
@@ -75,8 +95,9 @@ class WallClockBudget:
     checkpoint when one fell in between), so the stop's checkpoint is written before the
     budget runs out. The clock runs from the start of the process."""
 
-    def __init__(self, seconds: float | None, started: float, clock=time.time) -> None:
+    def __init__(self, seconds: float | None, started: float, clock=time.time, label: str = "") -> None:
         self.seconds = seconds
+        self.label = label  # the budget as configured, for messages
         self.started = started
         self.clock = clock
         self.slowest = 0.0

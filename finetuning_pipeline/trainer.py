@@ -34,9 +34,9 @@ from finetuning_pipeline.checkpointing import Checkpointer, load_checkpoint, res
 from finetuning_pipeline.chunked_loss import resolve_chunk_tokens
 from finetuning_pipeline.compile_guard import CompileGuard
 from finetuning_pipeline.config import RunConfig
-from finetuning_pipeline.divergence import DivergenceMonitor, device_counter
+from finetuning_pipeline.divergence import DivergenceMonitor
 from finetuning_pipeline.errors import ConfigError
-from finetuning_pipeline.evaluation import evaluate_loss, to_host
+from finetuning_pipeline.evaluation import evaluate_loss
 from finetuning_pipeline.kernel_attention import choose_attention, enable_kernel_attention
 from finetuning_pipeline.lr_schedule import lr_table
 from finetuning_pipeline.metrics_log import MetricsLog, StepLogger
@@ -47,7 +47,7 @@ from finetuning_pipeline.step import train_step
 from finetuning_pipeline.stop_signal import StopVote
 from lora_logic import inject_lora, lora_parameters, save_adapter
 from utils.atomic_io import atomic_write_json
-from utils.xla_runtime import device_kind
+from utils.xla_runtime import device_counter, device_kind, to_host
 
 
 @dataclass
@@ -167,10 +167,11 @@ class Phase:
         """What a checkpoint records besides weights and optimizer, as of the step just run."""
         return {"phase": self.number, "eval_before": self.eval_before, **self.logger.state_dict(),
                 **self.monitor.state_dict(), "global_batch": self.data.batches_per_step, "chips": self.parallel.chips,
-                "exactness": resume_keys(self.config, self.number)}
+                "exactness": resume_keys(self.config, self.number, self.data.manifest)}
 
-    def save(self, step: int) -> None:
-        self.checkpointer.save(step, model=self.model, optimizer=self.optimizer, trainer_state=self.trainer_state())
+    def save(self, step: int, state: dict | None = None) -> None:
+        state = state if state is not None else self.trainer_state()
+        self.checkpointer.save(step, model=self.model, optimizer=self.optimizer, trainer_state=state)
 
 
 def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resume_from: Path | None,
@@ -199,7 +200,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
         p.guard.step_ended(step)
         p.logger.advance()
         if log_now:
-            p.monitor.check(phase, step, p.checkpointer.latest())
+            p.monitor.check(phase, step, p.checkpointer.latest)
         if config.eval.every and step % config.eval.every == 0 and step < p.max_steps:
             p.logger.log_eval(step, p.evaluate())
         stopping = p.stop.due()
@@ -263,7 +264,7 @@ def finish_phase(p: Phase, step: int, last_loss) -> PhaseResult:
     timing = p.guard.summary(step - p.start_step, p.data.tokens_per_step)
     eval_after = p.evaluate()
     final_state = p.trainer_state()
-    p.save(step)
+    p.save(step, final_state)
     last_loss, label_tokens = to_host(last_loss, p.stepper.label_tokens) if last_loss is not None else (None, 0)
     p.logger.log_eval(step, eval_after)
     p.logger.close()
@@ -333,10 +334,10 @@ class PhaseData:
     def __init__(self, config: RunConfig, phase: int, parallel: Parallel) -> None:
         t = config.train
         self.dir = config.phase(phase).data
-        manifest = read_manifest(self.dir)
-        self.seq_len = manifest["seq_len"]
-        self.packed = is_packed(manifest)
-        self.pad_id = manifest["tokenizer"]["pad_id"]
+        self.manifest = read_manifest(self.dir)
+        self.seq_len = self.manifest["seq_len"]
+        self.packed = is_packed(self.manifest)
+        self.pad_id = self.manifest["tokenizer"]["pad_id"]
         self.parallel = parallel
         self.loader = ShardLoader(self.dir, t.micro_batch * parallel.chips_per_process, seed=t.seed,
                                   rank=parallel.rank, world_size=parallel.world)

@@ -224,9 +224,9 @@ def test_a_session_budget_checkpoints_exits_0_and_the_next_session_continues(tin
     import itertools
 
     class OneSecondPerStep(main.WallClockBudget):
-        def __init__(self, seconds, started):
+        def __init__(self, seconds, started, **kwargs):
             ticks = itertools.count(1)
-            super().__init__(seconds, 0.0, clock=lambda: float(next(ticks)))
+            super().__init__(seconds, 0.0, clock=lambda: float(next(ticks)), **kwargs)
 
     monkeypatch.setattr(main, "WallClockBudget", OneSecondPerStep)
     config = config_for(tmp_path, tiny_model_dir, data, train={"max_wall_time": "10s"}, checkpoint={"every": 0})

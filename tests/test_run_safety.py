@@ -124,7 +124,6 @@ def test_commands_report_a_bad_adapter_as_an_error_not_a_traceback(command, prob
 
 
 def test_export_refuses_to_replace_an_existing_output_without_force(tiny_model_dir, tmp_path, capsys):
-    from conftest import tiny_causal_lm  # noqa: F401  (the tiny demo model is what we export)
     from lora_logic import LoraConfig, inject_lora, save_adapter
     from transformers import AutoModelForCausalLM
 

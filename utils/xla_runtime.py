@@ -48,6 +48,18 @@ def device_zeros(shape, dtype, device) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype).to(device)
 
 
+def device_counter(value: float, device) -> torch.Tensor:
+    """A [1]-shaped fp32 counter starting at `value`, made on the host like device_zeros (data,
+    not a constant baked into the graph)."""
+    return torch.tensor([float(value)]).to(device)
+
+
+def to_host(*tensors: torch.Tensor) -> list[float]:
+    """Values of materialised device tensors, by plain transfers. (`torch.stack(...).cpu()`
+    would first compile and run a small graph of its own.)"""
+    return [t.cpu().item() for t in tensors]
+
+
 def device_kind() -> str:
     """The PJRT device kind this process runs on ("TPU", "CPU", ...)."""
     return os.environ.get("PJRT_DEVICE", "CPU").upper()
