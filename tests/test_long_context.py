@@ -1,5 +1,7 @@
 """A long sequence through the real trainer on XLA:CPU: seq_len 4096 with a sliding window of
-512 (the tiny demo model with its positions and window raised), one graph per step kind."""
+512 (the tiny demo model with its positions and window raised) and the chunked loss in chunks
+of 1,000 tokens (a ragged last one: its tiny vocabulary would otherwise take one piece), one
+graph per step kind."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ def test_training_at_seq_len_4096_compiles_nothing_after_warm_up(tiny_model_dir,
     assert prepare.main(["--tokenizer", str(model_dir), "--seq-len", str(SEQ_LEN), "--out", str(data),
                          "--input", str(DOMAIN_TEXT), "--quiet"]) == 0
     run = write_run_config(tmp_path / "run.yaml", model_dir, {1: data, 2: data}, tmp_path / "out",
-                           train={"max_steps": 4, "micro_batch": 1, "grad_accum": 2, "warmup_steps": 1},
+                           train={"max_steps": 4, "micro_batch": 1, "grad_accum": 2, "warmup_steps": 1,
+                                  "loss_chunk_tokens": 1000},
                            eval={"every": 2, "max_batches": 1}, checkpoint={"every": 0},
                            logging={"every": 1, "progress_bar": False, "tensorboard": False})
     assert main.main(["--config", str(run), "--phase", "1"]) == 0

@@ -28,8 +28,10 @@ from trainer_helpers import Replicas, prepare_demo_data, write_run_config
 
 STEPS = 24
 # 2 replicas x micro-batch 2 x 2 micro-batches: a global batch of 8 sequences. LoRA dropout on:
-# a resumed run must draw every replica's masks again.
-RUN = {"train": {"max_steps": STEPS, "micro_batch": 2, "grad_accum": 2}, "lora": {"dropout": 0.1},
+# a resumed run must draw every replica's masks again. The loss in chunks of 50 tokens (its
+# While loop and hand-written backward; the tiny vocabulary would otherwise take one piece).
+RUN = {"train": {"max_steps": STEPS, "micro_batch": 2, "grad_accum": 2, "loss_chunk_tokens": 50},
+       "lora": {"dropout": 0.1},
        "checkpoint": {"every": 4, "keep": 3}, "logging": {"every": 1, "progress_bar": False, "tensorboard": False},
        "eval": {"every": 0, "max_batches": 2}}
 HANG = 180  # seconds: a replica still running after this is hung
