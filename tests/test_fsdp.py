@@ -20,10 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from finetuning_pipeline import main
-from trainer_helpers import prepare_demo_data, write_run_config
+from trainer_helpers import adapter_tensors, metric_records, prepare_demo_data, write_run_config
 
 CHIPS = 4
 RUN = {"train": {"max_steps": 8, "grad_accum": 2}, "checkpoint": {"every": 4, "keep": 3},
@@ -78,26 +77,17 @@ def runs(tiny_model_dir, data, tmp_path_factory):
     return root
 
 
-def records(out: Path, phase: int, kind: str) -> list[dict]:
-    lines = (out / f"phase{phase}" / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
-
-
-def adapter(out: Path, phase: int) -> dict[str, torch.Tensor]:
-    return load_file(out / f"phase{phase}" / "adapter" / "adapter_model.safetensors")
-
-
 @pytest.mark.parametrize("mesh", list(MESHES))
 @pytest.mark.parametrize("phase", [1, 2])
 def test_fsdp_gives_the_losses_and_adapter_of_one_device(runs, phase, mesh):
-    dp, fsdp = records(runs / "dp", phase, "train"), records(runs / mesh, phase, "train")
+    dp, fsdp = metric_records(runs / "dp", "train", phase), metric_records(runs / mesh, "train", phase)
     assert [r["step"] for r in fsdp] == [r["step"] for r in dp] == list(range(1, 9))
     for ours, reference in zip(fsdp, dp):
         assert ours["loss"] == pytest.approx(reference["loss"], abs=1e-5)
         assert ours["label_tokens"] == reference["label_tokens"]
-    for ours, reference in zip(records(runs / mesh, phase, "eval"), records(runs / "dp", phase, "eval")):
+    for ours, reference in zip(metric_records(runs / mesh, "eval", phase), metric_records(runs / "dp", "eval", phase)):
         assert ours["loss"] == pytest.approx(reference["loss"], abs=1e-5)
-    ours, reference = adapter(runs / mesh, phase), adapter(runs / "dp", phase)
+    ours, reference = adapter_tensors(runs / mesh, phase), adapter_tensors(runs / "dp", phase)
     assert ours.keys() == reference.keys()
     for key in reference:
         # Adam divides by sqrt(v): float-rounding differences in the sharded reductions grow to
@@ -115,7 +105,7 @@ def test_fsdp_sharded_the_base_and_saved_the_trained_values(runs):
         assert summary["host_syncs_per_step"] == 0
     # The known failure of sharded trainers: an exported adapter that is (nearly) the initial
     # one, because each host wrote its local shard. B starts at zero; here it must have trained.
-    b_norms = [t.norm().item() for k, t in adapter(runs / "fsdp", 1).items() if "lora_B" in k]
+    b_norms = [t.norm().item() for k, t in adapter_tensors(runs / "fsdp", 1).items() if "lora_B" in k]
     assert len(b_norms) == 14 and min(b_norms) > 1e-2
 
 
@@ -131,7 +121,7 @@ def test_the_mesh_axes_decide_what_is_sharded(runs):
 
 def test_fsdp_resumes_to_the_same_adapter(runs):
     checkpoint = runs / "fsdp" / "phase1" / "checkpoints" / "step_00000004"
-    finished = adapter(runs / "fsdp", 1)
+    finished = adapter_tensors(runs / "fsdp", 1)
     run_fsdp(runs / "fsdp.yaml", "--phase", "1", "--resume", str(checkpoint))
-    for key, value in adapter(runs / "fsdp", 1).items():
+    for key, value in adapter_tensors(runs / "fsdp", 1).items():
         assert torch.equal(value, finished[key]), key

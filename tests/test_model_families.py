@@ -89,6 +89,14 @@ def ours(model, data: dict, packed: bool, loss_chunk: int = 0) -> torch.Tensor:
     return loss_sum / count
 
 
+def assert_same_loss_and_grads(actual, expected) -> None:
+    """(loss, LoRA gradients) pairs equal at fp32 tolerance: 1e-5 on the loss."""
+    (loss, grads), (expected_loss, expected_grads) = actual, expected
+    assert loss.item() == pytest.approx(expected_loss.item(), abs=1e-5)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-4)
+
+
 def loss_and_grads(model, compute) -> tuple[torch.Tensor, list[torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     loss = compute()
@@ -103,9 +111,7 @@ def test_our_loss_and_lora_gradients_equal_transformers(family, packed):
     data = batch(packed)
     expected, expected_grads = loss_and_grads(model, lambda: reference_loss(model, data, packed))
     loss, grads = loss_and_grads(model, lambda: ours(model, data, packed))
-    assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
-    for ours_grad, reference_grad in zip(grads, expected_grads):
-        torch.testing.assert_close(ours_grad, reference_grad, atol=1e-5, rtol=1e-4)
+    assert_same_loss_and_grads((loss, grads), (expected, expected_grads))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
@@ -117,9 +123,7 @@ def test_the_chunked_loss_equals_the_full_logits(family, packed):
     data = batch(packed)
     expected, expected_grads = loss_and_grads(model, lambda: ours(model, data, packed))
     loss, grads = loss_and_grads(model, lambda: ours(model, data, packed, loss_chunk=7))
-    assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
-    for chunked_grad, full_grad in zip(grads, expected_grads):
-        torch.testing.assert_close(chunked_grad, full_grad, atol=1e-5, rtol=1e-4)
+    assert_same_loss_and_grads((loss, grads), (expected, expected_grads))
 
 
 @pytest.mark.parametrize("family", sorted(SLIDING))
@@ -203,9 +207,7 @@ def test_a_lora_wrapped_lm_head_takes_checkpointed_chunks_with_the_same_loss():
     data = batch(packed=False)
     expected, expected_grads = loss_and_grads(model, lambda: ours(model, data, False))
     loss, grads = loss_and_grads(model, lambda: ours(model, data, False, loss_chunk=7))
-    assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
-    for chunked_grad, full_grad in zip(grads, expected_grads):
-        torch.testing.assert_close(chunked_grad, full_grad, atol=1e-5, rtol=1e-4)
+    assert_same_loss_and_grads((loss, grads), (expected, expected_grads))
 
 
 # -- Pallas kernels' inputs, checked on a CPU through a reference of their semantics --------
@@ -253,9 +255,7 @@ def test_kernel_inputs_give_the_dense_loss_and_gradients(family, kind, packed, m
     monkeypatch.setitem(kernel_attention.KERNELS, kind, reference_kernel(kind))
     kernel_attention.enable_kernel_attention(model, kind)
     loss, grads = loss_and_grads(model, lambda: ours(model, data, packed, loss_chunk=7))
-    assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
-    for kernel_grad, dense_grad in zip(grads, expected_grads):
-        torch.testing.assert_close(kernel_grad, dense_grad, atol=1e-5, rtol=1e-4)
+    assert_same_loss_and_grads((loss, grads), (expected, expected_grads))
 
 
 def test_auto_picks_a_kernel_only_where_it_covers_the_model():

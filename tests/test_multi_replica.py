@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from finetuning_pipeline import main
 from finetuning_pipeline.checkpointing import complete_checkpoints
-from trainer_helpers import Replicas, prepare_demo_data, write_run_config
+from trainer_helpers import (Replicas, adapter_tensors, assert_same_run, metric_records, prepare_demo_data,
+                             train_losses, wait_for_step, write_run_config)
 
 STEPS = 24
 # 2 replicas x micro-batch 2 x 2 micro-batches: a global batch of 8 sequences. LoRA dropout on:
@@ -54,44 +54,12 @@ def out_of(config: Path) -> Path:
     return config.parent / config.stem
 
 
-def records(out: Path, kind: str = "train", phase: int = 1) -> list[dict]:
-    path = out / f"phase{phase}" / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
-
-
-def losses(out: Path, phase: int = 1) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in records(out, "train", phase)]
-
-
-def adapter(out: Path, phase: int = 1) -> dict[str, torch.Tensor]:
-    return load_file(out / f"phase{phase}" / "adapter" / "adapter_model.safetensors")
-
-
 def checkpoint_steps(out: Path) -> list[int]:
     return [int(p.name.split("_")[1]) for p in complete_checkpoints(out / "phase1" / "checkpoints")]
 
 
-def wait_for_step(replicas: Replicas, out: Path, step: int, timeout: float = HANG) -> int:
-    """The newest logged step, once it is at least `step`."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        seen = [s for s, _ in losses(out)]
-        if seen and max(seen) >= step:
-            return max(seen)
-        if any(p.poll() is not None for p in replicas.procs):
-            raise AssertionError(f"a replica exited early:\n{replicas.outputs()}")
-        time.sleep(0.02)
-    replicas.kill()
-    raise AssertionError(f"step {step} not reached in {timeout} s:\n{replicas.outputs()}")
-
-
-def assert_same_run(out: Path, reference: Path) -> None:
-    assert losses(out) == losses(reference)  # every logged step's loss, bitwise
-    ours, theirs = adapter(out), adapter(reference)
-    assert ours.keys() == theirs.keys()
-    for key in ours:
-        assert torch.equal(ours[key], theirs[key]), key
+def wait_for_replicas(replicas: Replicas, out: Path, step: int) -> int:
+    return wait_for_step(replicas.procs, out, step, timeout=HANG, output=replicas.outputs)
 
 
 def run_replicas(n: int, config: Path, log_dir: Path, *args: str, env: dict | None = None) -> Replicas:
@@ -140,14 +108,14 @@ def torchrun_and_single(tiny_model_dir, data, tmp_path_factory):
 def test_replicas_through_torchrun_equal_one_replica(torchrun_and_single, replicas, phase):
     two, one, _, four = torchrun_and_single
     several = two if replicas == 2 else four
-    ours, single = records(several, "train", phase), records(one, "train", phase)
+    ours, single = metric_records(several, "train", phase), metric_records(one, "train", phase)
     assert [r["step"] for r in ours] == [r["step"] for r in single] == list(range(1, 7))
     for a, b in zip(ours, single):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
         assert a["label_tokens"] == b["label_tokens"]  # the same blocks, split over two replicas
-    for a, b in zip(records(several, "eval", phase), records(one, "eval", phase)):
+    for a, b in zip(metric_records(several, "eval", phase), metric_records(one, "eval", phase)):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
-    ours_adapter, single_adapter = adapter(several, phase), adapter(one, phase)
+    ours_adapter, single_adapter = adapter_tensors(several, phase), adapter_tensors(one, phase)
     for key in single_adapter:
         torch.testing.assert_close(ours_adapter[key], single_adapter[key], rtol=1e-3, atol=2e-4, msg=key)
     summary = json.loads((several / f"phase{phase}" / "summary.json").read_text())
@@ -167,7 +135,7 @@ def test_resume_on_another_number_of_chips_with_the_same_global_batch(torchrun_a
     assert summary["resumed_from_step"] == 3
     assert summary["resumed_on_other_chips"] == {"saved_on": 2, "resumed_on": 1}
     assert "saved on 2 chips, resuming on 1 with the same global batch of 8" in capsys.readouterr().out
-    resumed, original = dict(losses(out)), dict(losses(two))
+    resumed, original = dict(train_losses(out)), dict(train_losses(two))
     assert sorted(resumed) == [4, 5, 6]
     for step, loss in resumed.items():
         assert loss == pytest.approx(original[step], abs=1e-5)
@@ -192,7 +160,7 @@ def test_sigterm_to_every_replica_checkpoints_one_step_and_resumes_exactly(tiny_
     """A preempted VM: every process gets SIGTERM."""
     config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 0})  # only the stop writes one
     replicas = run_replicas(2, config, tmp_path / "logs")
-    seen = wait_for_step(replicas, out_of(config), 3)
+    seen = wait_for_replicas(replicas, out_of(config), 3)
     for proc in replicas.procs:
         proc.send_signal(signal.SIGTERM)
     assert replicas.wait(HANG) == [0, 0], replicas.outputs()
@@ -215,7 +183,7 @@ def test_sigterm_to_one_replica_stops_them_all_at_the_next_step(tiny_model_dir, 
     vote runs every step, not only on log steps, so the run still stops within a step or two."""
     config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 0}, logging={"every": 1000})
     replicas = run_replicas(2, config, tmp_path / "logs")
-    wait_for_step(replicas, out_of(config), 1)  # step 1 is always logged
+    wait_for_replicas(replicas, out_of(config), 1)  # step 1 is always logged
     replicas.procs[1].send_signal(signal.SIGTERM)  # not the master
     assert replicas.wait(HANG) == [0, 0], replicas.outputs()
     stopped = checkpoint_steps(out_of(config))
@@ -225,11 +193,11 @@ def test_sigterm_to_one_replica_stops_them_all_at_the_next_step(tiny_model_dir, 
 
     resumed = run_replicas(2, config, tmp_path / "logs-resumed", "logging.every=1")
     assert resumed.wait(HANG) == [0, 0], resumed.outputs()
-    ours, theirs = adapter(out_of(config)), adapter(reference)
+    ours, theirs = adapter_tensors(out_of(config)), adapter_tensors(reference)
     for key in theirs:
         assert torch.equal(ours[key], theirs[key]), key
-    steps_after = [s for s, _ in losses(out_of(config)) if s > stopped[0]]
-    assert dict(losses(out_of(config)))[STEPS] == dict(losses(reference))[STEPS] and steps_after
+    steps_after = [s for s, _ in train_losses(out_of(config)) if s > stopped[0]]
+    assert dict(train_losses(out_of(config)))[STEPS] == dict(train_losses(reference))[STEPS] and steps_after
 
 
 # -- failures -------------------------------------------------------------------------------
@@ -250,7 +218,7 @@ def test_a_checkpoint_write_failing_on_the_master_stops_every_replica_with_exit_
 def test_a_killed_replica_stops_the_others_and_the_run_resumes(tiny_model_dir, data, reference, tmp_path):
     config = config_for(tmp_path, tiny_model_dir, data)
     replicas = run_replicas(2, config, tmp_path / "logs")
-    wait_for_step(replicas, out_of(config), random.Random().randint(5, 14))
+    wait_for_replicas(replicas, out_of(config), random.Random().randint(5, 14))
     victim = random.Random().randint(0, 1)
     started = time.time()
     replicas.procs[victim].kill()  # SIGKILL: no handler runs
@@ -285,8 +253,8 @@ def fsdp_runs(tiny_model_dir, data, tmp_path_factory):
 
 def test_fsdp_on_two_hosts_equals_one_replica(fsdp_runs):
     single, fsdp, _ = fsdp_runs
-    assert [s for s, _ in losses(fsdp)] == list(range(1, 13))
-    for (_, ours), (_, theirs) in zip(losses(fsdp), losses(single)):
+    assert [s for s, _ in train_losses(fsdp)] == list(range(1, 13))
+    for (_, ours), (_, theirs) in zip(train_losses(fsdp), train_losses(single)):
         assert ours == pytest.approx(theirs, abs=1e-5)
     summary = json.loads((fsdp / "phase1" / "summary.json").read_text())
     assert summary["parallel"]["processes"] == 2 and summary["parallel"]["chips"] == 4
@@ -299,7 +267,7 @@ def test_fsdp_hosts_stop_together_and_resume_exactly(fsdp_runs, tmp_path):
     stopped_config = tmp_path / "fsdp.yaml"
     stopped_config.write_text(config.read_text().replace(str(reference), str(tmp_path / "fsdp")))
     replicas = run_replicas(2, stopped_config, tmp_path / "logs", "checkpoint.every=0", env={"CPU_NUM_DEVICES": "2"})
-    wait_for_step(replicas, tmp_path / "fsdp", 2)
+    wait_for_replicas(replicas, tmp_path / "fsdp", 2)
     replicas.procs[1].send_signal(signal.SIGTERM)
     assert replicas.wait(HANG) == [0, 0], replicas.outputs()
     stopped = checkpoint_steps(tmp_path / "fsdp")

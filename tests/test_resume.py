@@ -13,7 +13,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from safetensors.torch import load_file
 
 from finetuning_pipeline import main
 from finetuning_pipeline.checkpointing import complete_checkpoints, verify_checkpoint
-from trainer_helpers import prepare_demo_data, write_run_config
+from trainer_helpers import adapter_tensors, assert_same_run, prepare_demo_data, wait_for_step, write_run_config
 
 STEPS = 10
 # LoRA dropout on: a resumed run must also draw the dropout masks the uninterrupted one drew.
@@ -50,25 +49,8 @@ def start(config: Path) -> subprocess.Popen:
     )
 
 
-def train_losses(out: Path) -> list[tuple[int, float]]:
-    path = out / "phase1" / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
-
-
-def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if any(s >= step for s, _ in train_losses(out)):
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"training exited early: {proc.stdout.read()}")
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} not reached in {timeout}s")
-
-
-def adapter_tensors(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(out / "phase1" / "adapter" / "adapter_model.safetensors")
+def wait_for_step_of(proc: subprocess.Popen, out: Path, step: int) -> None:
+    wait_for_step([proc], out, step, timeout=240, output=lambda: proc.stdout.read())
 
 
 @pytest.fixture(scope="module")
@@ -81,19 +63,11 @@ def reference(tiny_model_dir, data, tmp_path_factory):
     return root / "out"
 
 
-def assert_same_as_reference(out: Path, reference: Path) -> None:
-    assert train_losses(out) == train_losses(reference)  # every step's loss, bitwise
-    ours, theirs = adapter_tensors(out), adapter_tensors(reference)
-    assert ours.keys() == theirs.keys()
-    for key in ours:
-        assert torch.equal(ours[key], theirs[key]), key
-
-
 def test_sigkill_at_a_random_step_then_resume_equals_the_uninterrupted_run(tiny_model_dir, data, reference, tmp_path):
     kill_at = random.Random().randint(3, STEPS - 1)
     config = config_for(tmp_path, tiny_model_dir, data)
     proc = start(config)
-    wait_for_step(proc, tmp_path / "out", kill_at)
+    wait_for_step_of(proc, tmp_path / "out", kill_at)
     proc.kill()  # SIGKILL: no handler, no last checkpoint
     proc.wait()
     checkpoints = complete_checkpoints(tmp_path / "out" / "phase1" / "checkpoints")
@@ -101,13 +75,13 @@ def test_sigkill_at_a_random_step_then_resume_equals_the_uninterrupted_run(tiny_
     assert main.main(["--config", str(config), "--phase", "1"]) == 0  # --resume auto
     summary = json.loads((tmp_path / "out" / "phase1" / "summary.json").read_text())
     assert summary["resumed_from_step"] == int(checkpoints[-1].name.split("_")[1]), kill_at
-    assert_same_as_reference(tmp_path / "out", reference)
+    assert_same_run(tmp_path / "out", reference)
 
 
 def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tiny_model_dir, data, reference, tmp_path):
     config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 0})  # only the one SIGTERM writes
     proc = start(config)
-    wait_for_step(proc, tmp_path / "out", 3)
+    wait_for_step_of(proc, tmp_path / "out", 3)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
@@ -122,7 +96,7 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tiny_model_dir, data, 
     assert main.main(["--config", str(config), "--phase", "1"]) == 0
     summary = json.loads((tmp_path / "out" / "phase1" / "summary.json").read_text())
     assert summary["resumed_from_step"] == stopped_at
-    assert_same_as_reference(tmp_path / "out", reference)
+    assert_same_run(tmp_path / "out", reference)
 
 
 def test_nan_steps_are_skipped_on_device_and_counted(tiny_model_dir, data, tmp_path, monkeypatch):
@@ -237,7 +211,7 @@ def test_a_session_budget_checkpoints_exits_0_and_the_next_session_continues(tin
     assert [p.name for p in complete_checkpoints(tmp_path / "out" / "phase1" / "checkpoints")] == ["step_00000008"]
     assert main.main(["--config", str(config), "--phase", "1"]) == 0
     assert json.loads((tmp_path / "out" / "phase1" / "summary.json").read_text())["resumed_from_step"] == 8
-    assert_same_as_reference(tmp_path / "out", reference)
+    assert_same_run(tmp_path / "out", reference)
 
 
 def test_the_session_budget_leaves_twice_the_slowest_step():

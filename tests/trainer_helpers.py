@@ -104,3 +104,51 @@ class Replicas:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+# -- reading a run's outputs (the trainer's, the resume and the multi-replica tests) -----------
+def metric_records(out: Path, kind: str = "train", phase: int = 1) -> list[dict]:
+    import json
+
+    path = out / f"phase{phase}" / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def train_losses(out: Path, phase: int = 1) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in metric_records(out, "train", phase)]
+
+
+def adapter_tensors(out: Path, phase: int = 1) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / f"phase{phase}" / "adapter" / "adapter_model.safetensors")
+
+
+def assert_same_run(out: Path, reference: Path) -> None:
+    """Phase 1 of `out` took the steps of `reference`: every logged loss and the adapter, bitwise."""
+    import torch
+
+    assert train_losses(out) == train_losses(reference)
+    ours, theirs = adapter_tensors(out), adapter_tensors(reference)
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+def wait_for_step(procs: list, out: Path, step: int, timeout: float, output=lambda: "") -> int:
+    """The newest logged step of phase 1, once it is at least `step`; fails if a process
+    exits first or the step is not reached in `timeout` seconds (killing the processes)."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        seen = [s for s, _ in train_losses(out)]
+        if seen and max(seen) >= step:
+            return max(seen)
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"training exited early:\n{output()}")
+        time.sleep(0.02)
+    for p in procs:
+        p.kill()
+    raise AssertionError(f"step {step} not reached in {timeout} s:\n{output()}")
