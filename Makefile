@@ -53,10 +53,10 @@ test: $(STAMP)
 	PJRT_DEVICE=CPU $(BIN)/python -m pytest
 
 tiny-model: $(STAMP)
-	$(BIN)/python -m finetuning_pipeline.tiny_model --out $(DEMO)/base
+	$(BIN)/python -m finetuning_pipeline.tiny_model --out $(DEMO)/base --force
 
 $(DEMO_BASE): $(STAMP) $(SAMPLES)/domain_text.jsonl $(SAMPLES)/chat_qa.jsonl $(SAMPLES)/alpaca.jsonl
-	$(BIN)/python -m finetuning_pipeline.tiny_model --out $(DEMO)/base
+	$(BIN)/python -m finetuning_pipeline.tiny_model --out $(DEMO)/base --force
 
 $(DEMO)/data/phase1/manifest.json: $(DEMO_BASE) $(SAMPLES)/domain_text.jsonl
 	$(BIN)/python -m dataset.prepare --force --quiet --tokenizer $(DEMO)/base --seq-len 256 \

@@ -17,6 +17,7 @@ by reason in stats.json, and carries on. The output directory appears only when 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -38,8 +39,16 @@ from dataset.packing import BestFitPacker, StreamPacker
 from dataset.readers import SourceFile, iter_file_records
 from dataset.shards import SplitWriter
 from utils.atomic_io import atomic_write_json
+from utils.output_guard import OutputConflict, claim_output
+from utils.tokenizer_loading import TokenizerError, load_tokenizer
 
 FORMATS = (*RECORD_FORMATS, "hf", "auto")
+# Tokenizing holds about this many bytes per input character (Rust encodings and Python id
+# lists; measured ~80 above the ~0.7 GB the imports take, for records of 4 and 12 million
+# characters), so prepare's memory is bounded by the characters of one tokenizer batch: at
+# most CHARS_PER_BATCH plus the longest record, which max_record_chars caps.
+BYTES_PER_CHAR = 100
+CHARS_PER_BATCH = 2_000_000
 OVERLONG_POLICIES = ("truncate", "drop")
 
 
@@ -61,8 +70,12 @@ class PrepareOptions:
     columns: our field name -> the input's column name, e.g. {"text": "content"}.
     split / hf_name: the split and config name for format hf.
     max_errors: how many problems to report before stopping (strict mode).
+    max_record_chars: a longer record is a problem (reason record_too_long: reported, or skipped
+        and counted), because tokenizing one record needs ~BYTES_PER_CHAR bytes per character;
+        the default (4 million characters, a long book) keeps prepare near 1 GB.
     batch_size: records tokenized per batch (the tokenizer spreads a batch over all cores).
-    force: replace an existing OUT.
+    force: replace an existing OUT that an earlier prepare wrote (never anything else, and OUT
+        may never overlap an input or the tokenizer).
     """
 
     inputs: list[str] = field(default_factory=list)
@@ -79,6 +92,7 @@ class PrepareOptions:
     split: str = "train"
     hf_name: str | None = None
     max_errors: int = 10
+    max_record_chars: int = 4_000_000
     batch_size: int = 1024
     force: bool = False
     quiet: bool = False
@@ -107,8 +121,10 @@ class PrepareOptions:
             raise DataError(f"overlong: must be one of {list(OVERLONG_POLICIES)}, got {self.overlong!r}")
         if not isinstance(self.columns, dict):
             raise DataError(f"columns: must be a mapping of our field name to the input's, got {self.columns!r}")
-        if self.max_errors < 1 or self.batch_size < 1:
-            raise DataError("max_errors and batch_size must be at least 1")
+        for key in ("max_errors", "batch_size", "max_record_chars"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DataError(f"{key}: must be an integer >= 1, got {value!r} (--{key.replace('_', '-')})")
 
 
 class TooManyErrors(Exception):
@@ -127,7 +143,7 @@ class Preparation:
 
     def __init__(self, options: PrepareOptions) -> None:
         self.options = options
-        self.tokenizer = load_tokenizer(options.tokenizer)
+        self.tokenizer = load_tokenizer(options.tokenizer, "--tokenizer")
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id  # the usual fallback; pads are masked anyway
@@ -142,6 +158,7 @@ class Preparation:
         self.draw = random.Random(options.seed)
         self.tokens = 0
         self.pending: list[Sample] = []
+        self.pending_chars = 0
 
     # -- reading and validation ------------------------------------------------------------
     def iter_records(self) -> Iterator[tuple[int, str, int, object]]:
@@ -200,7 +217,7 @@ class Preparation:
     def flush_pending(self) -> None:
         if not self.pending:
             return
-        batch, self.pending = self.pending, []
+        batch, self.pending, self.pending_chars = self.pending, [], 0
         if self.phase == 1:
             encoded = encode_documents(self.tokenizer, [s.payload for s in batch])
             for sample, ids in zip(batch, encoded):
@@ -232,8 +249,8 @@ class Preparation:
     def run(self) -> dict:
         options = self.options
         out = Path(options.out)
-        if out.exists() and not options.force:
-            raise DataError(f"{out}: already exists; pass --force to replace it")
+        inputs = {"--tokenizer": options.tokenizer, **{f"--input {name}": name for name in options.inputs}}
+        claim_output(out, force=options.force, command="dataset.prepare", inputs=inputs, ours=is_prepared_dir)
         staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
         started = time.perf_counter()
@@ -259,11 +276,20 @@ class Preparation:
                     except InvalidRecord as err:
                         self.report(file_index, RecordIssue(path, line, err.reason, err.detail))
                         continue
+                    chars = payload_chars(payload)
+                    if chars > options.max_record_chars:
+                        self.report(file_index, RecordIssue(
+                            path, line, "record_too_long",
+                            f"{chars:,} characters, over max_record_chars ({options.max_record_chars:,}): tokenizing "
+                            f"needs about {BYTES_PER_CHAR} bytes of memory per character of a record. Split it into "
+                            "several records, or raise --max-record-chars if the memory is there"))
+                        continue
                     if self.packers is None:
                         self.packers = make_packers(self.phase, options.seq_len, self.pad_id)
                     split = "eval" if self.draw.random() < options.eval_fraction else "train"
                     self.pending.append(Sample(file_index, split, payload))
-                    if len(self.pending) >= options.batch_size:
+                    self.pending_chars += chars
+                    if len(self.pending) >= options.batch_size or self.pending_chars >= CHARS_PER_BATCH:
                         self.flush_pending()
                         progress.update(self, started)
             except TooManyErrors:
@@ -337,19 +363,25 @@ class Preparation:
         }
 
 
+def payload_chars(payload) -> int:
+    """Characters a record puts through the tokenizer (a document, or a conversation's contents)."""
+    if isinstance(payload, str):
+        return len(payload)
+    return sum(len(turn["content"]) for turn in payload)
+
+
+def is_prepared_dir(path: Path) -> bool:
+    """Whether `path` is an earlier output of prepare (what --force may replace)."""
+    try:
+        return json.loads((path / MANIFEST_NAME).read_text(encoding="utf-8")).get("created_by") == "dataset.prepare"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def make_packers(phase: int, seq_len: int, pad_id: int) -> dict:
     if phase == 1:
         return {split: StreamPacker(seq_len, pad_id) for split in ("train", "eval")}
     return {split: BestFitPacker(seq_len, pad_id) for split in ("train", "eval")}
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as err:  # transformers raises OSError, ValueError, ... for a bad directory
-        raise DataError(f"tokenizer: cannot load a tokenizer from {path!r} ({type(err).__name__}: {err})") from None
 
 
 def format_issues(issues: list[RecordIssue], max_errors: int) -> str:
@@ -391,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m dataset.prepare",
         description="Validate, tokenize, mask and pack a dataset into fixed-shape int32 shards "
         "(train/ and eval/) with manifest.json and stats.json. Run once, on CPU, before training.",
-        epilog="Exit status: 0 on success, 2 on bad input or options (the message names the file and line).",
+        epilog="Exit status: 0 on success, 2 on bad input or options (the message names the file and line), "
+        "3 when the output could not be written (a full or read-only disk; nothing is left behind).",
     )
     parser.add_argument("--config", help="YAML file with any of the options below (flags override it)")
     parser.add_argument("--format", choices=FORMATS, help="input format (default: auto, detected per file)")
@@ -411,6 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hf-name", dest="hf_name", help="config name of an hf hub dataset")
     parser.add_argument("--max-errors", dest="max_errors", type=int, help="problems reported before stopping (default 10)")
     parser.add_argument("--batch-size", dest="batch_size", type=int, help="records per tokenizer batch (default 1024)")
+    parser.add_argument("--max-record-chars", dest="max_record_chars", type=int,
+                        help="longest record accepted, in characters (default 4,000,000; memory ~100 bytes each)")
     parser.add_argument("--force", action="store_true", default=None, help="replace an existing --out")
     parser.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
     return parser
@@ -476,12 +511,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = options_from_args(argv)
         stats = Preparation(options).run()
-    except DataError as err:
+    except (DataError, OutputConflict, TokenizerError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; nothing was written", file=sys.stderr)
         return 130
+    except OSError as err:  # a full or read-only disk: the partial output is already removed
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"error: {where}{err.strerror or err}; nothing was written to {options.out} (the partial output was "
+              "removed). Free space or fix permissions, then run the same command again", file=sys.stderr)
+        return 3
     print(summary(stats, options.out))
     return 0
 

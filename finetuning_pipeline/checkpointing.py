@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from dataset.manifest import content_digest, read_manifest
+from finetuning_pipeline.run_layout import RunLayout
 from lora_logic import LoraConfig, load_adapter, save_adapter
 from utils.atomic_io import fsync_dir
 
@@ -132,10 +133,15 @@ def resume_keys(config, phase: int, manifest: dict | None = None) -> dict:
     """What a checkpoint records to refuse a resume that would not continue the same run: the
     settings that decide the result (RunConfig.exactness_keys) and the content of the phase's
     prepared data (re-preparing into the same directory between a stop and its resume would
-    otherwise silently continue on another stream). manifest: the phase's, if already read."""
+    otherwise silently continue on another stream), and for a phase 2 built on phase 1's
+    adapter, that adapter's digest (phase 1 trained again makes phase 2 another run).
+    manifest: the phase's, if already read."""
     keys = config.exactness_keys(phase)
     manifest = manifest if manifest is not None else read_manifest(config.phase(phase).data)
     keys[f"phase{phase}.data.content"] = content_digest(manifest)
+    if phase == 2 and config.phase2.init != "fresh":
+        weights = RunLayout(config.output_dir).adapter(1) / "adapter_model.safetensors"
+        keys["phase1.adapter"] = sha256_file(weights) if weights.is_file() else None
     return keys
 
 
@@ -146,16 +152,50 @@ def prune_checkpoints(root: Path, keep: int) -> None:
 
 
 def verify_checkpoint(path: Path) -> dict:
-    """The COMPLETE marker's content, after checking every listed file's sha256."""
+    """The COMPLETE marker's content, after checking every listed file's sha256 and that
+    trainer_state.json reads; a problem is a ValueError naming the file."""
+    path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such checkpoint directory")
     if not is_complete(path):
         raise ValueError(f"{path}: incomplete checkpoint (no {COMPLETE} marker); it was interrupted while saving")
-    marker = json.loads((path / COMPLETE).read_text())
+    marker = read_json(path / COMPLETE)
+    if not isinstance(marker.get("files"), dict) or "trainer_state.json" not in marker["files"]:
+        raise ValueError(f"{path / COMPLETE}: not a checkpoint marker (no file list with trainer_state.json)")
     for name, digest in marker["files"].items():
         if not (path / name).is_file() or sha256_file(path / name) != digest:
             raise ValueError(f"{path / name}: missing or corrupt (sha256 differs from the {COMPLETE} marker)")
+    read_json(path / "trainer_state.json")
     return marker
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`; a truncated or garbled file is a ValueError naming it."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: unreadable ({err}); the file is truncated or corrupt") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object; the file is corrupt")
+    return value
+
+
+def newest_intact_checkpoint(root: str | Path, report=print) -> Path | None:
+    """The newest complete checkpoint under `root` whose files verify. Each newer one that
+    does not (a flipped byte, a truncated file) is skipped and `report`ed with the reason;
+    when every one fails, a ValueError lists them: a silent fresh start would lose the run."""
+    failures = []
+    for path in reversed(complete_checkpoints(root)):
+        try:
+            verify_checkpoint(path)
+        except (ValueError, OSError) as err:
+            failures.append(str(err))
+            report(f"warning: skipping checkpoint {path.name}: {err}")
+            continue
+        return path
+    if failures:
+        raise ValueError(f"no intact checkpoint under {root} ({'; '.join(failures)})")
+    return None
 
 
 def load_checkpoint(path: str | Path, *, model, optimizer) -> dict:

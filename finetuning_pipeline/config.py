@@ -11,6 +11,7 @@ key (and the file). Override values are parsed as YAML scalars, so `train.lr=3e-
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -105,7 +106,8 @@ class TrainConfig:
 class EvalConfig:
     """every: eval every N optimizer steps (and always at the start and end of a phase); 0: only those.
     micro_batch: eval batch per replica; defaults to train.micro_batch.
-    max_batches: cap on eval batches per replica (None: the whole eval split)."""
+    max_batches: cap on eval batches per replica (None: the whole eval split; 0: no evaluation,
+        reported as "no eval data", never as a loss)."""
 
     every: int = 0
     micro_batch: int | None = None
@@ -277,6 +279,13 @@ def _coerce(value, annotation, key: str):
     return value
 
 
+def _lookup(config, key: str):
+    node = config
+    for part in key.replace("[", ".").replace("]", "").split("."):
+        node = node[int(part)] if part.isdigit() else getattr(node, part)
+    return node
+
+
 def _build(cls, data: dict, prefix: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
@@ -322,21 +331,37 @@ def apply_override(data: dict, override: str) -> None:
             cls = annotation
 
 
+def read_config_file(path: str | Path) -> dict:
+    """The YAML mapping in `path`; every way a file can fail to be one is a ConfigError naming it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory; --config takes a YAML file (see finetuning_pipeline/configs/)") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); save the config as UTF-8 YAML") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the config ({err.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {err}") from None
+    if data is None:
+        raise ConfigError(f"{path}: the config is empty; start from one in finetuning_pipeline/configs/ "
+                          "(at least model.path and phase1.data / phase2.data)")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (model:, train:, ...), got a "
+                          f"{type(data).__name__}: {data!r:.80}")
+    return data
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """The validated RunConfig from a YAML file (or defaults) and dotted overrides."""
-    data: dict = {}
-    if path is not None:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such config file") from None
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: invalid YAML: {err}") from None
-    for override in overrides:
-        apply_override(data, override)
+    data = read_config_file(path) if path is not None else {}
     try:
+        for override in overrides:
+            apply_override(data, override)
         config = _build(RunConfig, data, "")
         validate(config)
     except ConfigError as err:
@@ -344,8 +369,33 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     return config
 
 
+def non_finite_settings(node, prefix: str = "") -> list[str]:
+    """The keys of every float setting (in lists too) that is NaN or infinite: a NaN passes
+    every `<` check (a NaN clip norm would switch clipping off), so finiteness comes first."""
+    found = []
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            found += non_finite_settings(value, f"{key}.")
+        elif isinstance(value, list):
+            found += [f"{key}[{i}]" for i, v in enumerate(value) if isinstance(v, float) and not math.isfinite(v)]
+        elif isinstance(value, float) and not math.isfinite(value):
+            found.append(key)
+    return found
+
+
 def validate(config: RunConfig) -> None:
-    """Checks that need no files; `preflight_checks` in main.py adds the ones that do."""
+    """Checks that need no files; `preflight_checks` in main.py adds the ones that do. Every
+    numeric setting is checked for its domain here, before any device is touched."""
+    bad = non_finite_settings(config)
+    if bad:
+        raise ConfigError(f"{bad[0]} must be a finite number, got {_lookup(config, bad[0])}")
+    if not config.output_dir.strip():
+        raise ConfigError("output_dir: empty; set a directory for the run's outputs (e.g. outputs/run1): an empty "
+                          "one would write into the current directory")
+    if not config.model.path.strip():
+        raise ConfigError("model.path: not set; set it to a local Hugging Face model directory (config.json, weights "
+                          "and tokenizer files)")
     t = config.train
     positive = {
         "train.max_steps": t.max_steps, "train.micro_batch": t.micro_batch, "train.grad_accum": t.grad_accum,
@@ -367,6 +417,13 @@ def validate(config: RunConfig) -> None:
             raise ConfigError(str(err)) from None
     if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 0:
         raise ConfigError(f"train.loss_chunk_tokens must be >= 0 (0: full logits), got {t.loss_chunk_tokens}")
+    if not t.eps > 0:
+        raise ConfigError(f"train.eps must be > 0 (AdamW divides by sqrt(v) + eps), got {t.eps}")
+    if config.eval.micro_batch is not None and config.eval.micro_batch < 1:
+        raise ConfigError(f"eval.micro_batch must be >= 1 (or unset: train.micro_batch), got {config.eval.micro_batch}")
+    if config.eval.max_batches is not None and config.eval.max_batches < 0:
+        raise ConfigError(f"eval.max_batches must be >= 0 (0: no evaluation; unset: the whole eval split), "
+                          f"got {config.eval.max_batches}")
     if not t.lr > 0:
         raise ConfigError(f"train.lr must be > 0, got {t.lr}")
     if not 0 < t.min_lr_ratio <= 1:

@@ -44,7 +44,8 @@ class DivergenceMonitor:
                 f"phase {phase} stopped at step {step}: {self.seen_worst_bad_run} consecutive steps had a non-finite "
                 f"loss or gradient norm (train.max_bad_steps={self.max_bad_steps}); their updates were skipped, "
                 f"nothing non-finite was saved. Last good checkpoint: {last_good_checkpoint() or 'none'}. Lower "
-                "train.lr or check the data, then resume with --resume auto"
+                f"train.lr (or phase{phase}.lr) or check the data, then continue from it with --resume auto "
+                "--accept-changes (a changed learning rate makes the run no longer exact; the summary records it)"
             )
 
     def state_dict(self) -> dict:

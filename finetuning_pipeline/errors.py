@@ -1,7 +1,8 @@
 """The errors a user can hit, and the one place they become exit codes.
 
     2  bad input: a config key, a data directory, a model or adapter that does not fit
-       (ConfigError, DataError, ModelLoadError); nothing was trained or written.
+       (ConfigError, DataError, ModelLoadError), an output that would overwrite an input or
+       what the command did not write (OutputConflict); nothing was trained or written.
     3  the run had to stop (RunError): a recompile after warm-up, diverged training, a failed
        checkpoint write, a replica that died. What is on disk is intact; the message says
        what to do, usually: fix it and rerun with --resume auto.
@@ -15,6 +16,8 @@ from __future__ import annotations
 import sys
 
 from dataset.errors import DataError
+from utils.output_guard import OutputConflict
+from utils.tokenizer_loading import TokenizerError
 
 
 class ConfigError(ValueError):
@@ -41,11 +44,15 @@ class CheckpointWriteError(RunError):
     pass
 
 
+class OutputWriteError(RunError):
+    """The run's outputs (metrics, adapter, summary) could not be written: a full or read-only disk."""
+
+
 class ReplicaLost(RunError):
     """A host collective failed: another replica died, or stopped answering."""
 
 
-BAD_INPUT = (ConfigError, DataError, ModelLoadError)
+BAD_INPUT = (ConfigError, DataError, ModelLoadError, OutputConflict, TokenizerError)
 
 
 def exit_code_of(err: BaseException) -> int | None:
@@ -59,9 +66,16 @@ def exit_code_of(err: BaseException) -> int | None:
 
 
 def run_command(main, *args) -> int:
-    """Call `main(*args)`; an error of ours is printed as one line on stderr and becomes its exit code."""
+    """Call `main(*args)`; an error of ours is printed as one line on stderr and becomes its exit
+    code. So does a file-system error (a full or read-only disk, a permission): exit 3, naming
+    the file; every command writes its outputs atomically, so nothing half-written is left."""
     try:
         return main(*args)
     except (*BAD_INPUT, RunError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return exit_code_of(err)
+    except OSError as err:
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"error: {where}{err.strerror or err}; nothing half-written was left. Fix it (free space, permissions) "
+              "and run the same command again", file=sys.stderr, flush=True)
+        return 3

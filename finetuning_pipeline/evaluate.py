@@ -22,9 +22,11 @@ from dataset.encode import IGNORE_INDEX
 from dataset.loader import open_prepared
 from dataset.manifest import is_packed, tokenizer_fingerprint
 from dataset.shards import open_split
-from finetuning_pipeline.errors import ModelLoadError, run_command
-from finetuning_pipeline.evaluation import evaluate_loss
+from finetuning_pipeline.errors import run_command
+from finetuning_pipeline.evaluation import describe_eval, evaluate_loss
 from finetuning_pipeline.model_loading import load_model
+from utils.cli_types import non_negative_int, positive_int
+from utils.tokenizer_loading import load_tokenizer
 
 
 def chat_samples(model, tokenizer, data: str, split: str, n: int, max_new_tokens: int) -> list[dict]:
@@ -69,19 +71,14 @@ def evaluate(argv: list[str] | None) -> int:
     parser.add_argument("--adapter")
     parser.add_argument("--data", required=True, help="a directory written by `python -m dataset.prepare`")
     parser.add_argument("--split", default="eval", choices=("eval", "train"))
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--samples", type=int, default=3, help="chat samples to generate (phase-2 data only)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--micro-batch", type=positive_int, default=4, help="sequences per batch (default 4)")
+    parser.add_argument("--samples", type=non_negative_int, default=3, help="chat samples to generate (phase-2 data only)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=48)
     parser.add_argument("--device", choices=("cpu", "xla"), default="cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
-    from transformers import AutoTokenizer
-
     model, _ = load_model(args.model, [args.adapter] if args.adapter else [])
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"--model {args.model}: cannot load its tokenizer ({err})") from None
+    tokenizer = load_tokenizer(args.model, "--model")
     manifest = open_prepared(args.data, fingerprint=tokenizer_fingerprint(tokenizer))
     if args.device == "xla":
         from utils.xla_runtime import init_xla_device
@@ -97,7 +94,7 @@ def evaluate(argv: list[str] | None) -> int:
     if args.json:
         print(json.dumps(result, ensure_ascii=False, indent=2))
         return 0
-    print(f"{args.split}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} over {result['label_tokens']} label tokens")
+    print(f"{args.split}: {describe_eval(result)}")
     for sample in result.get("samples", []):
         print(f"\n--- prompt ---\n{sample['prompt']}\n--- reference ---\n{sample['reference']}\n--- generated ---\n{sample['generated']}")
     return 0

@@ -15,15 +15,28 @@ from finetuning_pipeline.step import eval_sums
 from utils.xla_runtime import device_counter, to_host
 
 
+NO_EVAL_DATA = {"loss": None, "perplexity": None, "label_tokens": 0}
+
+
+def describe_eval(result: dict) -> str:
+    """One line for a log: the loss and perplexity, or that there was nothing to evaluate."""
+    if result["loss"] is None:
+        return "no eval data (the eval split is empty, or eval.max_batches is 0)"
+    return f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} over {result['label_tokens']} label tokens"
+
+
 def evaluate_loss(model, data_dir: str, *, micro_batch: int, pad_id: int, packed: bool, device,
                   split: str = "eval", max_batches: int | None = None, loss_chunk: int | None = None,
                   collectives: Collectives | None = None, input_sharding=None, replicate=lambda tensors: None) -> dict:
     """{"loss", "perplexity", "label_tokens"} over `split`, every block counted once across the
-    replicas of `collectives` (each reads its share). On an XLA device every batch runs the
+    replicas of `collectives` (each reads its share). A split without label tokens (an empty
+    eval split, max_batches=0) has no loss: loss and perplexity are None, never a perfect 0. On an XLA device every batch runs the
     same small graph and the totals are read once, at the end: one host sync per evaluation.
     loss_chunk: tokens per loss chunk (None: the model's default, chunked_loss.auto_chunk_tokens).
     replicate: marks the running sums' sharding under SPMD (Parallel.replicate)."""
     collectives = collectives or Collectives()
+    if max_batches == 0:
+        return dict(NO_EVAL_DATA)
     if loss_chunk is None:
         loss_chunk = auto_chunk_tokens(model.config)
     xla = device.type == "xla"
@@ -53,5 +66,7 @@ def evaluate_loss(model, data_dir: str, *, micro_batch: int, pad_id: int, packed
         torch_xla.sync()
     total_loss, total_count = to_host(loss_sum, count)
     model.train(was_training)
-    loss = total_loss / max(total_count, 1.0)
+    if total_count == 0:
+        return dict(NO_EVAL_DATA)
+    loss = total_loss / total_count
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "label_tokens": int(total_count)}

@@ -6,7 +6,8 @@ With phase2.init=merge, phase 2's adapter sits on top of phase 1's: pass both, i
 (`--adapter .../phase1/adapter --adapter .../phase2/adapter`). The output (safetensors,
 config, generation config, tokenizer) loads with `AutoModelForCausalLM.from_pretrained` and
 needs neither this project nor PEFT. It appears only when complete (written next to --out,
-then renamed).
+then renamed). --out may not be or hold an input, and an existing --out is replaced only with
+--force and only when an earlier export wrote it (utils/output_guard.py).
 """
 
 from __future__ import annotations
@@ -19,22 +20,25 @@ from pathlib import Path
 
 import torch
 
-from finetuning_pipeline.errors import ConfigError, ModelLoadError, run_command
+from finetuning_pipeline.errors import run_command
 from finetuning_pipeline.model_loading import DTYPES as MODEL_DTYPES
 from finetuning_pipeline.model_loading import load_model
+from utils.output_guard import claim_output, mark_written_by
+from utils.tokenizer_loading import load_tokenizer
 
 DTYPES = {"auto": None, **MODEL_DTYPES}
+COMMAND = "finetuning_pipeline.export"
 
 
 def export_merged(base: str, adapters: list[str], out: str, dtype: str = "auto", tokenizer: str | None = None,
                   force: bool = False) -> Path:
     """Merge `adapters` (in order) into `base` and save to `out`; returns `out`. An existing
-    `out` is replaced only with force."""
-    from transformers import AutoTokenizer
-
+    `out` is replaced only with force, and only when an earlier export wrote it; `out` may not
+    overlap the base, an adapter or the tokenizer."""
     out_path = Path(out)
-    if out_path.exists() and not force:
-        raise ConfigError(f"--out: {out_path} already exists; pass --force to replace it, or choose another --out")
+    inputs = {"--base": base, "--tokenizer": tokenizer, **{f"--adapter {a}": a for a in adapters}}
+    claim_output(out_path, force=force, command=COMMAND, inputs=inputs)
+    loaded_tokenizer = load_tokenizer(tokenizer or base, "--tokenizer" if tokenizer else "--base")
     # Merge in fp32 (each W0 + s B A is rounded once, into the output dtype, at save time).
     model, _ = load_model(base, adapters, torch.float32)
     model.config.use_cache = True  # the exported model is for inference
@@ -46,10 +50,8 @@ def export_merged(base: str, adapters: list[str], out: str, dtype: str = "auto",
     shutil.rmtree(staging, ignore_errors=True)
     try:
         model.save_pretrained(staging)
-        try:
-            AutoTokenizer.from_pretrained(tokenizer or base).save_pretrained(staging)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"--tokenizer {tokenizer or base}: cannot load a tokenizer ({err})") from None
+        loaded_tokenizer.save_pretrained(staging)
+        mark_written_by(staging, COMMAND)
         if out_path.exists():
             shutil.rmtree(out_path)
         os.replace(staging, out_path)
@@ -69,7 +71,7 @@ def export_command(argv: list[str] | None) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto", help="saved dtype (default: the base's)")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: --base)")
-    parser.add_argument("--force", action="store_true", help="replace an existing --out directory")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out that an earlier export wrote")
     args = parser.parse_args(argv)
     out = export_merged(args.base, args.adapter, args.out, args.dtype, args.tokenizer, args.force)
     print(f"wrote merged model to {out}")

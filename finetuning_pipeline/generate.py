@@ -13,21 +13,18 @@ import sys
 
 import torch
 
-from finetuning_pipeline.errors import ModelLoadError, run_command
+from finetuning_pipeline.errors import run_command
 from finetuning_pipeline.model_loading import load_model
+from utils.cli_types import non_negative_float, positive_int
+from utils.tokenizer_loading import load_tokenizer
 
 
 def generate(model_dir: str, prompt: str, adapter: str | None = None, max_new_tokens: int = 64,
              plain: bool = False, temperature: float = 0.0, system: str | None = None) -> str:
-    from transformers import AutoTokenizer
-
     # Adapters merged: inference needs one matmul per layer instead of three.
     model, _ = load_model(model_dir, [adapter] if adapter else [])
     model.eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"--model {model_dir}: cannot load its tokenizer ({err})") from None
+    tokenizer = load_tokenizer(model_dir, "--model")
     if plain or not tokenizer.chat_template:
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     else:
@@ -52,8 +49,8 @@ def generate_command(argv: list[str] | None) -> int:
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--system", help="system turn for chat models")
     parser.add_argument("--plain", action="store_true", help="continue the raw text; no chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64)
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 (default): greedy")
     args = parser.parse_args(argv)
     print(generate(args.model, args.prompt, args.adapter, args.max_new_tokens, args.plain, args.temperature, args.system))
     return 0

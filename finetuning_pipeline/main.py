@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shlex
 import shutil
@@ -32,10 +31,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: python finetuning_pipeline/main.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetuning_pipeline.checkpointing import complete_checkpoints, resume_keys, verify_checkpoint  # noqa: E402
+from finetuning_pipeline.checkpointing import (  # noqa: E402
+    complete_checkpoints, newest_intact_checkpoint, read_json, resume_keys, verify_checkpoint)
 from finetuning_pipeline.collectives import torchrun_world  # noqa: E402
 from finetuning_pipeline.config import RunConfig, load_config  # noqa: E402
-from finetuning_pipeline.errors import ConfigError, run_command  # noqa: E402
+from finetuning_pipeline.errors import ConfigError, OutputWriteError, run_command  # noqa: E402
 from finetuning_pipeline.run_layout import OutputLock, RunLayout  # noqa: E402
 from finetuning_pipeline.stop_signal import WallClockBudget, parse_duration  # noqa: E402
 
@@ -45,6 +45,7 @@ class PhasePlan:
     phase: int
     resume_from: Path | None  # a complete checkpoint, or None to start the phase fresh
     replace: bool = False  # --resume never --force: the master removes the phase's old outputs first
+    accepted_changes: dict | None = None  # --accept-changes: {setting: [saved, now]} at the resume
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,19 +65,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="auto (default): continue the unfinished phase from its newest complete checkpoint and "
                         "skip finished phases; never: start fresh; or a checkpoint directory to resume from")
     parser.add_argument("--force", action="store_true", help="with --resume never: replace an existing run's outputs")
+    parser.add_argument("--accept-changes", action="store_true",
+                        help="resume although optimisation settings changed since the checkpoint (train.lr, "
+                        "warmup, decay, clipping, max_steps, ...: after a divergence, say); the run is then no longer "
+                        "the one an uninterrupted run would give, and its summary records the changes. Model, LoRA, "
+                        "data and seed changes are refused even so")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return parser.parse_args(argv)
 
 
 def preflight_checks(config: RunConfig, phases: list[int]) -> None:
     """Everything that can fail before a device is touched; raises ConfigError / DataError."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from dataset.loader import open_prepared
     from dataset.manifest import tokenizer_fingerprint
     from finetuning_pipeline.attention_masks import mask_windows
     from finetuning_pipeline.chunked_loss import resolve_chunk_tokens
     from finetuning_pipeline.kernel_attention import choose_attention
+    from finetuning_pipeline.model_loading import check_lora_targets
+    from utils.tokenizer_loading import load_tokenizer
     from utils.xla_runtime import device_kind
 
     model_dir = Path(config.model.path)
@@ -90,11 +98,8 @@ def preflight_checks(config: RunConfig, phases: list[int]) -> None:
                          spmd_mesh=config.parallel.mode == "fsdp")
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    tokenizer_dir = config.model.tokenizer or config.model.path
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    except Exception as err:
-        raise ConfigError(f"model.tokenizer: cannot load a tokenizer from {tokenizer_dir} ({err})") from None
+    tokenizer = load_tokenizer(config.model.tokenizer or config.model.path,
+                               "model.tokenizer" if config.model.tokenizer else "model.path")
     fingerprint = tokenizer_fingerprint(tokenizer)
     max_positions = getattr(model_config, "max_position_embeddings", None)
     for phase in phases:
@@ -114,11 +119,19 @@ def preflight_checks(config: RunConfig, phases: list[int]) -> None:
             )
         if manifest["counts"]["train"] < 1:
             raise ConfigError(f"{key}: {data} has no training blocks")
+    if 1 in phases or (2 in phases and config.phase2.init != "continue"):
+        try:  # phase 2 `continue` trains the phase-1 adapter, with its own targets
+            check_lora_targets(model_config, config.lora_config())
+        except ValueError as err:
+            raise ConfigError(f"lora.target_modules: {err}") from None
     if 2 in phases and 1 not in phases and config.phase2.init != "fresh":
         adapter = RunLayout(config.output_dir).adapter(1)
         if not (adapter / "adapter_config.json").is_file():
             raise ConfigError(f"phase2.init={config.phase2.init} needs the phase-1 adapter ({adapter}); "
                               "run phase 1 first, or set phase2.init=fresh")
+    inputs = {"model.path": config.model.path, "model.tokenizer": config.model.tokenizer,
+              "phase1.data": config.phase1.data, "phase2.data": config.phase2.data}
+    RunLayout(config.output_dir).check_apart_from(inputs)
     probe_output_dir(config.output_dir)
 
 
@@ -137,52 +150,118 @@ def probe_output_dir(output_dir: str) -> None:
 def plan_phases(config: RunConfig, phases: list[int], resume: str, force: bool) -> list[PhasePlan]:
     """Which phases to run and where each starts, from --resume and what is on disk."""
     layout = RunLayout(config.output_dir)
+    say = print if launch_rank() == 0 else (lambda *args: None)
     if resume == "auto":
         plans = []
         for phase in phases:
             if layout.summary(phase).is_file():
-                if launch_rank() == 0:
-                    print(f"phase {phase}: already finished ({layout.summary(phase)}); skipping")
+                check_finished_phase(config, phase, say)
                 continue
-            complete = complete_checkpoints(layout.checkpoints(phase))
-            plans.append(PhasePlan(phase, complete[-1] if complete else None))
+            try:
+                newest = newest_intact_checkpoint(layout.checkpoints(phase), report=say)
+            except ValueError as err:
+                raise ConfigError(f"--resume auto: {err}. Start phase {phase} over with --phase {phase} --resume never "
+                                  "--force, or pass --resume CHECKPOINT_DIR") from None
+            plans.append(PhasePlan(phase, newest))
         return plans
     if resume == "never":
         existing = [layout.phase_dir(p) for p in phases if layout.phase_dir(p).exists()]
         if existing and not force:
             raise ConfigError(f"--resume never: {existing[0]} already exists; pass --force to replace it, "
                               "or use --resume auto to continue")
+        for phase in phases:
+            foreign = layout.foreign_entries(phase)
+            if foreign:
+                raise ConfigError(f"--resume never --force: {layout.phase_dir(phase)} holds {foreign[0]}, which no run "
+                                  "wrote; --force replaces only a run's own outputs. Move it away, or choose another "
+                                  "output_dir")
         return [PhasePlan(p, None, replace=layout.phase_dir(p).exists()) for p in phases]
     checkpoint = Path(resume)
     try:
         verify_checkpoint(checkpoint)
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(f"--resume: {err}") from None
-    phase = json.loads((checkpoint / "trainer_state.json").read_text())["phase"]
+    phase = read_json(checkpoint / "trainer_state.json")["phase"]
     if phase not in phases:
         raise ConfigError(f"--resume: {checkpoint} is a phase-{phase} checkpoint but --phase selects {phases}")
     return [PhasePlan(phase, checkpoint)] + [PhasePlan(p, None) for p in phases if p > phase]
 
 
-def check_resumable(config: RunConfig, plans: list[PhasePlan]) -> None:
+def check_resumable(config: RunConfig, plans: list[PhasePlan], accept_changes: bool = False) -> None:
     """Refuse to resume a checkpoint under settings, or on prepared data, that would change
     the result, naming each change. (Keys a checkpoint does not record, from an older version,
-    are not compared.)"""
+    are not compared.) With accept_changes, optimisation settings may differ: the plan records
+    them and the run says it is no longer exact."""
     for plan in plans:
         if plan.resume_from is None:
             continue
-        saved = json.loads((plan.resume_from / "trainer_state.json").read_text()).get("exactness", {})
+        saved = read_json(plan.resume_from / "trainer_state.json").get("exactness", {})
         current = resume_keys(config, plan.phase)
         changed = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
+        if changed and accept_changes:
+            fixed = [k for k in changed if k not in TUNABLE_ON_RESUME]
+            if fixed:
+                raise ConfigError(f"--accept-changes: {plan.resume_from} cannot continue under another "
+                                  + ", ".join(f"{k} ({saved[k]!r} -> {current[k]!r})" for k in fixed)
+                                  + ": the checkpoint's weights, data position or random streams belong to the old "
+                                  "one. Restore it, or start over with --resume never --force")
+            plan.accepted_changes = {k: [saved[k], current[k]] for k in changed}
+            if launch_rank() == 0:
+                print(f"phase {plan.phase}: resuming {plan.resume_from} with changed settings ("
+                      + ", ".join(f"{k}: {saved[k]!r} -> {current[k]!r}" for k in changed)
+                      + "); the run is no longer the one an uninterrupted run would give (recorded in the summary)")
+            continue
         if changed:
             details = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
             data_key = f"phase{plan.phase}.data.content"
             hint = (f" (the prepared data in {config.phase(plan.phase).data} is not what the checkpoint trained on: "
                     "it was prepared again from other inputs or options)") if data_key in changed else ""
+            if "phase1.adapter" in changed:
+                hint += " (phase 1 was trained again since this phase-2 checkpoint was built on its adapter)"
             raise ConfigError(
                 f"--resume: {plan.resume_from} was saved under other settings ({details}){hint}; resuming would not "
-                "give the run you started. Restore them, or start over with --resume never --force"
+                "give the run you started. Restore them, start over with --resume never --force, or (optimisation "
+                "settings only) continue anyway with --accept-changes"
             )
+
+
+# What --accept-changes lets differ at a resume: how the optimizer steps, not what it trains
+# (model, LoRA shape, data, seed: the checkpoint's weights and data position would not fit).
+TUNABLE_ON_RESUME = frozenset({
+    "train.lr", "train.warmup_steps", "train.min_lr_ratio", "train.weight_decay", "train.betas", "train.eps",
+    "train.max_grad_norm", "train.max_steps", "train.loss_chunk_tokens",
+    "phase1.lr", "phase2.lr", "phase1.max_steps", "phase2.max_steps",
+})
+# What a phase is built on: when one changed, its finished outputs no longer belong to this config.
+PHASE_INPUTS = ("model.path", "phase1.data.content", "phase2.data.content", "phase1.adapter")
+
+
+def check_finished_phase(config: RunConfig, phase: int, say) -> None:
+    """A finished phase is skipped by --resume auto, unless what it was built on changed since
+    (a re-prepared dataset, another base, phase 1 trained again under phase 2): then it is
+    refused, naming the change. Other changed settings are pointed out, not refused."""
+    layout = RunLayout(config.output_dir)
+    try:
+        saved = read_json(layout.summary(phase)).get("settings") or {}
+    except ValueError as err:
+        raise ConfigError(f"--resume auto: {err}; rerun the phase with --phase {phase} --resume never --force") from None
+    current = resume_keys(config, phase)
+    changed = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
+    inputs = [k for k in changed if k in PHASE_INPUTS]
+    if inputs:
+        why = {"phase1.adapter": "phase 1 was trained again since phase 2 was built on its adapter",
+               f"phase{phase}.data.content": f"{config.phase(phase).data} was prepared again from other inputs",
+               "model.path": "the base model is another one"}
+        raise ConfigError(
+            f"phase {phase} ({layout.phase_dir(phase)}) finished on other inputs: "
+            + "; ".join(why.get(k, k) for k in inputs)
+            + f". Train it again on these with --phase {phase} --resume never --force, or restore them"
+        )
+    note = ""
+    if changed:
+        note = (" (it finished under other settings: " + ", ".join(f"{k}: {saved[k]!r} -> {current[k]!r}" for k in changed)
+                + f"; to train it with these, pass --phase {phase} --resume never --force)")
+    say(f"phase {phase}: already finished ({layout.summary(phase)}); skipping{note}")
 
 
 def launch_rank() -> int:
@@ -221,8 +300,16 @@ def run_replica(index: int, config: RunConfig, plans: list[PhasePlan], resume_co
         for plan in plans:
             if plan.replace and parallel.master:
                 shutil.rmtree(layout.phase_dir(plan.phase))
-            result = run_phase(config, plan.phase, parallel=parallel, device=device, resume_from=plan.resume_from,
-                               stop_requested=stop.requested)
+            try:
+                result = run_phase(config, plan.phase, parallel=parallel, device=device, resume_from=plan.resume_from,
+                                   stop_requested=stop.requested, accepted_changes=plan.accepted_changes)
+            except OSError as err:  # a metrics, TensorBoard, adapter or summary write (checkpoints vote on theirs)
+                latest = complete_checkpoints(layout.checkpoints(plan.phase))
+                raise OutputWriteError(
+                    f"cannot write {err.filename or layout.phase_dir(plan.phase)}: {err.strerror or err}. The last "
+                    f"intact checkpoint is {latest[-1] if latest else 'none (the phase will start over)'}; fix the "
+                    "disk (space, permissions, a read-only mount) and rerun with --resume auto"
+                ) from None
             if result.summary is not None:
                 print(format_summary(result.summary), flush=True)
             if result.stopped_at_step is not None:
@@ -236,10 +323,13 @@ def run_replica(index: int, config: RunConfig, plans: list[PhasePlan], resume_co
 def format_summary(summary: dict) -> str:
     if "stopped_at_step" in summary:
         return f"phase {summary['phase']}: stopped at step {summary['stopped_at_step']}"
+    if summary["eval_loss_after"] is None:
+        evaluation = "no eval data"
+    else:
+        evaluation = (f"eval loss {summary['eval_loss_before']:.4f} -> {summary['eval_loss_after']:.4f} (perplexity "
+                      f"{summary['perplexity_before']:.1f} -> {summary['perplexity_after']:.1f})")
     return (
-        f"phase {summary['phase']}: {summary['steps']} steps, eval loss {summary['eval_loss_before']:.4f} -> "
-        f"{summary['eval_loss_after']:.4f} (perplexity {summary['perplexity_before']:.1f} -> "
-        f"{summary['perplexity_after']:.1f}), {summary['tokens_per_sec'] or 0:,.0f} tokens/s, "
+        f"phase {summary['phase']}: {summary['steps']} steps, {evaluation}, {summary['tokens_per_sec'] or 0:,.0f} tokens/s, "
         f"compiles {summary['compiles_total']} ({summary['compiles_after_warmup']} after warm-up), "
         f"host syncs/step {summary['host_syncs_per_step']}"
     )
@@ -256,7 +346,7 @@ def train(argv: list[str] | None) -> int:
     config = load_config(args.config, args.overrides)
     preflight_checks(config, phases)
     plans = plan_phases(config, phases, args.resume, args.force)
-    check_resumable(config, plans)
+    check_resumable(config, plans, args.accept_changes)
     budget = WallClockBudget(parse_duration(config.train.max_wall_time) if config.train.max_wall_time else None,
                              started, label=config.train.max_wall_time or "")
     if plans:

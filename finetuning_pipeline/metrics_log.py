@@ -71,7 +71,7 @@ def plot_losses(output_dir: str | Path) -> Path | None:
     for phase, color in ((1, "tab:blue"), (2, "tab:orange")):
         records = read_metrics(layout.metrics(phase))
         train = [(r["step"] + offset, r["loss"]) for r in records if r["kind"] == "train"]
-        evals = [(r["step"] + offset, r["loss"]) for r in records if r["kind"] == "eval"]
+        evals = [(r["step"] + offset, r["loss"]) for r in records if r["kind"] == "eval" and r["loss"] is not None]
         if train:
             ax.plot(*zip(*train), color=color, alpha=0.8, label=f"phase {phase} train")
             plotted = True

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from finetuning_pipeline.errors import ModelLoadError
-from lora_logic import LoraConfig, load_adapter, merge_and_unload
+from lora_logic import LoraConfig, inject_lora, load_adapter, merge_and_unload
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,6 +30,17 @@ def load_base(path: str | Path, dtype: torch.dtype = torch.float32):
         raise ModelLoadError(f"{path}: cannot load the model ({err})") from None
     model.config.use_cache = False
     return model
+
+
+def check_lora_targets(model_config, lora_config: LoraConfig) -> dict:
+    """Inject the LoRA into a weightless (meta-device) model of the architecture: every target
+    must match (a ValueError names the one that does not). No weights are read or allocated."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    wrapped = inject_lora(model, lora_config)
+    return {"wrapped_modules": len(wrapped), "architecture": type(model).__name__}
 
 
 def add_adapter(model, adapter: str | Path, *, merge: bool) -> LoraConfig:

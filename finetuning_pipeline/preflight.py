@@ -41,6 +41,7 @@ from dataset.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
 from finetuning_pipeline.config import ConfigError, RunConfig, load_config  # noqa: E402
 from finetuning_pipeline.chunked_loss import resolve_chunk_tokens  # noqa: E402
 from finetuning_pipeline.kernel_attention import choose_attention  # noqa: E402
+from finetuning_pipeline.model_loading import check_lora_targets  # noqa: E402
 from finetuning_pipeline.parallel import mesh_shape  # noqa: E402
 from finetuning_pipeline.plan import ModelShape, PlanInputs, mode_advice, plan, suggestions  # noqa: E402
 from finetuning_pipeline.run_layout import RunLayout  # noqa: E402
@@ -72,19 +73,6 @@ def load_architecture(model_path: str):
 
     source = architecture_source(model_path)
     return AutoConfig.from_pretrained(source.parent), source
-
-
-def check_lora_targets(model_config, config: RunConfig) -> dict:
-    """Inject the LoRA into a weightless (meta-device) model: every target must match."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from lora_logic import inject_lora
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
-    wrapped = inject_lora(model, config.lora_config())  # raises ValueError naming a missing target
-    return {"wrapped_modules": len(wrapped), "architecture": type(model).__name__}
 
 
 def phases_of(config: RunConfig) -> list[int]:
@@ -350,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        found = check_lora_targets(model_config, config)
+        found = check_lora_targets(model_config, config.lora_config())
         checks["lora_targets"] = {"status": "passed", "detail": f"{found['wrapped_modules']} modules wrapped in "
                                   f"{found['architecture']} for targets {config.lora.target_modules}"}
     except ValueError as err:

@@ -26,11 +26,43 @@ import socket
 from pathlib import Path
 
 from finetuning_pipeline.errors import ConfigError
+from utils.output_guard import overlaps
+
+
+# What a run writes inside phaseN/: --resume never --force replaces a phase directory only when
+# it holds nothing else.
+PHASE_ENTRIES = frozenset({"adapter", "checkpoints", "metrics.jsonl", "tb", "summary.json"})
 
 
 class RunLayout:
     def __init__(self, output_dir: str | Path) -> None:
         self.root = Path(output_dir)
+
+    def written_paths(self) -> list[Path]:
+        return [self.phase_dir(1), self.phase_dir(2), self.loss_plot, self.preflight, self.lock_file]
+
+    def check_apart_from(self, inputs: dict[str, str | None]) -> None:
+        """The run never writes into its inputs: output_dir may hold them (the demo keeps its
+        data there) but may not lie inside one, and nothing the run writes may be or hold one."""
+        root = self.root.resolve()
+        for key, path in inputs.items():
+            if not path:
+                continue
+            resolved = Path(path).resolve()
+            if root == resolved or resolved in root.parents:
+                raise ConfigError(f"output_dir: {self.root} is {key} ({path}) or lies inside it; a run never writes "
+                                  "into its inputs. Choose another output_dir")
+            for written in self.written_paths():
+                if overlaps(written, resolved):
+                    raise ConfigError(f"output_dir: the run writes {written}, which overlaps {key} ({path}); choose "
+                                      "another output_dir")
+
+    def foreign_entries(self, phase: int) -> list[str]:
+        """What phaseN/ holds that no run wrote (so --force must not delete it)."""
+        directory = self.phase_dir(phase)
+        if not directory.is_dir():
+            return [directory.name] if directory.exists() else []
+        return sorted(p.name for p in directory.iterdir() if p.name not in PHASE_ENTRIES)
 
     def phase_dir(self, phase: int) -> Path:
         return self.root / f"phase{phase}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,7 +24,10 @@ from transformers import GenerationConfig, LlamaTokenizer, MistralConfig, Mistra
 
 from dataset.chat_template import CHATML_TEMPLATE, IM_END, IM_START
 from dataset.samples import iter_sample_texts
+from finetuning_pipeline.errors import run_command
+from utils.output_guard import claim_output, mark_written_by
 
+COMMAND = "finetuning_pipeline.tiny_model"
 VOCAB_SIZE = 1024
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 
@@ -114,20 +118,28 @@ def write_tiny_model(out: str | Path, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    mark_written_by(out, COMMAND)
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    return run_command(tiny_model_command, argv)
+
+
+def tiny_model_command(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         description="Write a tiny Mistral-architecture model + tokenizer trained on the bundled corpora "
         "(the demo's base model; no network needed)."
     )
     parser.add_argument("--out", required=True, help="output directory (a Hugging Face model directory)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weight init (default: 0)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out that this command wrote")
     args = parser.parse_args(argv)
+    claim_output(args.out, force=args.force, command=COMMAND)
     out = write_tiny_model(args.out, args.seed)
     print(f"wrote tiny Mistral model and tokenizer to {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

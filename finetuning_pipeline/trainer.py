@@ -36,7 +36,7 @@ from finetuning_pipeline.compile_guard import CompileGuard
 from finetuning_pipeline.config import RunConfig
 from finetuning_pipeline.divergence import DivergenceMonitor
 from finetuning_pipeline.errors import ConfigError
-from finetuning_pipeline.evaluation import evaluate_loss
+from finetuning_pipeline.evaluation import describe_eval, evaluate_loss
 from finetuning_pipeline.kernel_attention import choose_attention, enable_kernel_attention
 from finetuning_pipeline.lr_schedule import lr_table
 from finetuning_pipeline.metrics_log import MetricsLog, StepLogger
@@ -151,6 +151,8 @@ class Phase:
     resumed: bool
     eval_before: dict
     sharded: list
+    settings: dict  # what the phase is built on (checkpointing.resume_keys), fixed for the phase
+    accepted_changes: dict  # settings changed at a resume with --accept-changes: {key: [saved, now]}
 
     @property
     def max_steps(self) -> int:
@@ -167,7 +169,7 @@ class Phase:
         """What a checkpoint records besides weights and optimizer, as of the step just run."""
         return {"phase": self.number, "eval_before": self.eval_before, **self.logger.state_dict(),
                 **self.monitor.state_dict(), "global_batch": self.data.batches_per_step, "chips": self.parallel.chips,
-                "exactness": resume_keys(self.config, self.number, self.data.manifest)}
+                "exactness": self.settings, "accepted_changes": self.accepted_changes}
 
     def save(self, step: int, state: dict | None = None) -> None:
         state = state if state is not None else self.trainer_state()
@@ -175,12 +177,13 @@ class Phase:
 
 
 def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resume_from: Path | None,
-              stop_requested=lambda: False) -> PhaseResult:
-    """Train one phase on this replica; the master writes adapter, metrics, checkpoints and summary."""
+              stop_requested=lambda: False, accepted_changes: dict | None = None) -> PhaseResult:
+    """Train one phase on this replica; the master writes adapter, metrics, checkpoints and summary.
+    accepted_changes: settings changed at this resume (main.py --accept-changes), recorded."""
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    p = start_phase(config, phase, parallel, device, resume_from, stop_requested)
+    p = start_phase(config, phase, parallel, device, resume_from, stop_requested, accepted_changes)
     batches = p.data.device_batches(device)
     step = p.start_step
     while step < p.max_steps:
@@ -213,7 +216,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
 
 
 def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resume_from: Path | None,
-                stop_requested) -> Phase:
+                stop_requested, accepted_changes: dict | None = None) -> Phase:
     """Model, optimizer, data and the loop's parts, resumed from `resume_from` when given, with
     the phase's first evaluation done (or taken from the checkpoint)."""
     import torch_xla
@@ -245,10 +248,13 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     p = Phase(config, phase, parallel, device, model, lora_config, optimizer, data, stepper, guard, monitor,
               checkpointer, make_logger(config, phase, parallel, data, start_step, resume_from, state),
               StopVote(parallel.collectives, stop_requested), start_step, resume_from is not None,
-              state.get("eval_before"), sharded)
+              state.get("eval_before"), sharded, resume_keys(config, phase, data.manifest),
+              {**state.get("accepted_changes", {}), **(accepted_changes or {})})
     if p.eval_before is None:
         p.eval_before = p.evaluate()
         p.logger.log_eval(0, p.eval_before)
+    if parallel.master and p.eval_before["loss"] is None:
+        print(f"phase {phase}: {describe_eval(p.eval_before)}; the summary will have no eval loss", flush=True)
     parallel.replicate(optimizer.params + optimizer.state_tensors() + stepper.device_state() + monitor.device_state())
     # A resumed run's checkpoint was copied into parameters and optimizer state: run those
     # copies now, or they would join step 1's graph and make it a graph of its own.
@@ -277,6 +283,8 @@ def finish_phase(p: Phase, step: int, last_loss) -> PhaseResult:
         "steps": step,
         "resumed_from_step": p.start_step if p.resumed else None,
         "resumed_on_other_chips": p.data.chips_changed,
+        "resumed_with_changes": p.accepted_changes or None,
+        "settings": p.settings,
         "tokens": step * p.data.tokens_per_step,
         "label_tokens_this_run": int(label_tokens),
         "skipped_steps": final_state["skipped_steps"],

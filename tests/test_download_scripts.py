@@ -29,7 +29,7 @@ def test_wikipedia_rows_become_text_records(tmp_path, capsys):
     records = read_jsonl(out)
     assert records == [{"text": f"Cluj\n\n{body.strip()}"}, {"text": "Iași\n\n" + ("Iași " + body).strip()}]
     assert "wrote 2 records" in capsys.readouterr().out
-    assert download_text_dataset.main(["--dataset", str(source), "--out", str(out), "--limit", "1"]) == 0
+    assert download_text_dataset.main(["--dataset", str(source), "--out", str(out), "--limit", "1", "--force"]) == 0
     assert len(read_jsonl(out)) == 1
 
 

@@ -187,3 +187,39 @@ def test_hf_dataset_directory_and_parquet_with_column_mapping(tmp_path, tiny_mod
         assert run(tiny_model_dir, out, source, extra=["--format", "hf", "--column", "text=content"]) == 0
         stats = json.loads((out / "stats.json").read_text())
         assert stats["phase"] == 1 and stats["records"]["kept"] == 20
+
+
+def test_records_over_max_record_chars_are_reported_or_counted_not_tokenized(tmp_path, tiny_model_dir, capsys):
+    """Tokenizing needs ~100 bytes per character of a record, so one huge record once took
+    gigabytes: a record over --max-record-chars is a problem with FILE:LINE, before tokenizing,
+    in documents and conversations alike; with --skip-invalid it is counted."""
+    text = tmp_path / "text.jsonl"
+    text.write_text("\n".join(json.dumps({"text": t}) for t in ["scurt " * 10, "lung " * 400, "iar scurt " * 5]) + "\n")
+    convo = tmp_path / "chat.jsonl"
+    convo.write_text(json.dumps(GOOD_CHAT) + "\n" + json.dumps(chat(("user", "Q" * 900), ("assistant", "A" * 200))) + "\n")
+    limit = ["--max-record-chars", "1000"]
+    assert run(tiny_model_dir, tmp_path / "a", text, extra=limit) == 2
+    err = capsys.readouterr().err
+    assert f"{text}:2: 2,000 characters, over max_record_chars (1,000)" in err and "Split it into several records" in err
+    assert run(tiny_model_dir, tmp_path / "b", convo, extra=limit) == 2
+    assert f"{convo}:2: 1,100 characters, over max_record_chars (1,000)" in capsys.readouterr().err
+    assert run(tiny_model_dir, tmp_path / "c", text, extra=[*limit, "--skip-invalid"]) == 0
+    records = json.loads((tmp_path / "c" / "stats.json").read_text())["records"]
+    assert (records["read"], records["kept"], records["skipped_by_reason"]) == (3, 2, {"record_too_long": 1})
+    assert run(tiny_model_dir, tmp_path / "d", text, extra=["--max-record-chars", "0"]) == 2
+    assert "max_record_chars: must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_a_full_disk_is_an_error_and_leaves_nothing(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    import errno
+
+    from dataset import shards
+
+    def full(self, row):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(shards.NpyRowWriter, "write", full)
+    assert run(tiny_model_dir, tmp_path / "out", DOMAIN_TEXT) == 3
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "nothing was written to" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # neither the output nor its staging directory

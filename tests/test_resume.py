@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,6 +128,19 @@ def test_too_many_bad_steps_stop_the_run_keeping_the_last_good_checkpoint(tiny_m
     assert all(torch.isfinite(t).all() for t in load_file(latest / "adapter_model.safetensors").values())
     assert not (tmp_path / "out" / "phase1" / "summary.json").exists()
     assert not (tmp_path / "out" / "phase1" / "adapter").exists()
+    # The message's advice works: with the poison gone and a lower LR, --resume auto
+    # --accept-changes continues from the last good checkpoint, recorded as no longer exact.
+    assert "--resume auto --accept-changes" in err
+    monkeypatch.undo()
+    assert main.main(["--config", str(config), "--phase", "1", "train.lr=0.005"]) == 2
+    assert "continue anyway with --accept-changes" in capsys.readouterr().err
+    assert main.main(["--config", str(config), "--phase", "1", "--accept-changes", "lora.r=4", "train.lr=0.005"]) == 2
+    assert "cannot continue under another lora.r (8 -> 4)" in capsys.readouterr().err
+    assert main.main(["--config", str(config), "--phase", "1", "--accept-changes", "train.lr=0.005"]) == 0
+    assert "the run is no longer the one an uninterrupted run would give" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "out" / "phase1" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 4 and summary["resumed_with_changes"] == {"train.lr": [0.01, 0.005]}
+    assert summary["skipped_steps"] == 0 and all(torch.isfinite(t).all() for t in adapter_tensors(tmp_path / "out").values())
 
 
 def poison_nan_in_steps(monkeypatch, steps: set[int], grad_accum: int) -> None:
@@ -223,3 +237,76 @@ def test_the_session_budget_leaves_twice_the_slowest_step():
     assert parse_duration("8h30m") == 30600 and parse_duration("45m") == 2700 and parse_duration("90s") == 90
     with pytest.raises(ValueError, match="train.max_wall_time: '8x' is not a duration"):
         parse_duration("8x")
+
+
+def corrupt(checkpoint: Path, how: str) -> str:
+    """Damage one file of a checkpoint as a failing disk or a killed copy would; returns its name."""
+    name = {"flipped byte": "adapter_model.safetensors", "truncated file": "optimizer.pt",
+            "truncated trainer_state.json": "trainer_state.json", "truncated COMPLETE": "COMPLETE"}[how]
+    path = checkpoint / name
+    data = bytearray(path.read_bytes())
+    if how == "flipped byte":
+        data[len(data) // 2] ^= 0x01
+    else:
+        data = data[: len(data) // 2]
+    path.write_bytes(bytes(data))
+    return name
+
+
+def unfinished_copy(reference: Path, tmp_path: Path) -> Path:
+    """The reference run as if it had been stopped after its last checkpoint (step 10)."""
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    (out / "phase1" / "summary.json").unlink()
+    shutil.rmtree(out / "phase1" / "adapter")
+    return out
+
+
+@pytest.mark.parametrize("how", ["flipped byte", "truncated file", "truncated trainer_state.json",
+                                 "truncated COMPLETE"])
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_newest_intact_one(how, tiny_model_dir, data, reference,
+                                                                         tmp_path, capsys):
+    out = unfinished_copy(reference, tmp_path)
+    checkpoints = out / "phase1" / "checkpoints"
+    damaged = corrupt(checkpoints / "step_00000010", how)
+    config = config_for(tmp_path, tiny_model_dir, data)
+    assert main.main(["--config", str(config), "--phase", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert f"warning: skipping checkpoint step_00000010: {checkpoints / 'step_00000010' / damaged}" in printed
+    summary = json.loads((out / "phase1" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 8
+    assert_same_run(out, reference)  # steps 9 and 10 redone exactly
+    verify_checkpoint(checkpoints / "step_00000010")  # and their checkpoint written anew
+
+
+def test_no_intact_checkpoint_is_refused_not_restarted_silently(tiny_model_dir, data, reference, tmp_path, capsys):
+    out = unfinished_copy(reference, tmp_path)
+    for checkpoint in complete_checkpoints(out / "phase1" / "checkpoints"):
+        corrupt(checkpoint, "flipped byte")
+    config = config_for(tmp_path, tiny_model_dir, data)
+    assert main.main(["--config", str(config), "--phase", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume auto: no intact checkpoint under" in err and "--phase 1 --resume never --force" in err
+    assert not (out / "phase1" / "summary.json").exists()
+
+
+def test_a_disk_that_turns_read_only_mid_run_exits_3_naming_the_last_checkpoint(tiny_model_dir, data, tmp_path,
+                                                                                monkeypatch, capsys):
+    from finetuning_pipeline.metrics_log import MetricsLog
+
+    real_write = MetricsLog.write
+
+    def read_only_after_step_5(self, record):
+        if record["step"] > 5:
+            raise OSError(errno.EROFS, "Read-only file system", str(self.path))
+        return real_write(self, record)
+
+    monkeypatch.setattr(MetricsLog, "write", read_only_after_step_5)
+    config = config_for(tmp_path, tiny_model_dir, data)
+    assert main.main(["--config", str(config), "--phase", "1"]) == 3
+    err = capsys.readouterr().err
+    metrics = tmp_path / "out" / "phase1" / "metrics.jsonl"
+    latest = tmp_path / "out" / "phase1" / "checkpoints" / "step_00000004"
+    assert f"error: cannot write {metrics}: Read-only file system. The last intact checkpoint is {latest}" in err
+    assert "rerun with --resume auto" in err and "Traceback" not in err
+    verify_checkpoint(latest)

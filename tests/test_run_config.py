@@ -44,11 +44,55 @@ def test_demo_config_loads_and_overrides_apply():
         ("model.attention=sdpa", "model.attention must be auto, dense, splash or flash"),
         ("parallel.mesh.data=0", "parallel.mesh.data must be a chip count >= 1"),
         ("parallel.mesh.data=-1", "at most one of data and fsdp may be -1"),
+        # Values outside their domain once trained a worse model with exit 0: a NaN passes every
+        # `<` check (a NaN clip norm switched clipping off), so every float is checked finite first.
+        ("train.eps=-1e-8", "train.eps must be > 0"),
+        ("train.eps=0", "train.eps must be > 0"),
+        ("train.max_grad_norm=.nan", "train.max_grad_norm must be a finite number, got nan"),
+        ("train.lr=.inf", "train.lr must be a finite number, got inf"),
+        ("train.lr=inf", "train.lr must be a finite number, got inf"),
+        ("train.lr=-1e-3", "train.lr must be > 0"),
+        ("train.weight_decay=nan", "train.weight_decay must be a finite number"),
+        ("train.weight_decay=-0.1", "train.weight_decay must be >= 0"),
+        ("train.betas=[0.9,.nan]", "train.betas[1] must be a finite number"),
+        ("train.min_lr_ratio=.nan", "train.min_lr_ratio must be a finite number"),
+        ("lora.alpha=.inf", "lora.alpha must be a finite number"),
+        ("lora.alpha=-16", "lora.alpha must be a positive number"),
+        ("lora.dropout=1.0", "lora.dropout must be in [0, 1)"),
+        ("phase2.lr=.nan", "phase2.lr must be a finite number"),
+        ("tpu.assumed_mfu=.nan", "tpu.assumed_mfu must be a finite number"),
+        ("parallel.host_timeout_s=.inf", "parallel.host_timeout_s must be a finite number"),
+        ("eval.micro_batch=0", "eval.micro_batch must be >= 1"),
+        ("eval.max_batches=-1", "eval.max_batches must be >= 0"),
+        ("output_dir=", "output_dir: empty"),
+        ("model.path=", "model.path: not set"),
     ],
 )
 def test_bad_values_name_their_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         load_config(DEMO, [override])
+
+
+@pytest.mark.parametrize("content, overrides, message", [
+    (b"\xff\xfe model: {}", [], "not UTF-8 text (byte 0)"),
+    (b"- model\n- train\n", ["train.lr=1e-3"], "expected a mapping of sections (model:, train:, ...), got a list"),
+    (b"just a sentence\n", ["train.lr=1e-3"], "expected a mapping of sections (model:, train:, ...), got a str"),
+    (b"", [], "the config is empty"),
+    (b"# only a comment\n", ["model.path=x"], "the config is empty"),
+    (b"train: [1, 2]\n", [], "train: expected a mapping"),
+    (b"model: {path: [unclosed\n", [], "invalid YAML"),
+])
+def test_config_files_that_are_not_configs_are_named(tmp_path, content, overrides, message, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(content)
+    assert main.main(["--config", str(path), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {path}: " in err and message in err and "Traceback" not in err
+
+
+def test_a_config_that_is_a_directory_is_named(tmp_path, capsys):
+    assert main.main(["--config", str(tmp_path)]) == 2
+    assert f"error: {tmp_path}: is a directory; --config takes a YAML file" in capsys.readouterr().err
 
 
 def test_unknown_key_in_yaml_names_file_and_key(tmp_path):

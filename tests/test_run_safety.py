@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -123,19 +124,58 @@ def test_commands_report_a_bad_adapter_as_an_error_not_a_traceback(command, prob
     assert not (tmp_path / "merged").exists()
 
 
-def test_export_refuses_to_replace_an_existing_output_without_force(tiny_model_dir, tmp_path, capsys):
-    from lora_logic import LoraConfig, inject_lora, save_adapter
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("damage", ["truncated weights", "garbled config"])
+def test_a_damaged_adapter_is_named_by_every_command(damage, tiny_model_dir, data, foreign_adapter, tmp_path, capsys):
+    adapter = tmp_path / "adapter"
+    shutil.copytree(foreign_adapter, adapter)
+    if damage == "truncated weights":
+        weights = adapter / "adapter_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    else:
+        (adapter / "adapter_config.json").write_text('{"r": 4, "lora_alpha": ')
+    assert evaluate_main(["--model", str(tiny_model_dir), "--adapter", str(adapter), "--data", str(data[1]),
+                          "--samples", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: adapter {adapter}: {adapter}/" in err and "Traceback" not in err
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    inject_lora(model, LoraConfig(r=4, alpha=8))
-    save_adapter(model, tmp_path / "adapter", LoraConfig(r=4, alpha=8), str(tiny_model_dir))
-    out = tmp_path / "merged"
-    out.mkdir()
-    (out / "mine.txt").write_text("not the exporter's\n")
-    args = ["--base", str(tiny_model_dir), "--adapter", str(tmp_path / "adapter"), "--out", str(out)]
-    assert export_main(args) == 2
-    assert "already exists; pass --force" in capsys.readouterr().err
-    assert (out / "mine.txt").exists()
-    assert export_main([*args, "--force"]) == 0
-    assert (out / "config.json").is_file() and not (out / "mine.txt").exists()
+
+@pytest.mark.parametrize("command", ["train", "prepare", "evaluate", "generate", "export"])
+def test_a_model_directory_without_tokenizer_files_is_named(command, tiny_model_dir, data, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model_dir / name, bare / name)
+    config = write_run_config(tmp_path / "run.yaml", bare, data, tmp_path / "out", **SHORT)
+    runs = {
+        "train": lambda: main.main(["--config", str(config), "--phase", "1"]),
+        "prepare": lambda: prepare.main(["--input", str(DOMAIN_TEXT), "--tokenizer", str(bare), "--seq-len",
+                                         str(SEQ_LEN), "--out", str(tmp_path / "prepared"), "--quiet"]),
+        "evaluate": lambda: evaluate_main(["--model", str(bare), "--data", str(data[1]), "--samples", "0"]),
+        "generate": lambda: generate_main(["--model", str(bare), "--prompt", "x"]),
+        "export": lambda: export_main(["--base", str(bare), "--adapter", str(tmp_path / "a"), "--out",
+                                       str(tmp_path / "merged")]),
+    }
+    assert runs[command]() == 2
+    err = capsys.readouterr().err
+    assert f"{bare} has no tokenizer files (one of tokenizer.json, tokenizer.model" in err
+    assert "sentencepiece" not in err and "Traceback" not in err
+
+
+def test_a_lora_target_that_matches_nothing_is_refused_before_the_device(tiny_model_dir, data, tmp_path, capsys):
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out", **SHORT,
+                              lora={"target_modules": ["q_proj", "qkv_proj"]})
+    assert main.main(["--config", str(config), "--phase", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "error: lora.target_modules: " in err and "qkv_proj" in err
+    assert not (tmp_path / "out").exists()  # found by the checks, on a weightless model
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--micro-batch", "0"], "argument --micro-batch: must be an integer >= 1, got 0"),
+    (["--micro-batch", "two"], "argument --micro-batch: expected an integer, got 'two'"),
+    (["--samples", "-1"], "argument --samples: must be an integer >= 0, got -1"),
+])
+def test_evaluate_flags_outside_their_domain_are_usage_errors(argv, message, tiny_model_dir, data, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate_main(["--model", str(tiny_model_dir), "--data", str(data[1]), *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

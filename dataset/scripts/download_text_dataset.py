@@ -36,6 +36,7 @@ def wikipedia_to_record(row: dict, min_chars: int = 200) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="output JSONL file")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out file")
     parser.add_argument("--limit", type=int, default=None, help="stop after this many articles written")
     parser.add_argument("--dataset", default=DEFAULT_DATASET, help=f"hub name or local path (default {DEFAULT_DATASET})")
     parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"hub config (default {DEFAULT_CONFIG})")
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-chars", type=int, default=200, help="skip articles shorter than this (default 200)")
     args = parser.parse_args(argv)
     rows = lambda: (row for _, row in iter_hf_records(args.dataset, args.split, args.config))  # noqa: E731
-    return run_export(rows, lambda row: wikipedia_to_record(row, args.min_chars), args.out, args.limit)
+    return run_export(rows, lambda row: wikipedia_to_record(row, args.min_chars), args.out, args.limit, source=args.dataset, force=args.force)
 
 
 if __name__ == "__main__":

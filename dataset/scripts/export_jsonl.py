@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from dataset.errors import DataError, InvalidRecord
+from utils.output_guard import OutputConflict, claim_output
 
 
 def export_jsonl(
@@ -47,11 +48,15 @@ def report(counts: dict, out: str | Path) -> str:
     return f"wrote {counts['written']} records to {out} ({counts['read']} read, skipped: {skipped})"
 
 
-def run_export(rows: Callable[[], Iterable[dict]], convert: Callable[[dict], dict], out: str, limit: int | None) -> int:
-    """A download script's body: export, print the report, or the error (exit status 2)."""
+def run_export(rows: Callable[[], Iterable[dict]], convert: Callable[[dict], dict], out: str, limit: int | None,
+               *, source: str, force: bool) -> int:
+    """A download script's body: export, print the report, or the error (exit status 2). An
+    existing `out` file is replaced only with force; `out` may never be (or hold) the source."""
     try:
+        claim_output(out, force=force, command="the download script", inputs={"--dataset": source},
+                     ours=lambda path: path.is_file())
         counts = export_jsonl(rows(), convert, out, limit)
-    except DataError as err:
+    except (DataError, OutputConflict) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(report(counts, out))

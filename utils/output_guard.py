@@ -1,0 +1,63 @@
+"""Where a command may write: never into its own inputs, never over what it did not create.
+
+Every command that writes (prepare, export, tiny_model, the download scripts, the trainer's
+output_dir) asks `claim_output` before it writes anything:
+  - the output may not be, contain, or lie inside any of the command's inputs (an export
+    whose --out is its --base would replace the base weights with the merged ones);
+  - an existing output is refused unless the user passes --force (an empty directory holds
+    nothing to lose);
+  - even with --force, only an output this command wrote before is replaced: the command
+    says how it recognises its own (`ours`), usually the marker `mark_written_by` leaves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+MARKER = ".written_by"
+
+
+class OutputConflict(ValueError):
+    """An output that would overwrite an input or something the command did not write."""
+
+
+def overlaps(a: str | Path, b: str | Path) -> bool:
+    """Whether one of two paths is the other or lies inside it (symlinks resolved)."""
+    a, b = Path(a).resolve(), Path(b).resolve()
+    return a == b or a in b.parents or b in a.parents
+
+
+def mark_written_by(directory: str | Path, command: str) -> None:
+    """Leave the marker by which `command` recognises this directory as its own output."""
+    (Path(directory) / MARKER).write_text(command + "\n", encoding="utf-8")
+
+
+def written_by(directory: str | Path, command: str) -> bool:
+    marker = Path(directory) / MARKER
+    try:
+        return marker.read_text(encoding="utf-8").strip() == command
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def claim_output(out: str | Path, *, force: bool, command: str, inputs: Mapping[str, str | Path | None] = {},
+                 ours: Callable[[Path], bool] | None = None, flag: str = "--out") -> None:
+    """Raise OutputConflict unless `command` may write `out` (see the module's rules).
+    inputs: {how the user named it (e.g. "--base"): path}; ours: recognises an earlier output
+    of this command (default: its marker)."""
+    out = Path(out)
+    for name, path in inputs.items():
+        if path and overlaps(out, path):
+            raise OutputConflict(f"{flag} {out} overlaps {name} {path}: a command never writes into its own "
+                                 f"inputs; choose another {flag}")
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_dir() and not any(out.iterdir()):
+        return
+    if not force:
+        raise OutputConflict(f"{flag} {out} already exists; pass --force to replace it, or choose another {flag}")
+    ours = ours or (lambda path: path.is_dir() and written_by(path, command))
+    if not ours(out):
+        raise OutputConflict(f"{flag} {out} holds files that {command} did not write; --force replaces only an "
+                             f"earlier output of {command}. Move them away yourself, or choose another {flag}")
