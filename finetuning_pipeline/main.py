@@ -1,7 +1,7 @@
 """Train LoRA adapters through the two-phase curriculum on TPU (or XLA:CPU).
 
     PJRT_DEVICE=TPU python finetuning_pipeline/main.py --config CONFIG.yaml [--phase 1|2|all]
-        [--resume auto|never|CHECKPOINT_DIR] [--force] [key=value ...]
+        [--resume auto|never|CHECKPOINT_DIR] [--force] [--accept-changes] [key=value ...]
 
 Phase 1 continues pretraining on raw domain text (every token is trained on); phase 2 tunes
 on chat Q&A (assistant tokens only). Each phase reads data written by `python -m
