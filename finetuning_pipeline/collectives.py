@@ -34,6 +34,11 @@ def torchrun_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1")) if "TORCHELASTIC_RUN_ID" in os.environ else 1
 
 
+def launch_rank() -> int:
+    """This process's rank among the processes torchrun started (0 when not under torchrun)."""
+    return int(os.environ.get("RANK", "0")) if torchrun_world() > 1 else 0
+
+
 def init_host_group(init_method: str | None = None, timeout_s: float = 1800) -> None:
     """The gloo process group for host collectives. `init_method` None reads torchrun's
     environment (MASTER_ADDR, RANK, ...); "xla://" asks the PJRT runtime (TPU processes)."""
