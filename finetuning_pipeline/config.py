@@ -417,6 +417,10 @@ def validate(config: RunConfig) -> None:
             raise ConfigError(str(err)) from None
     if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 0:
         raise ConfigError(f"train.loss_chunk_tokens must be >= 0 (0: full logits), got {t.loss_chunk_tokens}")
+    if t.warmup_compiles_steps < 0:
+        raise ConfigError(f"train.warmup_compiles_steps must be >= 0, got {t.warmup_compiles_steps}")
+    if not 0 <= t.seed < 2**32 - 2:  # numpy's seed range, less the phase number added to it
+        raise ConfigError(f"train.seed must be >= 0 and < {2**32 - 2}, got {t.seed}")
     if not t.eps > 0:
         raise ConfigError(f"train.eps must be > 0 (AdamW divides by sqrt(v) + eps), got {t.eps}")
     if config.eval.micro_batch is not None and config.eval.micro_batch < 1:

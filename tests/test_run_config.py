@@ -63,6 +63,8 @@ def test_demo_config_loads_and_overrides_apply():
         ("tpu.assumed_mfu=.nan", "tpu.assumed_mfu must be a finite number"),
         ("parallel.host_timeout_s=.inf", "parallel.host_timeout_s must be a finite number"),
         ("eval.micro_batch=0", "eval.micro_batch must be >= 1"),
+        ("train.seed=-1", "train.seed must be >= 0 and < 4294967294"),
+        ("train.warmup_compiles_steps=-1", "train.warmup_compiles_steps must be >= 0"),
         ("eval.max_batches=-1", "eval.max_batches must be >= 0"),
         ("output_dir=", "output_dir: empty"),
         ("model.path=", "model.path: not set"),
