@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         epilog="Overrides are dotted config keys, e.g. train.max_steps=200 lora.r=8 output_dir=outputs/try2. "
         "Unknown keys are an error. Exit status: 0 done (or stopped cleanly), 2 bad config or data, "
-        "3 the run had to stop (a recompile after warm-up, diverged training, a failed checkpoint write, "
+        "3 the run had to stop (a recompile after warm-up, diverged training, a failed checkpoint or output write, "
         "a replica that died). SIGTERM/SIGINT to any replica: every replica checkpoints the same step and exits 0; "
         "the same command then resumes. Several replicas on a CPU: PJRT_DEVICE=CPU torchrun --standalone "
         "--nproc-per-node N finetuning_pipeline/main.py ...",
