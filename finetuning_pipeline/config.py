@@ -279,13 +279,6 @@ def _coerce(value, annotation, key: str):
     return value
 
 
-def _lookup(config, key: str):
-    node = config
-    for part in key.replace("[", ".").replace("]", "").split("."):
-        node = node[int(part)] if part.isdigit() else getattr(node, part)
-    return node
-
-
 def _build(cls, data: dict, prefix: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
@@ -369,8 +362,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     return config
 
 
-def non_finite_settings(node, prefix: str = "") -> list[str]:
-    """The keys of every float setting (in lists too) that is NaN or infinite: a NaN passes
+def non_finite_settings(node, prefix: str = "") -> list[tuple[str, float]]:
+    """(key, value) of every float setting (in lists too) that is NaN or infinite: a NaN passes
     every `<` check (a NaN clip norm would switch clipping off), so finiteness comes first."""
     found = []
     for f in dataclasses.fields(node):
@@ -378,18 +371,17 @@ def non_finite_settings(node, prefix: str = "") -> list[str]:
         if dataclasses.is_dataclass(value):
             found += non_finite_settings(value, f"{key}.")
         elif isinstance(value, list):
-            found += [f"{key}[{i}]" for i, v in enumerate(value) if isinstance(v, float) and not math.isfinite(v)]
+            found += [(f"{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, float) and not math.isfinite(v)]
         elif isinstance(value, float) and not math.isfinite(value):
-            found.append(key)
+            found.append((key, value))
     return found
 
 
 def validate(config: RunConfig) -> None:
     """Checks that need no files; `preflight_checks` in main.py adds the ones that do. Every
     numeric setting is checked for its domain here, before any device is touched."""
-    bad = non_finite_settings(config)
-    if bad:
-        raise ConfigError(f"{bad[0]} must be a finite number, got {_lookup(config, bad[0])}")
+    for key, value in non_finite_settings(config)[:1]:
+        raise ConfigError(f"{key} must be a finite number, got {value}")
     if not config.output_dir.strip():
         raise ConfigError("output_dir: empty; set a directory for the run's outputs (e.g. outputs/run1): an empty "
                           "one would write into the current directory")
