@@ -27,8 +27,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-import yaml
-
 from dataset.accounting import RecordAccounts
 from dataset.encode import IGNORE_INDEX, ChatRenderer, encode_conversations, encode_documents
 from dataset.errors import DataError, InvalidRecord, RecordIssue
@@ -41,6 +39,7 @@ from dataset.shards import SplitWriter
 from utils.atomic_io import atomic_write_json
 from utils.output_guard import OutputConflict, claim_output
 from utils.tokenizer_loading import TokenizerError, load_tokenizer
+from utils.yaml_file import read_yaml_mapping
 
 FORMATS = (*RECORD_FORMATS, "hf", "auto")
 # Tokenizing holds about this many bytes per input character (Rust encodings and Python id
@@ -466,15 +465,7 @@ def options_from_args(argv: list[str] | None) -> PrepareOptions:
 
 
 def read_yaml_options(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such config file") from None
-    except yaml.YAMLError as err:
-        raise DataError(f"{path}: invalid YAML ({err})") from None
-    if not isinstance(data, dict):
-        raise DataError(f"{path}: expected a mapping of option names to values")
+    data = read_yaml_mapping(path, DataError, "a mapping of option names to values") or {}
     known = {f.name for f in fields(PrepareOptions)}
     if "input" in data and "inputs" not in data:
         data["inputs"] = data.pop("input")

@@ -23,6 +23,7 @@ from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.parallel import MODES
 from finetuning_pipeline.stop_signal import parse_duration
 from lora_logic import DEFAULT_TARGET_MODULES, LoraConfig
+from utils.yaml_file import read_yaml_mapping
 
 __all__ = ["ConfigError", "RunConfig", "load_config"]
 
@@ -326,26 +327,10 @@ def apply_override(data: dict, override: str) -> None:
 
 def read_config_file(path: str | Path) -> dict:
     """The YAML mapping in `path`; every way a file can fail to be one is a ConfigError naming it."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory; --config takes a YAML file (see finetuning_pipeline/configs/)") from None
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); save the config as UTF-8 YAML") from None
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read the config ({err.strerror})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: invalid YAML: {err}") from None
+    data = read_yaml_mapping(path, ConfigError, "a mapping of sections (model:, train:, ...)")
     if data is None:
         raise ConfigError(f"{path}: the config is empty; start from one in finetuning_pipeline/configs/ "
                           "(at least model.path and phase1.data / phase2.data)")
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections (model:, train:, ...), got a "
-                          f"{type(data).__name__}: {data!r:.80}")
     return data
 
 

@@ -223,3 +223,23 @@ def test_a_full_disk_is_an_error_and_leaves_nothing(tmp_path, tiny_model_dir, mo
     err = capsys.readouterr().err
     assert "No space left on device" in err and "nothing was written to" in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []  # neither the output nor its staging directory
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "is a directory; --config takes a YAML file"),
+    (b"\xff\xfe seq_len: 64\n", "not UTF-8 text (byte 0)"),
+    (b"- inputs\n- out\n", "expected a mapping of option names to values, got a list"),
+    (b"seq_len: [64\n", "invalid YAML"),
+])
+def test_a_prepare_config_that_is_not_a_mapping_is_named(tmp_path, tiny_model_dir, capsys, content, message):
+    """The same reader as the run config's (utils/yaml_file.py): no traceback, no exit 3."""
+    config = tmp_path / "prep.yaml"
+    if content is None:
+        config.mkdir()
+    else:
+        config.write_bytes(content)
+    args = ["--config", str(config), "--tokenizer", str(tiny_model_dir), "--input", str(DOMAIN_TEXT),
+            "--seq-len", "64", "--out", str(tmp_path / "out"), "--quiet"]
+    assert prepare.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"error: {config}: {message}" in err and "Traceback" not in err
