@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ from dataset.packing import BestFitPacker, StreamPacker
 from dataset.readers import SourceFile, iter_file_records
 from dataset.shards import SplitWriter
 from utils.atomic_io import atomic_write_json
-from utils.output_guard import OutputConflict, claim_output
+from utils.output_guard import OutputConflict, claim_output, staged_directory
 from utils.tokenizer_loading import TokenizerError, load_tokenizer
 from utils.yaml_file import read_yaml_mapping
 
@@ -250,70 +249,71 @@ class Preparation:
         out = Path(options.out)
         inputs = {"--tokenizer": options.tokenizer, **{f"--input {name}": name for name in options.inputs}}
         claim_output(out, force=options.force, command="dataset.prepare", inputs=inputs, ours=is_prepared_dir)
-        staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
-        shutil.rmtree(staging, ignore_errors=True)
         started = time.perf_counter()
         progress = Progress(options)
         try:
-            self.writers = {split: SplitWriter(staging / split, options.seq_len) for split in ("train", "eval")}
-            self.packers = None
-            try:
-                for file_index, path, line, value in self.iter_records():
-                    self.accounts.read(file_index)
-                    if isinstance(value, RecordIssue):
-                        self.report(file_index, value)
-                        continue
-                    record = remap_columns(value, options.columns)
-                    record_format = self.format_of(path, record)
-                    if record_format is None:
-                        self.report(file_index, RecordIssue(path, line, "unknown_format",
-                                                            "record has none of the fields text, messages or instruction/output "
-                                                            "(map yours with --column)"))
-                        continue
-                    try:
-                        payload = normalize(record, record_format)
-                    except InvalidRecord as err:
-                        self.report(file_index, RecordIssue(path, line, err.reason, err.detail))
-                        continue
-                    chars = payload_chars(payload)
-                    if chars > options.max_record_chars:
-                        self.report(file_index, RecordIssue(
-                            path, line, "record_too_long",
-                            f"{chars:,} characters, over max_record_chars ({options.max_record_chars:,}): tokenizing "
-                            f"needs about {BYTES_PER_CHAR} bytes of memory per character of a record. Split it into "
-                            "several records, or raise --max-record-chars if the memory is there"))
-                        continue
-                    if self.packers is None:
-                        self.packers = make_packers(self.phase, options.seq_len, self.pad_id)
-                    split = "eval" if self.draw.random() < options.eval_fraction else "train"
-                    self.pending.append(Sample(file_index, split, payload))
-                    self.pending_chars += chars
-                    if len(self.pending) >= options.batch_size or self.pending_chars >= CHARS_PER_BATCH:
-                        self.flush_pending()
-                        progress.update(self, started)
-            except TooManyErrors:
-                pass
-            if self.issues:
-                raise DataError(format_issues(self.issues, options.max_errors))
-            if self.packers is None:
-                raise DataError(f"no usable records in {options.inputs}; stats: {self.accounts.as_dict()['skipped_by_reason']}")
-            self.flush_pending()
-            for split, packer in self.packers.items():
-                self.write(split, packer.flush())
-            for writer in self.writers.values():
-                writer.close()
-            progress.update(self, started)
-            self.accounts.check_balanced()
-            stats = self.stats(time.perf_counter() - started)
-            atomic_write_json(staging / MANIFEST_NAME, self.manifest())
-            atomic_write_json(staging / "stats.json", stats)
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(staging, out)
+            with staged_directory(out) as staging:
+                self.writers = {split: SplitWriter(staging / split, options.seq_len) for split in ("train", "eval")}
+                self.packers = None
+                try:
+                    for file_index, path, line, value in self.iter_records():
+                        self.take(file_index, path, line, value, progress, started)
+                except TooManyErrors:
+                    pass
+                if self.issues:
+                    raise DataError(format_issues(self.issues, options.max_errors))
+                if self.packers is None:
+                    raise DataError(f"no usable records in {options.inputs}; stats: "
+                                    f"{self.accounts.as_dict()['skipped_by_reason']}")
+                self.flush_pending()
+                for split, packer in self.packers.items():
+                    self.write(split, packer.flush())
+                for writer in self.writers.values():
+                    writer.close()
+                progress.update(self, started)
+                self.accounts.check_balanced()
+                stats = self.stats(time.perf_counter() - started)
+                atomic_write_json(staging / MANIFEST_NAME, self.manifest())
+                atomic_write_json(staging / "stats.json", stats)
             return stats
         finally:
             progress.close()
-            shutil.rmtree(staging, ignore_errors=True)
+
+    def take(self, file_index: int, path: str, line: int, value, progress: "Progress", started: float) -> None:
+        """One input record: counted, then reported (a problem) or queued for tokenizing."""
+        options = self.options
+        self.accounts.read(file_index)
+        if isinstance(value, RecordIssue):
+            self.report(file_index, value)
+            return
+        record = remap_columns(value, options.columns)
+        record_format = self.format_of(path, record)
+        if record_format is None:
+            self.report(file_index, RecordIssue(path, line, "unknown_format",
+                                                "record has none of the fields text, messages or instruction/output "
+                                                "(map yours with --column)"))
+            return
+        try:
+            payload = normalize(record, record_format)
+        except InvalidRecord as err:
+            self.report(file_index, RecordIssue(path, line, err.reason, err.detail))
+            return
+        chars = payload_chars(payload)
+        if chars > options.max_record_chars:
+            self.report(file_index, RecordIssue(
+                path, line, "record_too_long",
+                f"{chars:,} characters, over max_record_chars ({options.max_record_chars:,}): tokenizing "
+                f"needs about {BYTES_PER_CHAR} bytes of memory per character of a record. Split it into "
+                "several records, or raise --max-record-chars if the memory is there"))
+            return
+        if self.packers is None:
+            self.packers = make_packers(self.phase, options.seq_len, self.pad_id)
+        split = "eval" if self.draw.random() < options.eval_fraction else "train"
+        self.pending.append(Sample(file_index, split, payload))
+        self.pending_chars += chars
+        if len(self.pending) >= options.batch_size or self.pending_chars >= CHARS_PER_BATCH:
+            self.flush_pending()
+            progress.update(self, started)
 
     def manifest(self) -> dict:
         tok = self.tokenizer

@@ -13,8 +13,6 @@ then renamed). --out may not be or hold an input, and an existing --out is repla
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import torch
 from finetuning_pipeline.errors import run_command
 from finetuning_pipeline.model_loading import DTYPES as MODEL_DTYPES
 from finetuning_pipeline.model_loading import load_model
-from utils.output_guard import claim_output, mark_written_by
+from utils.output_guard import claim_output, mark_written_by, staged_directory
 from utils.tokenizer_loading import load_tokenizer
 
 DTYPES = {"auto": None, **MODEL_DTYPES}
@@ -46,17 +44,10 @@ def export_merged(base: str, adapters: list[str], out: str, dtype: str = "auto",
     if isinstance(saved_dtype, str):
         saved_dtype = getattr(torch, saved_dtype)
     model.to(saved_dtype)
-    staging = out_path.with_name(f".{out_path.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+    with staged_directory(out_path) as staging:
         model.save_pretrained(staging)
         loaded_tokenizer.save_pretrained(staging)
         mark_written_by(staging, COMMAND)
-        if out_path.exists():
-            shutil.rmtree(out_path)
-        os.replace(staging, out_path)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out_path
 
 

@@ -25,7 +25,7 @@ from transformers import GenerationConfig, LlamaTokenizer, MistralConfig, Mistra
 from dataset.chat_template import CHATML_TEMPLATE, IM_END, IM_START
 from dataset.samples import iter_sample_texts
 from finetuning_pipeline.errors import run_command
-from utils.output_guard import claim_output, mark_written_by
+from utils.output_guard import claim_output, mark_written_by, staged_directory
 
 COMMAND = "finetuning_pipeline.tiny_model"
 VOCAB_SIZE = 1024
@@ -104,7 +104,8 @@ def tiny_mistral_config(tokenizer: LlamaTokenizer) -> MistralConfig:
 
 
 def write_tiny_model(out: str | Path, seed: int = 0) -> Path:
-    """Write the tokenizer and a freshly initialised tiny Mistral to `out`; returns `out`."""
+    """Write the tokenizer and a freshly initialised tiny Mistral to `out`, which appears only when
+    complete (an existing `out` is replaced: claim it first, as `main` does); returns `out`."""
     out = Path(out)
     tokenizer = build_tokenizer(train_sentencepiece())
     torch.manual_seed(seed)
@@ -115,10 +116,10 @@ def write_tiny_model(out: str | Path, seed: int = 0) -> Path:
         eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(IM_END)],
         pad_token_id=tokenizer.pad_token_id,
     )
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    mark_written_by(out, COMMAND)
+    with staged_directory(out) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        mark_written_by(staging, COMMAND)
     return out
 
 

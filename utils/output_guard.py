@@ -8,11 +8,16 @@ output_dir) asks `claim_output` before it writes anything:
     nothing to lose);
   - even with --force, only an output this command wrote before is replaced: the command
     says how it recognises its own (`ours`), usually the marker `mark_written_by` leaves.
+A directory output is then written through `staged_directory`, so it appears only when
+complete. (The trainer's output_dir has its own layout and checks: run_layout.py.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import os
+import shutil
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 MARKER = ".written_by"
@@ -61,3 +66,22 @@ def claim_output(out: str | Path, *, force: bool, command: str, inputs: Mapping[
     if not ours(out):
         raise OutputConflict(f"{flag} {out} holds files that {command} did not write; --force replaces only an "
                              f"earlier output of {command}. Move them away yourself, or choose another {flag}")
+
+
+@contextlib.contextmanager
+def staged_directory(out: str | Path) -> Iterator[Path]:
+    """Build an output directory next to `out` and put it in place only when the block ends
+    without an error: a crash, a full disk or a bad record leaves `out` as it was (an earlier
+    output, already claimed with claim_output, is replaced at the very end) and no staging
+    directory behind."""
+    out = Path(out)
+    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
