@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from dataset.samples import CHAT_QA, DOMAIN_TEXT
+from utils.atomic_io import atomic_write_json
 
 RUN_ONE = """
 import json, resource, sys
@@ -82,8 +83,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{run['tokens_per_sec']:>9,} tokens/s  peak RSS {run['peak_rss_mb']:>5} MB  fill {run['fill_ratio']:.3f}"
             )
             inputs.unlink()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    atomic_write_json(args.out, results)
     print(f"wrote {args.out}")
 
 

@@ -17,7 +17,6 @@ by reason in stats.json, and carries on. The output directory appears only when 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -31,7 +30,7 @@ from dataset.encode import IGNORE_INDEX, ChatRenderer, encode_conversations, enc
 from dataset.errors import DataError, InvalidRecord, RecordIssue
 from dataset.formats import PHASE_OF_FORMAT, RECORD_FORMATS, detect_format, normalize, remap_columns
 from dataset.hf_source import iter_hf_records
-from dataset.manifest import MANIFEST_NAME, MANIFEST_VERSION, tokenizer_fingerprint
+from dataset.manifest import MANIFEST_NAME, MANIFEST_VERSION, read_manifest, tokenizer_fingerprint
 from dataset.packing import BestFitPacker, StreamPacker
 from dataset.readers import SourceFile, iter_file_records
 from dataset.shards import SplitWriter
@@ -372,9 +371,10 @@ def payload_chars(payload) -> int:
 def is_prepared_dir(path: Path) -> bool:
     """Whether `path` is an earlier output of prepare (what --force may replace)."""
     try:
-        return json.loads((path / MANIFEST_NAME).read_text(encoding="utf-8")).get("created_by") == "dataset.prepare"
-    except (OSError, ValueError, AttributeError):
+        manifest = read_manifest(path)
+    except (DataError, OSError, ValueError):
         return False
+    return isinstance(manifest, dict) and manifest.get("created_by") == "dataset.prepare"
 
 
 def make_packers(phase: int, seq_len: int, pad_id: int) -> dict:
