@@ -45,7 +45,8 @@ class CheckpointWriteError(RunError):
 
 
 class OutputWriteError(RunError):
-    """The run's outputs (metrics, adapter, summary) could not be written: a full or read-only disk."""
+    """A file of the running phase could not be written (metrics, adapter, summary: a full or
+    read-only disk) or read (a data shard gone or unreadable mid-run)."""
 
 
 class ReplicaLost(RunError):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import shlex
 import shutil
@@ -155,6 +156,10 @@ def output_dir_lock(layout: RunLayout, parallel):
         lock.release()
 
 
+# The file-system errors that can only mean a write failed (a read that fails says EIO, ENOENT, ...).
+WRITE_ERRNOS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
 def run_replica(index: int, config: RunConfig, plans: list[PhasePlan], resume_command: str, budget) -> None:
     """Entry point of each process (one per chip under dp, one per host under fsdp). Every
     replica runs the same phases and stops after the same one."""
@@ -172,12 +177,13 @@ def run_replica(index: int, config: RunConfig, plans: list[PhasePlan], resume_co
             try:
                 result = run_phase(config, plan.phase, parallel=parallel, device=device, resume_from=plan.resume_from,
                                    stop_requested=stop.requested, accepted_changes=plan.accepted_changes)
-            except OSError as err:  # a metrics, TensorBoard, adapter or summary write (checkpoints vote on theirs)
+            except OSError as err:  # metrics, TensorBoard, adapter, summary, data shards (checkpoints vote on theirs)
                 latest = complete_checkpoints(layout.checkpoints(plan.phase))
+                verb = "write" if err.errno in WRITE_ERRNOS else "access"
                 raise OutputWriteError(
-                    f"cannot write {err.filename or layout.phase_dir(plan.phase)}: {err.strerror or err}. The last "
+                    f"cannot {verb} {err.filename or layout.phase_dir(plan.phase)}: {err.strerror or err}. The last "
                     f"intact checkpoint is {latest[-1] if latest else 'none (the phase will start over)'}; fix the "
-                    "disk (space, permissions, a read-only mount) and rerun with --resume auto"
+                    "disk (space, permissions, a read-only mount, a missing file) and rerun with --resume auto"
                 ) from None
             if result.summary is not None:
                 print(format_summary(result.summary), flush=True)

@@ -375,9 +375,23 @@ class PhaseData:
         return start_step
 
     def device_batches(self, device):
+        """The phase's batches on the device, prefetched by MpDeviceLoader's thread. That thread
+        drops an exception of the reader (a shard that became unreadable: EIO, a vanished
+        network disk) and simply ends the iteration, which the loop would take for a
+        StopIteration traceback; the reader's error is kept and raised here instead."""
         import torch_xla.distributed.parallel_loader as pl
 
+        failure: list[BaseException] = []
+
+        class Reader:  # runs on the loader's thread
+            def __iter__(inner):
+                try:
+                    yield from self.loader
+                except Exception as err:  # noqa: BLE001 - handed to the training thread below
+                    failure.append(err)
+
         # We mark every step ourselves; by default the loader would also sync at each next().
-        loader = pl.MpDeviceLoader(self.loader, device, batches_per_execution=1 << 30,
+        loader = pl.MpDeviceLoader(Reader(), device, batches_per_execution=1 << 30,
                                    input_sharding=self.parallel.input_sharding())
-        return iter(loader)
+        yield from loader
+        raise failure[0] if failure else RuntimeError("the data loader stopped without an error (a bug)")

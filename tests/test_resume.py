@@ -310,3 +310,27 @@ def test_a_disk_that_turns_read_only_mid_run_exits_3_naming_the_last_checkpoint(
     assert f"error: cannot write {metrics}: Read-only file system. The last intact checkpoint is {latest}" in err
     assert "rerun with --resume auto" in err and "Traceback" not in err
     verify_checkpoint(latest)
+
+
+def test_a_data_shard_that_fails_to_read_mid_run_exits_3_naming_it(tiny_model_dir, data, tmp_path, monkeypatch,
+                                                                    capsys):
+    """The reader runs on MpDeviceLoader's thread, which swallows its exceptions and ends the
+    iteration: the trainer hands the error over to the training thread (no StopIteration
+    traceback, no hang)."""
+    from dataset.loader import ShardLoader
+
+    real_next = ShardLoader.next_batch
+    shard = data[1] / "train" / "input_ids.npy"
+
+    def failing_disk(self):
+        if self.position >= 5 * self.micro_batch * 2:  # the batches of step 6 onwards (grad_accum 2)
+            raise OSError(errno.EIO, "Input/output error", str(shard))
+        return real_next(self)
+
+    monkeypatch.setattr(ShardLoader, "next_batch", failing_disk)
+    config = config_for(tmp_path, tiny_model_dir, data)
+    assert main.main(["--config", str(config), "--phase", "1"]) == 3
+    err = capsys.readouterr().err
+    latest = tmp_path / "out" / "phase1" / "checkpoints" / "step_00000004"
+    assert f"error: cannot access {shard}: Input/output error. The last intact checkpoint is {latest}" in err
+    assert "Traceback" not in err and "StopIteration" not in err
