@@ -35,7 +35,7 @@ from finetuning_pipeline.chunked_loss import resolve_chunk_tokens
 from finetuning_pipeline.compile_guard import CompileGuard
 from finetuning_pipeline.config import RunConfig
 from finetuning_pipeline.divergence import DivergenceMonitor
-from finetuning_pipeline.errors import ConfigError
+from finetuning_pipeline.errors import ConfigError, OutputWriteError
 from finetuning_pipeline.evaluation import describe_eval, evaluate_loss
 from finetuning_pipeline.kernel_attention import choose_attention, enable_kernel_attention
 from finetuning_pipeline.lr_schedule import lr_table
@@ -274,8 +274,25 @@ def finish_phase(p: Phase, step: int, last_loss) -> PhaseResult:
     last_loss, label_tokens = to_host(last_loss, p.stepper.label_tokens) if last_loss is not None else (None, 0)
     p.logger.log_eval(step, eval_after)
     p.logger.close()
-    if not p.parallel.master:
-        return PhaseResult(p.number)
+    summary, error = None, None
+    if p.parallel.master:
+        try:
+            summary = write_phase_outputs(p, step, final_state, last_loss, label_tokens, timing, eval_after)
+        except OSError as err:
+            error = err
+    # Phase 2 loads this adapter on every replica: none goes on before the master has written
+    # it, and a failed write stops them all (the master's error names the file).
+    if not p.parallel.collectives.all(error is None):
+        if error is not None:
+            raise error
+        raise OutputWriteError(f"the master could not write phase {p.number}'s adapter or summary (see its error); "
+                               "fix the disk and rerun with --resume auto")
+    return PhaseResult(p.number, summary=summary)
+
+
+def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label_tokens, timing: dict,
+                        eval_after: dict) -> dict:
+    """The master's adapter, then the summary that marks the phase as done; returns the summary."""
     layout = RunLayout(p.config.output_dir)
     save_adapter(p.model, layout.adapter(p.number), p.lora_config, p.config.model.path)
     summary = {
@@ -303,7 +320,7 @@ def finish_phase(p: Phase, step: int, last_loss) -> PhaseResult:
         "global_batch": p.data.batches_per_step,
     }
     atomic_write_json(layout.summary(p.number), summary)  # written last: marks the phase as done
-    return PhaseResult(p.number, summary=summary)
+    return summary
 
 
 def log_step(logger: StepLogger, monitor: DivergenceMonitor, step: int, results: dict, skipped, worst) -> None:

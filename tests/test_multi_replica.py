@@ -62,8 +62,9 @@ def wait_for_replicas(replicas: Replicas, out: Path, step: int) -> int:
     return wait_for_step(replicas.procs, out, step, timeout=HANG, output=replicas.outputs)
 
 
-def run_replicas(n: int, config: Path, log_dir: Path, *args: str, env: dict | None = None) -> Replicas:
-    return Replicas(n, ["--config", str(config), "--phase", "1", *args], log_dir, env)
+def run_replicas(n: int, config: Path, log_dir: Path, *args: str, env: dict | None = None,
+                 script: str = "finetuning_pipeline/main.py") -> Replicas:
+    return Replicas(n, ["--config", str(config), "--phase", "1", *args], log_dir, env, script)
 
 
 @pytest.fixture(scope="module")
@@ -79,26 +80,49 @@ def reference(tiny_model_dir, data, tmp_path_factory):
 
 
 # -- the documented command: torchrun, equal to one replica with the same global batch ----------
-def torchrun(replicas: int, config: Path, *args: str) -> None:
+def torchrun(replicas: int, config: Path, *args: str, script: str = "finetuning_pipeline/main.py") -> None:
+    """Run `script` (main.py or a patched_main) under torchrun."""
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(replicas),
-         "finetuning_pipeline/main.py", "--config", str(config), *args],
+         script, "--config", str(config), *args],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PJRT_DEVICE": "CPU"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def patched_main(root: Path, patch: str) -> str:
+    """A script that runs main.py after `patch` (Python source that sees the trainer module as
+    `trainer`) has changed the master's behaviour: a failure only a multi-replica run can show."""
+    repo = Path(__file__).resolve().parent.parent
+    script = root / "patched_main.py"
+    script.write_text(f"import errno, os, runpy, sys, time\nsys.path.insert(0, {str(repo)!r})\n"
+                      f"from finetuning_pipeline import trainer\n{patch}\n"
+                      f"runpy.run_path({str(repo / 'finetuning_pipeline' / 'main.py')!r}, run_name='__main__')\n")
+    return str(script)
+
+
+# Phase 2 loads phase 1's adapter on every replica: a replica that went on without waiting for
+# the master would find no adapter when the master is slow to write it (a race CI once lost).
+SLOW_MASTER_ADAPTER = """
+write = trainer.save_adapter
+def late(*args, **kwargs):
+    time.sleep(3)
+    return write(*args, **kwargs)
+trainer.save_adapter = late
+"""
+
+
 @pytest.fixture(scope="module")
 def torchrun_and_single(tiny_model_dir, data, tmp_path_factory):
     """No dropout (its masks depend on the replica), the same global batch of 8: 2 replicas
-    through torchrun (micro-batch 2, both phases), 4 replicas (micro-batch 1, phase 1), and
-    1 replica (micro-batch 4)."""
+    through torchrun (micro-batch 2, both phases, the master slow to write its adapters), 4
+    replicas (micro-batch 1, phase 1), and 1 replica (micro-batch 4)."""
     root = tmp_path_factory.mktemp("torchrun")
     common = {"train": {"max_steps": 6}, "lora": {"dropout": 0.0}, "checkpoint": {"every": 3, "keep": 3}}
     two = config_for(root, tiny_model_dir, data, "two", **common)
     four = config_for(root, tiny_model_dir, data, "four", **{**common, "train": {"max_steps": 6, "micro_batch": 1}})
     one = config_for(root, tiny_model_dir, data, "one", **{**common, "train": {"max_steps": 6, "micro_batch": 4}})
-    torchrun(2, two)
+    torchrun(2, two, script=patched_main(root, SLOW_MASTER_ADAPTER))
     torchrun(4, four, "--phase", "1")
     assert main.main(["--config", str(one)]) == 0
     return out_of(two), out_of(one), one, out_of(four)
@@ -213,6 +237,24 @@ def test_a_checkpoint_write_failing_on_the_master_stops_every_replica_with_exit_
     assert "could not write checkpoint step 2" in replicas.output(0)
     assert "the master could not write checkpoint step 2" in replicas.output(1)
     assert "Traceback" not in replicas.outputs()
+
+
+def test_an_adapter_write_failing_on_the_master_stops_every_replica_with_exit_3(tiny_model_dir, data, tmp_path):
+    config = config_for(tmp_path, tiny_model_dir, data, train={"max_steps": 4}, checkpoint={"every": 2})
+    full_disk = ("def full(model, directory, *args, **kwargs):\n"
+                 "    raise OSError(errno.ENOSPC, 'No space left on device', str(directory))\n"
+                 "trainer.save_adapter = full\n")
+    replicas = run_replicas(2, config, tmp_path / "logs", "--phase", "all", script=patched_main(tmp_path, full_disk))
+    assert replicas.wait(HANG) == [3, 3], replicas.outputs()
+    adapter = out_of(config) / "phase1" / "adapter"
+    assert f"cannot write {adapter}: No space left on device" in replicas.output(0)
+    assert "The last intact checkpoint is" in replicas.output(0) and "step_00000004" in replicas.output(0)
+    assert "the master could not write phase 1's adapter or summary" in replicas.output(1)  # not waiting forever
+    assert "Traceback" not in replicas.outputs()
+    assert not (out_of(config) / "phase2").exists()
+    resumed = run_replicas(2, config, tmp_path / "resumed", "--resume", "auto")  # the advice, once the disk is fixed
+    assert resumed.wait(HANG) == [0, 0], resumed.outputs()
+    assert adapter_tensors(out_of(config), 1) and json.loads((adapter.parent / "summary.json").read_text())["steps"] == 4
 
 
 def test_a_killed_replica_stops_the_others_and_the_run_resumes(tiny_model_dir, data, reference, tmp_path):

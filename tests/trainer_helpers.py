@@ -60,7 +60,8 @@ class Replicas:
     LOCAL_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID), each its own Popen, so a test can signal,
     kill and read every replica on its own. (`torchrun` itself is used where that is not needed.)"""
 
-    def __init__(self, n: int, args: list[str], log_dir: Path, env: dict | None = None) -> None:
+    def __init__(self, n: int, args: list[str], log_dir: Path, env: dict | None = None,
+                 script: str = "finetuning_pipeline/main.py") -> None:
         import os
         import subprocess
         import sys
@@ -75,7 +76,7 @@ class Replicas:
                            "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                            "TORCHELASTIC_RUN_ID": "tests", **(env or {})}
             with open(self.logs[rank], "w") as log:
-                self.procs.append(subprocess.Popen([sys.executable, "finetuning_pipeline/main.py", *args],
+                self.procs.append(subprocess.Popen([sys.executable, script, *args],
                                                    stdout=log, stderr=subprocess.STDOUT, env=replica_env))
 
     def wait(self, timeout: float) -> list[int]:
