@@ -10,7 +10,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from dataset.encode import chat_template_of
+from dataset.chat_samples import chat_template_of
 from dataset.errors import DataError
 
 MANIFEST_NAME = "manifest.json"

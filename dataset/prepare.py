@@ -25,8 +25,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import numpy as np
+
 from dataset.accounting import RecordAccounts
-from dataset.encode import IGNORE_INDEX, ChatRenderer, encode_conversations, encode_documents
+from dataset.chat_samples import ChatRenderer
+from dataset.encode import IGNORE_INDEX, encode_conversations, encode_documents
 from dataset.errors import DataError, InvalidRecord, RecordIssue
 from dataset.formats import PHASE_OF_FORMAT, RECORD_FORMATS, detect_format, normalize, remap_columns
 from dataset.hf_source import iter_hf_records
@@ -133,6 +136,8 @@ class Sample:
     file_index: int
     split: str
     payload: object  # str (document) or list of turns (conversation)
+    path: str  # where the record came from, for a problem found when it is tokenized
+    line: int
 
 
 class Preparation:
@@ -154,6 +159,7 @@ class Preparation:
         self.bytes_done = 0  # bytes of the input files already read to the end
         self.draw = random.Random(options.seed)
         self.tokens = 0
+        self.samples = 0  # phase 2: a conversation is one sample, or one per answer (chat_samples.py)
         self.pending: list[Sample] = []
         self.pending_chars = 0
 
@@ -219,24 +225,36 @@ class Preparation:
             encoded = encode_documents(self.tokenizer, [s.payload for s in batch])
             for sample, ids in zip(batch, encoded):
                 self.accounts.keep(sample.file_index)
+                self.samples += 1
                 self.tokens += len(ids)
                 self.write(sample.split, self.packers[sample.split].add(ids))
             return
         encoded = encode_conversations(self.tokenizer, [s.payload for s in batch], self.render)
+        for sample, outcome in zip(batch, encoded):
+            if isinstance(outcome, InvalidRecord):
+                self.report(sample.file_index, RecordIssue(sample.path, sample.line, outcome.reason, outcome.detail))
+                continue
+            fates = [self.take_sample(sample.split, ids, labels) for ids, labels in outcome]
+            kept = [fate for fate in fates if fate is None]
+            if kept:
+                self.accounts.keep(sample.file_index)
+            else:  # every sample of the record was dropped: the record is skipped, with the reason
+                self.accounts.skip(sample.file_index, fates[-1])
+
+    def take_sample(self, split: str, ids: np.ndarray, labels: np.ndarray) -> str | None:
+        """Pack one phase-2 sample (truncated or dropped when overlong); the skip reason, or None."""
         limit = self.options.seq_len
-        for sample, (ids, labels) in zip(batch, encoded):
-            if len(ids) > limit:
-                if self.options.overlong == "drop":
-                    self.accounts.skip(sample.file_index, "overlong_dropped")
-                    continue
-                ids, labels = ids[:limit], labels[:limit]
-                if not (labels != IGNORE_INDEX).any():
-                    self.accounts.skip(sample.file_index, "overlong_no_answer_left")
-                    continue
-                self.accounts.truncated += 1
-            self.accounts.keep(sample.file_index)
-            self.tokens += len(ids)
-            self.write(sample.split, self.packers[sample.split].add(ids, labels))
+        if len(ids) > limit:
+            if self.options.overlong == "drop":
+                return "overlong_dropped"
+            ids, labels = ids[:limit], labels[:limit]
+            if not (labels != IGNORE_INDEX).any():
+                return "overlong_no_answer_left"
+            self.accounts.truncated += 1
+        self.samples += 1
+        self.tokens += len(ids)
+        self.write(split, self.packers[split].add(ids, labels))
+        return None
 
     def write(self, split: str, blocks) -> None:
         for block, real_tokens in blocks:
@@ -257,14 +275,14 @@ class Preparation:
                 try:
                     for file_index, path, line, value in self.iter_records():
                         self.take(file_index, path, line, value, progress, started)
+                    self.flush_pending()  # the last batch: its records may be problems too
                 except TooManyErrors:
                     pass
                 if self.issues:
                     raise DataError(format_issues(self.issues, options.max_errors))
-                if self.packers is None:
+                if self.packers is None or not self.tokens:
                     raise DataError(f"no usable records in {options.inputs}; stats: "
                                     f"{self.accounts.as_dict()['skipped_by_reason']}")
-                self.flush_pending()
                 for split, packer in self.packers.items():
                     self.write(split, packer.flush())
                 for writer in self.writers.values():
@@ -308,7 +326,7 @@ class Preparation:
         if self.packers is None:
             self.packers = make_packers(self.phase, options.seq_len, self.pad_id)
         split = "eval" if self.draw.random() < options.eval_fraction else "train"
-        self.pending.append(Sample(file_index, split, payload))
+        self.pending.append(Sample(file_index, split, payload, path, line))
         self.pending_chars += chars
         if len(self.pending) >= options.batch_size or self.pending_chars >= CHARS_PER_BATCH:
             self.flush_pending()
@@ -353,6 +371,7 @@ class Preparation:
             "phase": self.phase,
             "seq_len": self.options.seq_len,
             "records": self.accounts.as_dict(),
+            "samples": self.samples,
             "tokens": self.tokens,
             "fill_ratio": round(self.tokens / all_capacity, 4) if all_capacity else 0.0,
             "splits": splits,
@@ -493,7 +512,9 @@ def summary(stats: dict, out: str) -> str:
         f"wrote {out}: phase {stats['phase']}, seq_len {stats['seq_len']}\n"
         f"  records: {records['read']} read, {records['kept']} kept, {records['skipped']} skipped ({skipped}), "
         f"{records['truncated']} truncated\n"
-        f"  blocks: {splits['train']['blocks']} train, {splits['eval']['blocks']} eval; "
+        + (f"  samples: {stats['samples']} (one per answer where the chat template renders earlier turns "
+           "differently)\n" if stats["samples"] != records["kept"] else "")
+        + f"  blocks: {splits['train']['blocks']} train, {splits['eval']['blocks']} eval; "
         f"{stats['tokens']:,} tokens, fill ratio {stats['fill_ratio']:.3f}, {stats['tokens_per_sec'] or 0:,} tokens/s"
     )
 

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dataset.encode import IGNORE_INDEX, encode_conversations, encode_documents
-from dataset.errors import DataError
+from dataset.errors import InvalidRecord
 from dataset.formats import alpaca_to_messages
 from dataset.packing import BestFitPacker, StreamPacker
 from dataset.samples import CHAT_QA, DOMAIN_TEXT
@@ -28,7 +28,7 @@ def conversations():
 
 def test_unmasked_tokens_decode_to_exactly_the_assistant_answers(tokenizer):
     convs = conversations()
-    for messages, (ids, labels) in zip(convs, encode_conversations(tokenizer, convs)):
+    for messages, [(ids, labels)] in zip(convs, encode_conversations(tokenizer, convs)):  # one sample each
         expected = "".join(m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant")
         assert tokenizer.decode(ids[labels != IGNORE_INDEX]) == expected
         trained = labels != IGNORE_INDEX
@@ -42,7 +42,7 @@ def test_every_unmasked_token_lies_inside_an_assistant_turn(tokenizer):
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Unu?"},
                 {"role": "assistant", "content": "Unu."}, {"role": "user", "content": "Doi?"},
                 {"role": "assistant", "content": "Doi."}]
-    [(ids, labels)] = encode_conversations(tokenizer, [messages])
+    [[(ids, labels)]] = encode_conversations(tokenizer, [messages])
     # Walk the turns: inside a turn opened by "<|im_start|>assistant" labels may be set, nowhere else.
     in_assistant = False
     for i, token in enumerate(ids):
@@ -58,8 +58,9 @@ def test_every_unmasked_token_lies_inside_an_assistant_turn(tokenizer):
 def test_template_that_does_not_render_incrementally_is_refused(tokenizer):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     tokenizer.chat_template = "{% for m in messages|reverse %}{{ m['content'] }}{% endfor %}"
-    with pytest.raises(DataError, match="does not render conversations incrementally"):
-        encode_conversations(tokenizer, [conversations()[0]])
+    [refused] = encode_conversations(tokenizer, [conversations()[0]])
+    assert isinstance(refused, InvalidRecord) and refused.reason == "chat_template_unlocatable"
+    assert "does not render conversations incrementally" in refused.detail
 
 
 def test_alpaca_becomes_a_two_turn_chat():
@@ -71,7 +72,7 @@ def test_alpaca_becomes_a_two_turn_chat():
 
 
 def test_best_fit_keeps_conversations_whole_and_restarts_positions(tokenizer):
-    encoded = encode_conversations(tokenizer, conversations())
+    encoded = [sample for samples in encode_conversations(tokenizer, conversations()) for sample in samples]
     packer = BestFitPacker(seq_len=512, pad_id=tokenizer.pad_token_id, max_open=8)
     blocks = [b for s in encoded for b in packer.add(*s)] + list(packer.flush())
     segments = Counter()
@@ -111,7 +112,7 @@ def test_packer_refuses_an_overlong_sample():
 
 
 def test_fast_renderer_matches_apply_chat_template(tokenizer):
-    from dataset.encode import ChatRenderer
+    from dataset.chat_samples import ChatRenderer
 
     render = ChatRenderer(tokenizer)
     assert render.compiled is not None  # the fast path is really in use on the pinned stack
@@ -125,7 +126,7 @@ def test_fast_renderer_matches_apply_chat_template(tokenizer):
 
 
 def test_renderer_falls_back_when_the_fast_path_disagrees(tokenizer):
-    from dataset.encode import ChatRenderer
+    from dataset.chat_samples import ChatRenderer
 
     render = ChatRenderer(tokenizer)
     render.context = {**render.context, "bos_token": "<wrong>"}
