@@ -38,6 +38,7 @@ from dataset.packing import BestFitPacker, StreamPacker
 from dataset.readers import SourceFile, iter_file_records
 from dataset.shards import SplitWriter
 from utils.atomic_io import atomic_write_json
+from utils.hub_models import HubModelError, resolve_model
 from utils.output_guard import OutputConflict, claim_output, staged_directory
 from utils.tokenizer_loading import TokenizerError, load_tokenizer
 from utils.yaml_file import read_yaml_mapping
@@ -145,7 +146,7 @@ class Preparation:
 
     def __init__(self, options: PrepareOptions) -> None:
         self.options = options
-        self.tokenizer = load_tokenizer(options.tokenizer, "--tokenizer")
+        self.tokenizer = load_tokenizer(resolve_model(options.tokenizer).local_dir, "--tokenizer")  # or a Hub id
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id  # the usual fallback; pads are masked anyway
@@ -523,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = options_from_args(argv)
         stats = Preparation(options).run()
-    except (DataError, OutputConflict, TokenizerError) as err:
+    except (DataError, OutputConflict, TokenizerError, HubModelError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -30,7 +30,11 @@ __all__ = ["ConfigError", "RunConfig", "load_config"]
 
 @dataclass
 class ModelConfig:
-    """path: local Hugging Face model directory (config.json + weights).
+    """path: a local Hugging Face model directory (config.json + weights), or a Hub id
+        (`google/gemma-3-270m`: downloaded once into the Hugging Face cache, safetensors and
+        tokenizer files only; see utils/hub_models.py).
+    revision: a Hub id's branch, tag or commit (default: main). The run pins it to the commit
+        it resolves to: the summary records it, and a resume on another commit is refused.
     tokenizer: tokenizer directory; defaults to `path`.
     dtype: weights' dtype on the device: bfloat16 on TPU; float32 for exact CPU tests.
     gradient_checkpointing: recompute activations in backward (less HBM, ~30% more compute).
@@ -41,6 +45,7 @@ class ModelConfig:
     """
 
     path: str = ""
+    revision: str | None = None
     tokenizer: str | None = None
     dtype: str = "bfloat16"
     gradient_checkpointing: bool = False
@@ -235,7 +240,7 @@ class RunConfig:
         the result to equal an uninterrupted run's (logging, eval and checkpoint cadence may change).
         micro_batch and grad_accum may change with the number of chips as long as the global
         batch stays the same: the trainer checks that product itself."""
-        flat = {"model.path": self.model.path, "model.dtype": self.model.dtype}
+        flat = {"model.path": self.model.path, "model.revision": self.model.revision, "model.dtype": self.model.dtype}
         flat.update({f"lora.{k}": v for k, v in dataclasses.asdict(self.lora).items()})
         skip = {"warmup_compiles_steps", "recompile_policy", "max_bad_steps", "micro_batch", "grad_accum",
                 "max_wall_time"}
@@ -372,7 +377,7 @@ def validate(config: RunConfig) -> None:
                           "one would write into the current directory")
     if not config.model.path.strip():
         raise ConfigError("model.path: not set; set it to a local Hugging Face model directory (config.json, weights "
-                          "and tokenizer files)")
+                          "and tokenizer files) or a Hub id such as google/gemma-3-270m")
     t = config.train
     positive = {
         "train.max_steps": t.max_steps, "train.micro_batch": t.micro_batch, "train.grad_accum": t.grad_accum,

@@ -1,7 +1,7 @@
 """The errors a user can hit, and the one place they become exit codes.
 
     2  bad input: a config key, a data directory, a model or adapter that does not fit
-       (ConfigError, DataError, ModelLoadError), an output that would overwrite an input or
+       (ConfigError, DataError, ModelLoadError, HubModelError), an output that would overwrite an input or
        what the command did not write (OutputConflict); nothing was trained or written.
     3  the run had to stop (RunError): a recompile after warm-up, diverged training, a failed
        checkpoint write, a replica that died. What is on disk is intact; the message says
@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 
 from dataset.errors import DataError
+from utils.hub_models import HubModelError
 from utils.output_guard import OutputConflict
 from utils.tokenizer_loading import TokenizerError
 
@@ -53,7 +54,7 @@ class ReplicaLost(RunError):
     """A host collective failed: another replica died, or stopped answering."""
 
 
-BAD_INPUT = (ConfigError, DataError, ModelLoadError, OutputConflict, TokenizerError)
+BAD_INPUT = (ConfigError, DataError, ModelLoadError, OutputConflict, TokenizerError, HubModelError)
 
 
 def exit_code_of(err: BaseException) -> int | None:

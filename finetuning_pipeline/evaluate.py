@@ -26,6 +26,7 @@ from finetuning_pipeline.errors import run_command
 from finetuning_pipeline.evaluation import describe_eval, evaluate_loss
 from finetuning_pipeline.model_loading import load_model
 from utils.cli_types import non_negative_int, positive_int
+from utils.hub_models import resolve_model
 from utils.tokenizer_loading import load_tokenizer
 
 
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def evaluate(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", required=True, help="a Hugging Face model directory or a Hub id")
     parser.add_argument("--adapter")
     parser.add_argument("--data", required=True, help="a directory written by `python -m dataset.prepare`")
     parser.add_argument("--split", default="eval", choices=("eval", "train"))
@@ -77,6 +78,7 @@ def evaluate(argv: list[str] | None) -> int:
     parser.add_argument("--device", choices=("cpu", "xla"), default="cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
+    args.model = resolve_model(args.model).local_dir
     model, _ = load_model(args.model, [args.adapter] if args.adapter else [])
     tokenizer = load_tokenizer(args.model, "--model")
     manifest = open_prepared(args.data, fingerprint=tokenizer_fingerprint(tokenizer))

@@ -22,6 +22,7 @@ from finetuning_pipeline.errors import run_command
 from finetuning_pipeline.model_loading import DTYPES as MODEL_DTYPES
 from finetuning_pipeline.model_loading import load_model
 from utils.output_guard import claim_output, mark_written_by, staged_directory
+from utils.hub_models import resolve_model
 from utils.tokenizer_loading import load_tokenizer
 
 DTYPES = {"auto": None, **MODEL_DTYPES}
@@ -57,14 +58,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def export_command(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", required=True, help="base Hugging Face model directory")
+    parser.add_argument("--base", required=True, help="the base: a Hugging Face model directory or a Hub id")
     parser.add_argument("--adapter", action="append", required=True, help="adapter directory (repeat to stack, in order)")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto", help="saved dtype (default: the base's)")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: --base)")
     parser.add_argument("--force", action="store_true", help="replace an existing --out that an earlier export wrote")
     args = parser.parse_args(argv)
-    out = export_merged(args.base, args.adapter, args.out, args.dtype, args.tokenizer, args.force)
+    base = resolve_model(args.base).local_dir  # a Hub id: from the Hugging Face cache (downloaded if online)
+    out = export_merged(base, args.adapter, args.out, args.dtype, args.tokenizer, args.force)
     print(f"wrote merged model to {out}")
     return 0
 

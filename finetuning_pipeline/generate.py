@@ -16,6 +16,7 @@ import torch
 from finetuning_pipeline.errors import run_command
 from finetuning_pipeline.model_loading import load_model
 from utils.cli_types import non_negative_float, positive_int
+from utils.hub_models import resolve_model
 from utils.tokenizer_loading import load_tokenizer
 
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def generate_command(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="Hugging Face model directory (base or merged)")
+    parser.add_argument("--model", required=True, help="Hugging Face model directory or Hub id (base or merged)")
     parser.add_argument("--adapter", help="LoRA adapter directory to apply")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--system", help="system turn for chat models")
@@ -52,7 +53,7 @@ def generate_command(argv: list[str] | None) -> int:
     parser.add_argument("--max-new-tokens", type=positive_int, default=64)
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 (default): greedy")
     args = parser.parse_args(argv)
-    print(generate(args.model, args.prompt, args.adapter, args.max_new_tokens, args.plain, args.temperature, args.system))
+    print(generate(resolve_model(args.model).local_dir, args.prompt, args.adapter, args.max_new_tokens, args.plain, args.temperature, args.system))
     return 0
 
 

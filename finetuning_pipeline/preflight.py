@@ -48,6 +48,7 @@ from finetuning_pipeline.run_layout import RunLayout  # noqa: E402
 from finetuning_pipeline.stop_signal import parse_duration  # noqa: E402
 from finetuning_pipeline.tpu_chips import parse_tpu_type  # noqa: E402
 from utils.atomic_io import atomic_write_json  # noqa: E402
+from utils.hub_models import HubModelError, hub_cache, is_hub_id, model_dir, offline  # noqa: E402
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,11 +56,20 @@ REHEARSAL_STEPS = 4
 REHEARSAL_CHIPS = 4  # virtual XLA:CPU devices of an fsdp rehearsal
 
 
-def architecture_source(model_path: str) -> Path:
-    """The config.json to plan with: the model's own, else our shipped copy of it."""
+def architecture_source(model_path: str, revision: str | None = None) -> Path:
+    """The config.json to plan with: the model's own (a Hub id's from the Hub when online, or
+    from the Hugging Face cache), else our shipped copy of it."""
     own = Path(model_path) / "config.json"
     if own.is_file():
         return own
+    if is_hub_id(model_path):
+        from huggingface_hub import hf_hub_download
+
+        try:
+            return Path(hf_hub_download(model_path, "config.json", revision=revision, cache_dir=hub_cache(),
+                                        local_files_only=offline()))
+        except Exception:  # offline, not cached, gated, no network: plan with the shipped copy
+            pass
     shipped = SHIPPED_CONFIGS / Path(model_path).name / "config.json"
     if shipped.is_file():
         return shipped
@@ -68,10 +78,10 @@ def architecture_source(model_path: str) -> Path:
                       f"(shipped: {known}); download the model, or copy its config.json there")
 
 
-def load_architecture(model_path: str):
+def load_architecture(model_path: str, revision: str | None = None):
     from transformers import AutoConfig
 
-    source = architecture_source(model_path)
+    source = architecture_source(model_path, revision)
     return AutoConfig.from_pretrained(source.parent), source
 
 
@@ -178,7 +188,7 @@ def rehearsal_data(config: RunConfig, phases: list[int], root: Path, data_ready:
     """(phase -> data dir, tokenizer dir, description): the prepared data when it checked out,
     else the bundled samples under the demo's tokenizer."""
     if data_ready:
-        tokenizer = Path(config.model.tokenizer or config.model.path)
+        tokenizer = Path(config.model.tokenizer or model_dir(config.model.path, config.model.revision))
         return {p: Path(config.phase(p).data) for p in phases}, tokenizer, "prepared data (phaseN.data)"
     from dataset import prepare
     from dataset.samples import ALPACA, CHAT_QA, DOMAIN_TEXT
@@ -280,7 +290,11 @@ def check_data(config: RunConfig) -> dict:
     from finetuning_pipeline.main import preflight_checks
 
     phases = phases_of(config)
-    missing = [f"model.path {config.model.path} (config.json)"] if not (Path(config.model.path) / "config.json").is_file() else []
+    try:
+        on_disk = (Path(model_dir(config.model.path, config.model.revision)) / "config.json").is_file()
+    except HubModelError:  # a Hub id not downloaded yet
+        on_disk = False
+    missing = [] if on_disk else [f"model.path {config.model.path} (config.json)"]
     missing += [f"phase{p}.data {config.phase(p).data}" for p in phases if not Path(config.phase(p).data).is_dir()]
     if missing:
         return {"status": "skipped", "detail": f"not on disk yet: {', '.join(missing)}; run preflight again once "
@@ -331,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         checks["config"] = {"status": "passed", "detail": "keys and values valid"}
         if not phases_of(config):
             raise ConfigError("phase1.data / phase2.data: neither is set; nothing to plan")
-        model_config, source = load_architecture(config.model.path)
+        model_config, source = load_architecture(config.model.path, config.model.revision)
         checks["architecture"] = {"status": "passed", "detail": f"{model_config.model_type} from {source}"}
         plan_result = make_plan(config, model_config)
     except (ConfigError, DataError, ValueError) as err:

@@ -101,6 +101,9 @@ def check_resumable(config: RunConfig, plans: list[PhasePlan], accept_changes: b
                     "it was prepared again from other inputs or options)") if data_key in changed else ""
             if "phase1.adapter" in changed:
                 hint += " (phase 1 was trained again since this phase-2 checkpoint was built on its adapter)"
+            if "model.revision" in changed:
+                hint += (f" (the Hub model's revision is another commit now: set model.revision="
+                         f"{saved.get('model.revision')} to resume on the weights the checkpoint trained)")
             raise ConfigError(
                 f"--resume: {plan.resume_from} was saved under other settings ({details}){hint}; resuming would not "
                 "give the run you started. Restore them, start over with --resume never --force, or (optimisation "
@@ -116,7 +119,7 @@ TUNABLE_ON_RESUME = frozenset({
     "phase1.lr", "phase2.lr", "phase1.max_steps", "phase2.max_steps",
 })
 # What a phase is built on: when one changed, its finished outputs no longer belong to this config.
-PHASE_INPUTS = ("model.path", "phase1.data.content", "phase2.data.content", "phase1.adapter")
+PHASE_INPUTS = ("model.path", "model.revision", "phase1.data.content", "phase2.data.content", "phase1.adapter")
 
 
 def check_finished_phase(config: RunConfig, phase: int, say) -> None:
@@ -134,7 +137,8 @@ def check_finished_phase(config: RunConfig, phase: int, say) -> None:
     if inputs:
         why = {"phase1.adapter": "phase 1 was trained again since phase 2 was built on its adapter",
                f"phase{phase}.data.content": f"{config.phase(phase).data} was prepared again from other inputs",
-               "model.path": "the base model is another one"}
+               "model.path": "the base model is another one",
+               "model.revision": "the base model's Hub revision is another commit"}
         raise ConfigError(
             f"phase {phase} ({layout.phase_dir(phase)}) finished on other inputs: "
             + "; ".join(why.get(k, k) for k in inputs)

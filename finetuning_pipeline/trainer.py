@@ -47,6 +47,7 @@ from finetuning_pipeline.step import train_step
 from finetuning_pipeline.stop_signal import StopVote
 from lora_logic import inject_lora, lora_parameters, save_adapter
 from utils.atomic_io import atomic_write_json
+from utils.hub_models import model_dir
 from utils.xla_runtime import device_counter, device_kind, to_host
 
 
@@ -80,11 +81,12 @@ def build_model(config: RunConfig, phase: int):
     """
     dtype = DTYPES[config.model.dtype]
     init = config.phase2.init if phase == 2 else "fresh"
+    files = model_dir(config.model.path, config.model.revision)  # a Hub id: its snapshot, pinned by main.py
     if init == "fresh":
-        model, lora_config = load_base(config.model.path, dtype), None
+        model, lora_config = load_base(files, dtype), None
     else:
         phase1_adapter = RunLayout(config.output_dir).adapter(1)
-        model, lora_config = load_model(config.model.path, [phase1_adapter], dtype, keep_last=init == "continue")
+        model, lora_config = load_model(files, [phase1_adapter], dtype, keep_last=init == "continue")
     if config.model.gradient_checkpointing:
         enable_activation_checkpointing(model)
     if init != "continue":
@@ -294,7 +296,7 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
                         eval_after: dict) -> dict:
     """The master's adapter, then the summary that marks the phase as done; returns the summary."""
     layout = RunLayout(p.config.output_dir)
-    save_adapter(p.model, layout.adapter(p.number), p.lora_config, p.config.model.path)
+    save_adapter(p.model, layout.adapter(p.number), p.lora_config, p.config.model.path, p.config.model.revision)
     summary = {
         "phase": p.number,
         "steps": step,

@@ -33,8 +33,10 @@ def save_adapter(
     directory: str | os.PathLike,
     config: LoraConfig,
     base_model_name_or_path: str,
+    revision: str | None = None,
 ) -> Path:
     """Write the model's LoRA weights (fp32, on CPU) and config to `directory`; returns it.
+    revision: the base's Hub commit, when the base is a Hub id.
 
     Each file is written atomically. On XLA, call `torch_xla.sync()` first so the weights
     are the ones after the last step; the copy to CPU below waits for them.
@@ -53,7 +55,7 @@ def save_adapter(
     directory.mkdir(parents=True, exist_ok=True)
     # Weights first, config last: a directory with a config always has its weights.
     atomic_write_bytes(directory / WEIGHTS_NAME, save(tensors, metadata={"format": "pt"}))
-    atomic_write_json(directory / CONFIG_NAME, config.to_peft_dict(base_model_name_or_path))
+    atomic_write_json(directory / CONFIG_NAME, config.to_peft_dict(base_model_name_or_path, revision))
     return directory
 
 

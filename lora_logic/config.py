@@ -67,8 +67,9 @@ class LoraConfig:
         """The factor on B A x: alpha / r, or alpha / sqrt(r) with rsLoRA (PEFT's formula)."""
         return lora_scaling(self.alpha, self.r, self.use_rslora)
 
-    def to_peft_dict(self, base_model_name_or_path: str) -> dict:
-        """The `adapter_config.json` PEFT and vLLM read; fields we do not use get PEFT's defaults."""
+    def to_peft_dict(self, base_model_name_or_path: str, revision: str | None = None) -> dict:
+        """The `adapter_config.json` PEFT and vLLM read; fields we do not use get PEFT's defaults.
+        revision: the base's Hub commit (PEFT loads the base at it)."""
         return {
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
@@ -88,7 +89,7 @@ class LoraConfig:
             "layers_pattern": None,
             "rank_pattern": {},
             "alpha_pattern": {},
-            "revision": None,
+            "revision": revision,
         }
 
     @classmethod
