@@ -6,6 +6,8 @@ import os
 
 # Before anything imports torch_xla: run the real XLA path on the host CPU.
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+# Nothing in the tests reaches the Hugging Face Hub: a Hub id is read from a local cache.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest
 import torch

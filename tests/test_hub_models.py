@@ -57,7 +57,7 @@ def test_offline_and_not_in_the_cache_says_how_to_download(hub):
     with pytest.raises(HubModelError) as err:
         resolve_model("tiny-org/never-downloaded", "v1")
     message = str(err.value)
-    assert f"is not in {hub} and HF_HUB_OFFLINE is set" in message
+    assert f"it is not in {hub} and HF_HUB_OFFLINE is set" in message
     assert "hf download tiny-org/never-downloaded --revision v1 --include '*.json' '*.safetensors'" in message
 
 
@@ -102,5 +102,6 @@ def test_a_hub_id_that_is_not_cached_stops_before_training(hub, tiny_model_dir, 
                               model={"path": "tiny-org/never-downloaded"})
     assert main.main(["--config", str(config), "--phase", "1"]) == 2
     err = capsys.readouterr().err
-    assert "error: model.path: tiny-org/never-downloaded (revision main) is not in" in err and "hf download" in err
+    assert "error: model.path: tiny-org/never-downloaded is not a local directory, and as a Hub id (revision main) " \
+           "it is not in" in err and "hf download" in err
     assert not (tmp_path / "run" / "phase1").exists()

@@ -75,7 +75,8 @@ def resolve_model(path: str, revision: str | None = None, *, cache_only: bool = 
         where = hub_cache() or "the default Hugging Face cache (~/.cache/huggingface/hub)"
         why = "HF_HUB_OFFLINE is set" if offline() else "the Hub cannot be reached"
         raise HubModelError(
-            f"model.path: {path} (revision {revision or 'main'}) is not in {where} and {why}; download it once "
+            f"model.path: {path} is not a local directory, and as a Hub id (revision {revision or 'main'}) it is "
+            f"not in {where} and {why}; download it once "
             f"where there is a network with: {download_command(path, revision)}  (set HF_HUB_CACHE to the same "
             "cache here), or set model.path to a local model directory") from None
     except RevisionNotFoundError:
