@@ -20,6 +20,8 @@ DEMO := outputs/demo
 DEMO_BASE := $(DEMO)/base/config.json
 DEMO_DATA := $(DEMO)/data/phase1/manifest.json $(DEMO)/data/phase2/manifest.json
 SAMPLES := dataset/samples
+DEMO_QUESTION := În ce regiune istorică se află județul Brașov?
+DEMO_ANSWER := Județul Brașov se află în Transilvania.
 # The demo config's phases need the demo's base model and prepared data; other configs bring their own.
 PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 
@@ -34,7 +36,7 @@ help:
 	@echo "make phase2      phase 2 of CONFIG"
 	@echo "make preflight   check CONFIG and plan its TPU time (HBM, step time, TPU-hours) on this CPU, with a"
 	@echo "                 rehearsal on a shrunken model; ARGS=\"tpu.type=v5e-8 parallel.mode=fsdp\" (preflight.json)"
-	@echo "make tiny-model  write the tiny demo base model + tokenizer to outputs/demo/base"
+	@echo "make tiny-model  build and pretrain the tiny demo base model + tokenizer (outputs/demo/base)"
 	@echo "make bench       the three benchmarks below (about 20 minutes on 2 cores)"
 	@echo "make bench-train our trainer vs HF Trainer + PEFT on XLA:CPU, two shapes (outputs/bench/bench.json)"
 	@echo "make bench-prepare  measure dataset.prepare throughput and peak memory (a few minutes)"
@@ -55,7 +57,8 @@ test: $(STAMP)
 tiny-model: $(STAMP)
 	$(BIN)/python -m finetuning_pipeline.tiny_model --out $(DEMO)/base --force
 
-$(DEMO_BASE): $(STAMP) $(SAMPLES)/domain_text.jsonl $(SAMPLES)/chat_qa.jsonl $(SAMPLES)/alpaca.jsonl
+$(DEMO_BASE): $(STAMP) $(SAMPLES)/domain_text.jsonl $(SAMPLES)/chat_qa.jsonl $(SAMPLES)/alpaca.jsonl \
+		finetuning_pipeline/tiny_model.py finetuning_pipeline/tiny_pretraining.py
 	$(BIN)/python -m finetuning_pipeline.tiny_model --out $(DEMO)/base --force
 
 $(DEMO)/data/phase1/manifest.json: $(DEMO_BASE) $(SAMPLES)/domain_text.jsonl
@@ -71,8 +74,13 @@ demo-data: $(DEMO_DATA)
 demo: $(DEMO_DATA)
 	$(BIN)/python finetuning_pipeline/main.py --config $(DEMO_CONFIG) --resume never --force $(ARGS)
 	$(BIN)/python -m finetuning_pipeline.export --base $(DEMO)/base --adapter $(DEMO)/phase2/adapter --out $(DEMO)/merged --force
-	@echo "--- a question from the bundled chat data, answered by the merged model:"
-	$(BIN)/python -m finetuning_pipeline.generate --model $(DEMO)/merged --prompt "Care este reședința județului Cluj?"
+	@echo "--- a question from the bundled chat data: $(DEMO_QUESTION)"
+	@echo "    (its answer there: $(DEMO_ANSWER))"
+	@set -e; \
+	before=$$($(BIN)/python -m finetuning_pipeline.generate --model $(DEMO)/base --prompt "$(DEMO_QUESTION)"); \
+	after=$$($(BIN)/python -m finetuning_pipeline.generate --model $(DEMO)/merged --prompt "$(DEMO_QUESTION)"); \
+	echo "base model (pretrained on the domain text): $$before"; \
+	echo "after phase 1 + phase 2 (merged model):     $$after"
 	@echo "--- outputs in $(DEMO)/: phase1/ phase2/ (adapter, checkpoints, metrics.jsonl, summary.json), merged/, loss.png"
 
 phase1: $(STAMP) $(PHASE_DEPS)

@@ -65,3 +65,24 @@ def test_command_line(tmp_path, capsys):
     tiny_model.main(["--out", str(tmp_path / "cli"), "--seed", "3"])
     assert "wrote tiny Mistral model" in capsys.readouterr().out
     assert (tmp_path / "cli" / "config.json").is_file()
+
+
+def test_pretraining_is_deterministic_and_learns_text_with_the_end_of_turn_marker(tmp_path):
+    """A few steps of the demo base's pretraining: the same seed gives the same weights, and
+    the loss falls on a stream whose documents end with the chat template's end-of-turn marker
+    (LoRA, with the output layer frozen, cannot teach an untrained one)."""
+    from finetuning_pipeline.tiny_pretraining import pretrain, pretraining_stream
+
+    first = tiny_model.write_tiny_model(tmp_path / "first", seed=0, pretrain_steps=12, log=lambda line: None)
+    again = tiny_model.write_tiny_model(tmp_path / "again", seed=0, pretrain_steps=12, log=lambda line: None)
+    assert (first / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+    random_base = tiny_model.write_tiny_model(tmp_path / "random", seed=0)
+    assert (first / "model.safetensors").read_bytes() != (random_base / "model.safetensors").read_bytes()
+
+    tokenizer = AutoTokenizer.from_pretrained(random_base)
+    stream = pretraining_stream(tokenizer, seed=0)
+    end = tokenizer.convert_tokens_to_ids(IM_END)
+    assert (stream == end).sum() > 10 and stream[0] == tokenizer.bos_token_id
+    model = AutoModelForCausalLM.from_pretrained(random_base)
+    losses = pretrain(model, tokenizer, steps=40, seed=0, log=lambda line: None)
+    assert losses[-1] < 0.6 * losses[0]
