@@ -130,14 +130,30 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases (optional: `pip install 'tpu-lora[wandb]'`; see wandb_log.py).
+    project: set it to log each phase as a W&B run there (the same records as metrics.jsonl,
+        the config, the summary); unset (default): no W&B.
+    entity, name: the W&B entity, and the run name's stem (default: output_dir's name).
+    mode: online, offline or disabled; default: W&B's own (WANDB_MODE)."""
+
+    project: str | None = None
+    entity: str | None = None
+    name: str | None = None
+    mode: str | None = None
+
+
+@dataclass
 class LoggingConfig:
     """every: log loss, lr, grad norm, tokens/s every N steps (through a step closure, no sync).
     tensorboard: also write TensorBoard events under output_dir/phaseN/tb.
-    progress_bar: a tqdm bar on the master process."""
+    progress_bar: a tqdm bar on the master process.
+    wandb: Weights & Biases, off unless wandb.project is set."""
 
     every: int = 10
     tensorboard: bool = True
     progress_bar: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
@@ -378,6 +394,8 @@ def validate(config: RunConfig) -> None:
     if not config.model.path.strip():
         raise ConfigError("model.path: not set; set it to a local Hugging Face model directory (config.json, weights "
                           "and tokenizer files) or a Hub id such as google/gemma-3-270m")
+    if config.logging.wandb.mode not in (None, "online", "offline", "disabled"):
+        raise ConfigError(f"logging.wandb.mode: must be online, offline or disabled, got {config.logging.wandb.mode!r}")
     t = config.train
     positive = {
         "train.max_steps": t.max_steps, "train.micro_batch": t.micro_batch, "train.grad_accum": t.grad_accum,

@@ -123,6 +123,13 @@ def preflight_checks(config: RunConfig, phases: list[int]) -> None:
         if not (adapter / "adapter_config.json").is_file():
             raise ConfigError(f"phase2.init={config.phase2.init} needs the phase-1 adapter ({adapter}); "
                               "run phase 1 first, or set phase2.init=fresh")
+    if config.logging.wandb.project:
+        from finetuning_pipeline.wandb_log import check_wandb_available
+
+        try:
+            check_wandb_available()
+        except ImportError as err:
+            raise ConfigError(str(err)) from None
     inputs = {"model.path": str(model_dir), "model.tokenizer": config.model.tokenizer,
               "phase1.data": config.phase1.data, "phase2.data": config.phase2.data}
     RunLayout(config.output_dir).check_apart_from(inputs)

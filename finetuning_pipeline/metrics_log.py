@@ -13,8 +13,12 @@ from pathlib import Path
 
 
 class MetricsLog:
-    def __init__(self, path: str | Path, tensorboard_dir: str | Path | None = None, resume_step: int | None = None) -> None:
+    """Every record to metrics.jsonl, and to TensorBoard and W&B (a wandb_log.WandbLog) when given."""
+
+    def __init__(self, path: str | Path, tensorboard_dir: str | Path | None = None, resume_step: int | None = None,
+                 wandb=None) -> None:
         self.path = Path(path)
+        self.wandb = wandb
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.lock = threading.Lock()
         if resume_step is None:
@@ -42,10 +46,15 @@ class MetricsLog:
                 for key, value in record.items():
                     if key not in ("kind", "step") and isinstance(value, (int, float)):
                         self.tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+            if self.wandb is not None:
+                self.wandb.write(record)
 
-    def close(self) -> None:
+    def close(self, summary: dict | None = None) -> None:
+        """summary: the finished phase's, for W&B's run summary (None when the phase stopped)."""
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish(summary)
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -146,8 +155,8 @@ class StepLogger:
     def state_dict(self) -> dict:
         return {"train_loss_first": self.first_loss}
 
-    def close(self) -> None:
+    def close(self, summary: dict | None = None) -> None:
         if self.progress is not None:
             self.progress.close()
         if self.log is not None:
-            self.log.close()
+            self.log.close(summary)

@@ -31,7 +31,8 @@ from utils.output_guard import overlaps
 
 # What a run writes inside phaseN/: --resume never --force replaces a phase directory only when
 # it holds nothing else.
-PHASE_ENTRIES = frozenset({"adapter", "checkpoints", "metrics.jsonl", "tb", "summary.json"})
+# wandb/ and wandb_run_id: W&B's files, when logging.wandb is set (wandb_log.py).
+PHASE_ENTRIES = frozenset({"adapter", "checkpoints", "metrics.jsonl", "tb", "summary.json", "wandb", "wandb_run_id"})
 
 
 class RunLayout:

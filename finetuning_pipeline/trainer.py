@@ -275,13 +275,13 @@ def finish_phase(p: Phase, step: int, last_loss) -> PhaseResult:
     p.save(step, final_state)
     last_loss, label_tokens = to_host(last_loss, p.stepper.label_tokens) if last_loss is not None else (None, 0)
     p.logger.log_eval(step, eval_after)
-    p.logger.close()
     summary, error = None, None
     if p.parallel.master:
         try:
             summary = write_phase_outputs(p, step, final_state, last_loss, label_tokens, timing, eval_after)
         except OSError as err:
             error = err
+    p.logger.close(summary)
     # Phase 2 loads this adapter on every replica: none goes on before the master has written
     # it, and a failed write stops them all (the master's error names the file).
     if not p.parallel.collectives.all(error is None):
@@ -342,7 +342,13 @@ def make_logger(config: RunConfig, phase: int, parallel: Parallel, data: "PhaseD
     log = progress = None
     if parallel.master:
         tb = layout.tensorboard(phase) if config.logging.tensorboard else None
-        log = MetricsLog(layout.metrics(phase), tb, resume_step=start_step if resume_from else None)
+        wandb = None
+        if config.logging.wandb.project:
+            from finetuning_pipeline.wandb_log import WandbLog
+
+            wandb = WandbLog(config.logging.wandb, phase, layout.phase_dir(phase), config.to_dict(),
+                             resuming=resume_from is not None)
+        log = MetricsLog(layout.metrics(phase), tb, resume_step=start_step if resume_from else None, wandb=wandb)
         if config.logging.progress_bar:
             from tqdm import tqdm
 
