@@ -14,15 +14,14 @@ conversation is one sample and every answer is a span in it:
     upto_i   = render(turns[:i + 1])                           # ends after its end marker
 
 Other templates render earlier turns differently from the last one: Qwen3 drops the `<think>`
-block of answers before the last user turn, DeepSeek-R1 strips earlier reasoning, Mistral v0.3
-moves the system prompt into the last user turn. Training answer i inside the whole
-conversation would teach text the model never writes at that point, so each answer becomes a
-sample of its own: prompt_i followed by answer i as the template renders it last. Where the
-prompt is rendered differently in `upto_i` (Mistral v0.3 drops the system prompt once the user
-turn is no longer last), the answer's start in `upto_i` is the point whose preceding text shares
-the longest ending with prompt_i (the last user turn and the generation prompt), searched
-before the answer's content. This costs one sample per answer (the history is repeated), so it
-is taken only when a template needs it.
+block of answers before the last user turn, Mistral v0.3 moves the system prompt into the last
+user turn. Training answer i inside the whole conversation would teach text the model never
+writes at that point, so each answer becomes a sample of its own: prompt_i followed by answer i
+as the template renders it last. Where the prompt is rendered differently in `upto_i` (Mistral
+v0.3 drops the system prompt once the user turn is no longer last), answer i starts in `upto_i`
+at the latest point before its content up to which the text from the last user turn on reads
+as prompt_i's ending (that turn, its closing, the generation prompt). This costs one sample per
+answer (the history is repeated), so it is taken only when a template needs it.
 
 A conversation whose answers cannot be located, or that the template itself refuses (its
 `raise_exception`: a system turn Mistral v0.1 does not support, roles that do not alternate), is
@@ -30,6 +29,10 @@ an `InvalidRecord`: prepare names its FILE:LINE.
 """
 
 from __future__ import annotations
+
+import os
+
+from jinja2 import TemplateError
 
 from dataset.chat_template import CHATML_TEMPLATE
 from dataset.errors import InvalidRecord
@@ -85,16 +88,16 @@ class ChatRenderer:
         return fast
 
 
-Sample = tuple[str, list[tuple[int, int]]]  # a text to train on and the spans of its answers
+TextWithSpans = tuple[str, list[tuple[int, int]]]  # a text to train on and the spans of its answers
 
 
-def training_samples(render: ChatRenderer, messages: list[dict]) -> list[Sample]:
+def training_samples(render: ChatRenderer, messages: list[dict]) -> list[TextWithSpans]:
     """The samples of one conversation (it ends with an assistant turn: validation guarantees
     it). Raises InvalidRecord when the template refuses it or its answers cannot be located."""
     try:
         answers = [(index, render(messages[:index], True), render(messages[: index + 1], False))
                    for index, message in enumerate(messages) if message["role"] == "assistant"]
-    except Exception as err:  # the template's raise_exception, or a render that fails on this record
+    except TemplateError as err:  # the template's raise_exception, or an undefined it meets in this record
         raise InvalidRecord("chat_template_refused", f"the chat template refused this conversation ({err}); "
                             "make the record fit the template (for instance: no system turn, roles alternating "
                             "user/assistant) or give the tokenizer another chat_template") from None
@@ -118,12 +121,14 @@ def answer_start(render: ChatRenderer, messages: list[dict], index: int, prompt:
     content = messages[index]["content"]
     probe = CONTENT_PROBES[content.startswith(CONTENT_PROBES[0])]
     probed = render([*messages[:index], {**messages[index], "content": probe}], False)
-    content_at = common_prefix_length(upto, probed)
-    ending, start = longest_shared_ending(upto[:content_at], prompt)
-    # The shared ending must hold the turn the answer replies to: then both renderings end that
-    # turn (and open the answer) the same way. Anything shorter could be a coincidence.
-    asked = messages[index - 1]["content"].strip() if index else None
-    if not asked or asked not in prompt[len(prompt) - ending:]:
+    content_at = len(os.path.commonprefix([upto, probed]))  # the answer's text starts here, or after
+    # The turn the answer replies to, and what follows it up to the answer's start, must read as
+    # the prompt's ending: then both renderings close that turn and open the answer the same way.
+    asked = messages[index - 1]["content"].strip() if index else ""
+    asked_at = upto.rfind(asked, 0, content_at) if asked else -1
+    ends = [end for end in range(asked_at + len(asked), content_at + 1)
+            if asked_at >= 0 and prompt.endswith(upto[asked_at:end])]
+    if not ends:
         raise InvalidRecord(
             "chat_template_unlocatable",
             f"the chat template does not render conversations incrementally, and the answer messages[{index}] "
@@ -131,47 +136,4 @@ def answer_start(render: ChatRenderer, messages: list[dict], index: int, prompt:
             "(add_generation_prompt=True), so no training text matches what the model will see. Give the "
             "tokenizer a chat_template whose generation prompt is followed by its answers (like the built-in "
             "ChatML, dataset/chat_template.py)")
-    return start
-
-
-def common_prefix_length(a: str, b: str) -> int:
-    limit = min(len(a), len(b))
-    low, high = 0, limit  # binary search on string slices: C speed, O(n log n)
-    while low < high:
-        mid = (low + high + 1) // 2
-        if a[:mid] == b[:mid]:
-            low = mid
-        else:
-            high = mid - 1
-    return low
-
-
-def longest_shared_ending(text: str, prompt: str) -> tuple[int, int]:
-    """(length, end): the end position in `text` whose preceding characters share the longest
-    ending with `prompt`; the latest such position on a tie. Z-algorithm on the reversed
-    strings, linear in their lengths."""
-    reversed_prompt, reversed_text = prompt[::-1], text[::-1]
-    joined = reversed_prompt + "\0" + reversed_text
-    z = z_function(joined)
-    offset = len(reversed_prompt) + 1
-    best, best_end = 0, len(text)
-    for j in range(len(reversed_text)):
-        shared = min(z[offset + j], len(reversed_prompt))
-        if shared > best:
-            best, best_end = shared, len(text) - j
-    return best, best_end
-
-
-def z_function(s: str) -> list[int]:
-    """z[i]: the length of the longest common prefix of s and s[i:]."""
-    n = len(s)
-    z = [0] * n
-    left = right = 0
-    for i in range(1, n):
-        if i < right:
-            z[i] = min(right - i, z[i - left])
-        while i + z[i] < n and s[z[i]] == s[i + z[i]]:
-            z[i] += 1
-        if i + z[i] > right:
-            left, right = i, i + z[i]
-    return z
+    return ends[-1]
