@@ -21,6 +21,7 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -161,6 +162,7 @@ class Preparation:
         self.draw = random.Random(options.seed)
         self.tokens = 0
         self.samples = 0  # phase 2: a conversation is one sample, or one per answer (chat_samples.py)
+        self.samples_skipped = Counter()  # phase 2: overlong samples dropped, by reason (a kept record's too)
         self.pending: list[Sample] = []
         self.pending_chars = 0
 
@@ -236,8 +238,8 @@ class Preparation:
                 self.report(sample.file_index, RecordIssue(sample.path, sample.line, outcome.reason, outcome.detail))
                 continue
             fates = [self.take_sample(sample.split, ids, labels) for ids, labels in outcome]
-            kept = [fate for fate in fates if fate is None]
-            if kept:
+            self.samples_skipped.update(fate for fate in fates if fate is not None)
+            if None in fates:
                 self.accounts.keep(sample.file_index)
             else:  # every sample of the record was dropped: the record is skipped, with the reason
                 self.accounts.skip(sample.file_index, fates[-1])
@@ -373,6 +375,7 @@ class Preparation:
             "seq_len": self.options.seq_len,
             "records": self.accounts.as_dict(),
             "samples": self.samples,
+            "samples_skipped": dict(sorted(self.samples_skipped.items())),
             "tokens": self.tokens,
             "fill_ratio": round(self.tokens / all_capacity, 4) if all_capacity else 0.0,
             "splits": splits,
@@ -514,7 +517,8 @@ def summary(stats: dict, out: str) -> str:
         f"  records: {records['read']} read, {records['kept']} kept, {records['skipped']} skipped ({skipped}), "
         f"{records['truncated']} truncated\n"
         + (f"  samples: {stats['samples']} (one per answer where the chat template renders earlier turns "
-           "differently)\n" if stats["samples"] != records["kept"] else "")
+           f"differently), skipped: {stats['samples_skipped'] or 'none'}\n"
+           if stats["samples"] != records["kept"] or stats["samples_skipped"] else "")
         + f"  blocks: {splits['train']['blocks']} train, {splits['eval']['blocks']} eval; "
         f"{stats['tokens']:,} tokens, fill ratio {stats['fill_ratio']:.3f}, {stats['tokens_per_sec'] or 0:,} tokens/s"
     )

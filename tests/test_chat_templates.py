@@ -259,3 +259,22 @@ def test_a_template_whose_answers_do_not_follow_its_generation_prompt_is_refused
     [refused] = encode_conversations(tokenizer, [conversation(EXCHANGES[:2], False)])
     assert isinstance(refused, InvalidRecord) and refused.reason == "chat_template_unlocatable"
     assert "messages[1] cannot be located" in refused.detail and "generation prompt" in refused.detail
+
+
+def test_an_overlong_answer_sample_is_counted_not_silently_dropped(tmp_path):
+    """One sample per answer: a long conversation's later samples can outgrow seq_len while its
+    first fits. The record is kept, and each dropped sample is counted with its reason."""
+    tokenizer = tiny_tokenizer("qwen3")
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    messages = conversation(EXCHANGES, True)
+    [samples] = encode_conversations(tokenizer, [messages])
+    lengths = [len(ids) for ids, _ in samples]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[1]
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": messages}) + "\n", encoding="utf-8")
+    assert prepare.main(["--input", str(data), "--tokenizer", str(tmp_path / "tokenizer"), "--seq-len",
+                         str(lengths[0]), "--overlong", "drop", "--eval-fraction", "0", "--out",
+                         str(tmp_path / "out")]) == 0
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["records"]["kept"] == 1 and stats["samples"] == 1
+    assert stats["samples_skipped"] == {"overlong_dropped": 2}
