@@ -22,6 +22,7 @@ import yaml
 from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.parallel import MODES
 from finetuning_pipeline.stop_signal import parse_duration
+from finetuning_pipeline.wandb_log import MODES as WANDB_MODES
 from lora_logic import DEFAULT_TARGET_MODULES, LoraConfig
 from utils.yaml_file import read_yaml_mapping
 
@@ -394,8 +395,9 @@ def validate(config: RunConfig) -> None:
     if not config.model.path.strip():
         raise ConfigError("model.path: not set; set it to a local Hugging Face model directory (config.json, weights "
                           "and tokenizer files) or a Hub id such as google/gemma-3-270m")
-    if config.logging.wandb.mode not in (None, "online", "offline", "disabled"):
-        raise ConfigError(f"logging.wandb.mode: must be online, offline or disabled, got {config.logging.wandb.mode!r}")
+    if config.logging.wandb.mode not in (None, *WANDB_MODES):
+        raise ConfigError(f"logging.wandb.mode: must be {', '.join(WANDB_MODES[:-1])} or {WANDB_MODES[-1]}, got "
+                          f"{config.logging.wandb.mode!r}")
     t = config.train
     positive = {
         "train.max_steps": t.max_steps, "train.micro_batch": t.micro_batch, "train.grad_accum": t.grad_accum,

@@ -38,7 +38,7 @@ from finetuning_pipeline.errors import ConfigError, OutputWriteError, run_comman
 from finetuning_pipeline.resume_plan import PhasePlan, check_resumable, plan_phases  # noqa: E402
 from finetuning_pipeline.run_layout import OutputLock, RunLayout  # noqa: E402
 from finetuning_pipeline.stop_signal import WallClockBudget, parse_duration  # noqa: E402
-from utils.hub_models import HubModelError, model_dir, resolve_model  # noqa: E402
+from utils.hub_models import model_dir, resolve_model  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def preflight_checks(config: RunConfig, phases: list[int]) -> None:
-    """Everything that can fail before a device is touched; raises ConfigError / DataError."""
+    """Everything that can fail before a device is touched; raises ConfigError / DataError /
+    HubModelError."""
     from transformers import AutoConfig
 
     from dataset.loader import open_prepared
@@ -80,11 +81,11 @@ def preflight_checks(config: RunConfig, phases: list[int]) -> None:
     from utils.tokenizer_loading import load_tokenizer
     from utils.xla_runtime import device_kind
 
-    model_dir = Path(local_model_dir(config))
-    if not (model_dir / "config.json").is_file():
-        raise ConfigError(f"model.path: {model_dir} has no config.json (a local Hugging Face model directory or a "
+    files = Path(model_dir(config.model.path, config.model.revision))  # a Hub id: its snapshot, pinned by pin_model
+    if not (files / "config.json").is_file():
+        raise ConfigError(f"model.path: {files} has no config.json (a local Hugging Face model directory or a "
                           "Hub id is expected)")
-    model_config = AutoConfig.from_pretrained(model_dir)
+    model_config = AutoConfig.from_pretrained(files)
     try:
         resolve_chunk_tokens(config.train.loss_chunk_tokens, model_config)
         mask_windows(model_config)
@@ -92,7 +93,7 @@ def preflight_checks(config: RunConfig, phases: list[int]) -> None:
                          spmd_mesh=config.parallel.mode == "fsdp")
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    tokenizer = load_tokenizer(config.model.tokenizer or model_dir,
+    tokenizer = load_tokenizer(config.model.tokenizer or files,
                                "model.tokenizer" if config.model.tokenizer else "model.path")
     fingerprint = tokenizer_fingerprint(tokenizer)
     max_positions = getattr(model_config, "max_position_embeddings", None)
@@ -130,7 +131,7 @@ def preflight_checks(config: RunConfig, phases: list[int]) -> None:
             check_wandb_available()
         except ImportError as err:
             raise ConfigError(str(err)) from None
-    inputs = {"model.path": str(model_dir), "model.tokenizer": config.model.tokenizer,
+    inputs = {"model.path": str(files), "model.tokenizer": config.model.tokenizer,
               "phase1.data": config.phase1.data, "phase2.data": config.phase2.data}
     RunLayout(config.output_dir).check_apart_from(inputs)
     probe_output_dir(config.output_dir)
@@ -139,19 +140,9 @@ def preflight_checks(config: RunConfig, phases: list[int]) -> None:
 def pin_model(config: RunConfig) -> None:
     """A Hub id in model.path is downloaded now, once, and pinned to the commit it resolves to
     (config.model.revision): every replica loads those files, and the checkpoints and the
-    summary record the commit, so a resume cannot silently train on other weights."""
-    try:
-        config.model.revision = resolve_model(config.model.path, config.model.revision).commit
-    except HubModelError as err:
-        raise ConfigError(str(err)) from None
-
-
-def local_model_dir(config: RunConfig) -> str:
-    """Where model.path's files are (a Hub id: in the Hugging Face cache, where pin_model put them)."""
-    try:
-        return model_dir(config.model.path, config.model.revision)
-    except HubModelError as err:
-        raise ConfigError(str(err)) from None
+    summary record the commit, so a resume cannot silently train on other weights. A Hub id
+    that cannot be resolved is a HubModelError (exit 2, errors.py)."""
+    config.model.revision = resolve_model(config.model.path, config.model.revision).commit
 
 
 def probe_output_dir(output_dir: str) -> None:

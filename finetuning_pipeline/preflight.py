@@ -68,8 +68,8 @@ def architecture_source(model_path: str, revision: str | None = None) -> Path:
         try:
             return Path(hf_hub_download(model_path, "config.json", revision=revision, cache_dir=hub_cache(),
                                         local_files_only=offline()))
-        except Exception:  # offline, not cached, gated, no network: plan with the shipped copy
-            pass
+        except (OSError, ValueError):  # offline and not cached, gated, unreachable (huggingface_hub's errors
+            pass                       # are OSErrors), a malformed id: plan with the shipped copy
     shipped = SHIPPED_CONFIGS / Path(model_path).name / "config.json"
     if shipped.is_file():
         return shipped
@@ -301,7 +301,7 @@ def check_data(config: RunConfig) -> dict:
                 "the model is downloaded and the data prepared"}
     try:
         preflight_checks(config, phases)
-    except (ConfigError, DataError) as err:
+    except (ConfigError, DataError, HubModelError) as err:
         return {"status": "failed", "detail": str(err)}
     return {"status": "passed", "detail": f"tokenizer fingerprint and seq_len match for phases {phases}"}
 
