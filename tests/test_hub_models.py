@@ -12,22 +12,11 @@ import pytest
 
 from finetuning_pipeline import main
 from finetuning_pipeline.preflight import load_architecture
-from trainer_helpers import prepare_demo_data, write_run_config
+from trainer_helpers import prepare_demo_data, publish_to_hub_cache, write_run_config
 from utils.hub_models import HubModelError, resolve_model
 
 MODEL_ID = "tiny-org/tiny-mistral"
 FIRST, SECOND = "a" * 40, "b" * 40  # two commits of the same repository
-
-
-def publish(cache: Path, repo_id: str, commit: str, files: Path, *refs: str) -> Path:
-    """Put `files` in the cache as `repo_id` at `commit`, and point each ref at it."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / commit
-    shutil.copytree(files, snapshot, dirs_exist_ok=True)
-    (repo / "refs").mkdir(parents=True, exist_ok=True)
-    for ref in refs:
-        (repo / "refs" / ref).write_text(commit)
-    return snapshot
 
 
 @pytest.fixture
@@ -35,8 +24,8 @@ def hub(tmp_path, monkeypatch, tiny_model_dir):
     cache = tmp_path / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    publish(cache, MODEL_ID, FIRST, tiny_model_dir, "main")
-    publish(cache, MODEL_ID, SECOND, tiny_model_dir, "v2")
+    publish_to_hub_cache(cache, MODEL_ID, FIRST, tiny_model_dir, "main")
+    publish_to_hub_cache(cache, MODEL_ID, SECOND, tiny_model_dir, "v2")
     return cache
 
 
@@ -79,7 +68,7 @@ def test_training_on_a_hub_id_records_the_commit_and_refuses_another_on_resume(h
     adapter = json.loads((out / "phase1" / "adapter" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == MODEL_ID and adapter["revision"] == FIRST  # what PEFT loads
 
-    publish(hub, MODEL_ID, SECOND, tiny_model_dir, "main")  # main moves on
+    publish_to_hub_cache(hub, MODEL_ID, SECOND, tiny_model_dir, "main")  # main moves on
     capsys.readouterr()
     assert main.main(["--config", str(config), "--phase", "1", "--resume", "auto"]) == 2
     assert "the base model's Hub revision is another commit" in capsys.readouterr().err

@@ -24,7 +24,7 @@ import torch
 from finetuning_pipeline import main
 from finetuning_pipeline.checkpointing import complete_checkpoints
 from trainer_helpers import (Replicas, adapter_tensors, assert_same_run, metric_records, prepare_demo_data,
-                             train_losses, wait_for_step, write_run_config)
+                             publish_to_hub_cache, train_losses, wait_for_step, write_run_config)
 
 STEPS = 24
 # 2 replicas x micro-batch 2 x 2 micro-batches: a global batch of 8 sequences. LoRA dropout on:
@@ -35,6 +35,7 @@ RUN = {"train": {"max_steps": STEPS, "micro_batch": 2, "grad_accum": 2, "loss_ch
        "checkpoint": {"every": 4, "keep": 3}, "logging": {"every": 1, "progress_bar": False, "tensorboard": False},
        "eval": {"every": 0, "max_batches": 2}}
 HANG = 180  # seconds: a replica still running after this is hung
+HUB_ID, HUB_COMMIT = "tiny-org/tiny-mistral", "c" * 40
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +81,13 @@ def reference(tiny_model_dir, data, tmp_path_factory):
 
 
 # -- the documented command: torchrun, equal to one replica with the same global batch ----------
-def torchrun(replicas: int, config: Path, *args: str, script: str = "finetuning_pipeline/main.py") -> None:
+def torchrun(replicas: int, config: Path, *args: str, script: str = "finetuning_pipeline/main.py",
+             env: dict | None = None) -> None:
     """Run `script` (main.py or a patched_main) under torchrun."""
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(replicas),
          script, "--config", str(config), *args],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "PJRT_DEVICE": "CPU"},
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PJRT_DEVICE": "CPU", **(env or {})},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -115,15 +117,19 @@ trainer.save_adapter = late
 @pytest.fixture(scope="module")
 def torchrun_and_single(tiny_model_dir, data, tmp_path_factory):
     """No dropout (its masks depend on the replica), the same global batch of 8: 2 replicas
-    through torchrun (micro-batch 2, both phases, the master slow to write its adapters), 4
-    replicas (micro-batch 1, phase 1), and 1 replica (micro-batch 4)."""
+    through torchrun (micro-batch 2, both phases, the master slow to write its adapters, W&B
+    on, offline), 4 replicas (micro-batch 1, phase 1, the base named by a Hub id, read from a
+    Hub-layout cache), and 1 replica (micro-batch 4)."""
     root = tmp_path_factory.mktemp("torchrun")
     common = {"train": {"max_steps": 6}, "lora": {"dropout": 0.0}, "checkpoint": {"every": 3, "keep": 3}}
-    two = config_for(root, tiny_model_dir, data, "two", **common)
-    four = config_for(root, tiny_model_dir, data, "four", **{**common, "train": {"max_steps": 6, "micro_batch": 1}})
+    two = config_for(root, tiny_model_dir, data, "two", **common,
+                     logging={"wandb": {"project": "tpu-lora-tests", "mode": "offline"}})
+    four = config_for(root, tiny_model_dir, data, "four", **{**common, "train": {"max_steps": 6, "micro_batch": 1}},
+                      model={"path": HUB_ID})
     one = config_for(root, tiny_model_dir, data, "one", **{**common, "train": {"max_steps": 6, "micro_batch": 4}})
-    torchrun(2, two, script=patched_main(root, SLOW_MASTER_ADAPTER))
-    torchrun(4, four, "--phase", "1")
+    torchrun(2, two, script=patched_main(root, SLOW_MASTER_ADAPTER), env={"WANDB_SILENT": "true"})
+    publish_to_hub_cache(root / "hub", HUB_ID, HUB_COMMIT, tiny_model_dir, "main")
+    torchrun(4, four, "--phase", "1", env={"HF_HUB_CACHE": str(root / "hub")})
     assert main.main(["--config", str(one)]) == 0
     return out_of(two), out_of(one), one, out_of(four)
 
@@ -145,6 +151,17 @@ def test_replicas_through_torchrun_equal_one_replica(torchrun_and_single, replic
     summary = json.loads((several / f"phase{phase}" / "summary.json").read_text())
     assert summary["parallel"]["processes"] == replicas and summary["global_batch"] == 8
     assert summary["compiles_after_warmup"] == 0
+
+
+def test_replicas_share_one_wandb_run_per_phase_and_one_pinned_hub_commit(torchrun_and_single):
+    """Only the master opens a W&B run; every replica trains the commit the Hub id resolved to
+    (their losses equal one replica's on the same weights: test above)."""
+    two, _, _, four = torchrun_and_single
+    for phase in (1, 2):
+        [run] = (two / f"phase{phase}" / "wandb").glob("offline-run-*")
+        assert run.name.endswith((two / f"phase{phase}" / "wandb_run_id").read_text().strip())
+    settings = json.loads((four / "phase1" / "summary.json").read_text())["settings"]
+    assert settings["model.path"] == HUB_ID and settings["model.revision"] == HUB_COMMIT
 
 
 def test_resume_on_another_number_of_chips_with_the_same_global_batch(torchrun_and_single, tmp_path, capsys):

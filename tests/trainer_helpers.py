@@ -47,6 +47,20 @@ def write_run_config(path: Path, model_dir: Path, data: dict[int, Path], output_
     return path
 
 
+def publish_to_hub_cache(cache: Path, repo_id: str, commit: str, files: Path, *refs: str) -> Path:
+    """Put `files` in a Hugging Face cache laid out as the Hub writes it, as `repo_id` at
+    `commit` (models--ORG--NAME/snapshots/COMMIT), and point each ref (refs/REF) at it."""
+    import shutil
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(files, snapshot, dirs_exist_ok=True)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    for ref in refs:
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
 def free_port() -> int:
     import socket
 
