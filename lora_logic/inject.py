@@ -49,7 +49,7 @@ def inject_lora(model: nn.Module, config: LoraConfig) -> list[str]:
 
     for param in model.parameters():
         param.requires_grad_(False)
-    for name in to_wrap:
+    for salt, name in enumerate(to_wrap):
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         base = getattr(parent, child_name)
@@ -59,6 +59,7 @@ def inject_lora(model: nn.Module, config: LoraConfig) -> list[str]:
             alpha=config.alpha,
             dropout=config.dropout,
             use_rslora=config.use_rslora,
+            dropout_salt=salt,  # each layer its own dropout masks
         )
         # New modules start in training mode; keep the model's mode (no live dropout in eval).
         wrapped.train(base.training)

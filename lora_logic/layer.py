@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lora_logic.config import lora_scaling
+from lora_logic.dropout import SeededDropout
 
 
 def init_lora_A_(weight: torch.Tensor) -> None:
@@ -49,6 +49,7 @@ class LoRALinear(nn.Module):
         dropout: float = 0.0,
         use_rslora: bool = False,
         lora_dtype: torch.dtype = torch.float32,
+        dropout_salt: int = 0,
     ) -> None:
         super().__init__()
         if not isinstance(base_layer, nn.Linear):
@@ -62,7 +63,9 @@ class LoRALinear(nn.Module):
         self.scaling = lora_scaling(alpha, r, use_rslora)
         self.in_features = base_layer.in_features
         self.out_features = base_layer.out_features
-        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        # Seeded (lora_logic/dropout.py): the mask follows the micro-batch's seed, so a step
+        # traced once and replayed, or a recomputed layer, draws the same one.
+        self.lora_dropout = SeededDropout(dropout, dropout_salt) if dropout > 0 else nn.Identity()
         device = base_layer.weight.device
         self.lora_A = nn.Linear(self.in_features, r, bias=False, device=device, dtype=lora_dtype)
         self.lora_B = nn.Linear(r, self.out_features, bias=False, device=device, dtype=lora_dtype)

@@ -1,0 +1,79 @@
+"""LoRA dropout whose mask is a function of a seed tensor, not of a random number generator's state.
+
+`nn.Dropout` draws from the device RNG, a hidden state: on XLA a training step traced once and
+replayed (finetuning_pipeline/step_capture.py) cannot advance it, and activation checkpointing
+restores it before recomputing a layer by making a new seed in the graph for each restore.
+Here the mask is a hash of (seed, layer salt, element index), as JAX's explicit keys are: the
+same seed gives the same mask on any device, in a recomputation, and in a replayed graph,
+where the seed is just an input. The trainer sets one seed per micro-batch
+(`set_dropout_seed`); without one (`seed` None) the module is `nn.Dropout`'s RNG dropout.
+
+The hash is murmur3's 32-bit finaliser on int32 tensors (XLA and PyTorch both wrap int32
+products); an element is kept when its low 24 bits are at least p * 2**24, so a mask keeps
+1 - p of the elements (to 2**-24), and kept ones are scaled by 1 / (1 - p), as nn.Dropout's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# murmur3 fmix32 and golden-ratio constants, as signed int32 (2246822507, 3266489909, 2654435761)
+_MIX1, _MIX2, _GOLDEN = -2048144789, -1028477387, -1640531535
+_BITS = 24
+
+
+def _shift_right(h: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical shift of int32 values, the same on every device: `>>` of a negative int32 is
+    an arithmetic shift in PyTorch and rounds toward zero on XLA, so only the non-negative low
+    31 bits are shifted and the sign bit is put back where a logical shift takes it."""
+    low = (h & 0x7FFFFFFF) >> bits
+    return low | ((h < 0).to(torch.int32) << (31 - bits))
+
+
+def _fmix(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ _shift_right(h, 16)
+    h = h * _MIX1
+    h = h ^ _shift_right(h, 13)
+    h = h * _MIX2
+    return h ^ _shift_right(h, 16)
+
+
+def keep_mask(seed: torch.Tensor, salt: int, shape: torch.Size, p: float) -> torch.Tensor:
+    """Boolean mask of `shape`, True where dropout keeps the element; `seed` an int32 tensor [1]."""
+    key = _fmix(seed.to(torch.int32).reshape(()) * _GOLDEN + salt)
+    index = torch.arange(shape.numel(), dtype=torch.int32, device=seed.device).view(shape)
+    bits = _fmix(index * _GOLDEN ^ key) & ((1 << _BITS) - 1)
+    return bits >= int(round(p * (1 << _BITS)))
+
+
+class SeededDropout(nn.Module):
+    """Dropout with probability p whose mask depends on (`seed`, `salt`) only; `salt` tells the
+    layers apart (each LoRA layer gets its own), `seed` is set per micro-batch."""
+
+    def __init__(self, p: float, salt: int = 0) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {p}")
+        self.p = p
+        self.salt = salt
+        self.seed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        if self.seed is None:
+            return F.dropout(x, self.p, training=True)
+        return x * keep_mask(self.seed, self.salt, x.shape, self.p).to(x.dtype) * (1.0 / (1.0 - self.p))
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, salt={self.salt}"
+
+
+def set_dropout_seed(model: nn.Module, seed: torch.Tensor | None) -> None:
+    """Seed every SeededDropout in `model` (an int32 tensor [1] on the model's device); None
+    returns them to RNG dropout."""
+    for module in model.modules():
+        if isinstance(module, SeededDropout):
+            module.seed = seed
