@@ -89,6 +89,10 @@ class TrainConfig:
     warmup_compiles_steps: steps after which no new graph may compile (the recompile guard);
         a phase compiles two graphs (a training step, an eval batch), both before or in step 1.
     recompile_policy: "error" stops the run at a recompile after warm-up, "warn" logs it.
+    capture_step: trace the step once and replay its compiled graph (step_capture.py), with
+        the micro-batches in one XLA loop (micro_batch_loop.py): host time per step and compile
+        time do not grow with grad_accum. false traces every step (the reference path: the
+        same numbers, for debugging).
     """
 
     max_steps: int = 100
@@ -107,6 +111,7 @@ class TrainConfig:
     max_wall_time: str | None = None
     warmup_compiles_steps: int = 1
     recompile_policy: str = "error"
+    capture_step: bool = True
 
 
 @dataclass
@@ -260,7 +265,7 @@ class RunConfig:
         flat = {"model.path": self.model.path, "model.revision": self.model.revision, "model.dtype": self.model.dtype}
         flat.update({f"lora.{k}": v for k, v in dataclasses.asdict(self.lora).items()})
         skip = {"warmup_compiles_steps", "recompile_policy", "max_bad_steps", "micro_batch", "grad_accum",
-                "max_wall_time"}
+                "max_wall_time", "capture_step"}
         flat.update({f"train.{k}": v for k, v in dataclasses.asdict(self.train).items() if k not in skip})
         phase_cfg = dataclasses.asdict(self.phase(phase))
         if phase == 1:

@@ -19,6 +19,8 @@ from finetuning_pipeline.attention_masks import attention_masks
 from finetuning_pipeline.chunked_loss import chunked_loss_sum
 from finetuning_pipeline.collectives import Collectives
 from finetuning_pipeline.kernel_attention import kernel_masks, segment_ids, uses_kernel
+from finetuning_pipeline.micro_batch_loop import summed_over_micro_batches
+from lora_logic.dropout import set_dropout_seed
 
 
 def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], packed: bool = True,
@@ -59,23 +61,55 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], packed: bool = Tru
     return loss_sum, count
 
 
+def micro_batch_gradients(model, optimizer, batch: dict[str, torch.Tensor], packed: bool = True,
+                          loss_chunk: int = 0) -> list[torch.Tensor]:
+    """[flat LoRA gradient of the loss sum, loss sum, label tokens] of one micro-batch; leaves
+    no `.grad` behind, so it can be traced once and looped (micro_batch_loop.py).
+    batch["lora_seed"] (int32 [1], optional): the seed of its LoRA dropout masks (lora_logic/dropout.py)."""
+    set_dropout_seed(model, batch.get("lora_seed"))
+    loss_sum, count = causal_lm_loss_sum(model, batch, packed, loss_chunk)
+    loss_sum.backward()  # (a checkpointed layer recomputes its forward here, with the same masks)
+    set_dropout_seed(model, None)
+    grad = optimizer.flat_grad()
+    optimizer.zero_grad()
+    return [grad, loss_sum.detach(), count]
+
+
 def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, collectives: Collectives | None = None,
-               packed: bool = True, loss_chunk: int = 0) -> dict[str, torch.Tensor]:
+               packed: bool = True, loss_chunk: int = 0, seeds: list[int] | torch.Tensor | None = None,
+               loop: bool = False) -> dict[str, torch.Tensor]:
     """Accumulate gradients over `micro_batches`, average, clip, step. Returns device tensors:
     loss (mean per label token), tokens (label tokens in the step), grad_norm (before
     clipping) and applied (False when the loss or the gradient norm was not finite: the
-    optimizer then skipped the update, on the device). The caller marks the step boundary."""
-    device = optimizer.params[0].device
-    loss_total = torch.zeros((), device=device)
-    tokens = torch.zeros((), device=device)
-    for batch in micro_batches:
-        loss_sum, count = causal_lm_loss_sum(model, batch, packed, loss_chunk)
-        loss_sum.backward()
-        loss_total = loss_total + loss_sum.detach()
-        tokens = tokens + count
-    grad = optimizer.flat_grad()  # one vector: clipping and the update are a few operations on it
+    optimizer then skipped the update, on the device). The caller marks the step boundary.
+
+    seeds: the torch_xla RNG seed of each micro-batch (its dropout masks), host integers or an
+    int64 device tensor; None leaves the RNG as it is. loop: accumulate in one XLA While loop
+    (micro_batch_loop.py: traced and compiled once whatever the number of micro-batches; needs
+    seeds as a device tensor) instead of tracing every micro-batch. Both give the same numbers."""
+    def gradients(batch):
+        return micro_batch_gradients(model, optimizer, batch, packed, loss_chunk)
+
+    if loop:
+        grad, loss_total, tokens = summed_over_micro_batches(
+            gradients, micro_batches, seeds, reads=list(model.parameters()) + list(model.buffers()))
+    else:
+        import torch_xla.core.xla_model as xm
+
+        sums = None
+        for i, batch in enumerate(micro_batches):
+            if seeds is not None:
+                xm.set_rng_state(int(seeds[i]), device=optimizer.params[0].device)
+            sums = gradients(batch) if sums is None else [a + b for a, b in zip(sums, gradients(batch))]
+        grad, loss_total, tokens = sums
     if collectives is not None:  # sums over the replicas (one collective for all three)
         grad, loss_total, tokens = collectives.sum_device([grad, loss_total, tokens])
+    return apply_update(optimizer, grad, loss_total, tokens, max_grad_norm)
+
+
+def apply_update(optimizer, grad: torch.Tensor, loss_total: torch.Tensor, tokens: torch.Tensor,
+                 max_grad_norm: float) -> dict[str, torch.Tensor]:
+    """Average the summed gradient over the step's label tokens, clip, and update (train_step's results)."""
     # Average and clip in one multiplication: norm(scale * g) = scale * norm(g), and the clip
     # coefficient is torch.nn.utils.clip_grad_norm_'s: max_norm / (norm + 1e-6), at most 1.
     scale = (1.0 / torch.clamp(tokens, min=1.0)).reshape(())  # no label tokens: grads stay 0
@@ -86,7 +120,6 @@ def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, collect
     loss = loss_total * scale
     applied = torch.isfinite(loss) & torch.isfinite(grad_norm)
     optimizer.step(applied, grad=grad * coefficient)
-    optimizer.zero_grad()  # None: every step starts without gradients, so every step is one graph
     return {"loss": loss, "tokens": tokens, "grad_norm": grad_norm, "applied": applied}
 
 

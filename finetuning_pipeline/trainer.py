@@ -43,7 +43,9 @@ from finetuning_pipeline.metrics_log import MetricsLog, StepLogger
 from finetuning_pipeline.model_loading import DTYPES, load_base, load_model
 from finetuning_pipeline.parallel import Parallel
 from finetuning_pipeline.run_layout import RunLayout
-from finetuning_pipeline.step import train_step
+from finetuning_pipeline.micro_batch_loop import summed_over_micro_batches
+from finetuning_pipeline.step import apply_update, micro_batch_gradients, train_step
+from finetuning_pipeline.step_capture import CapturedStep
 from finetuning_pipeline.stop_signal import StopVote
 from lora_logic import inject_lora, lora_parameters, save_adapter
 from utils.atomic_io import atomic_write_json
@@ -73,6 +75,12 @@ def step_seed(seed: int, phase: int, rank: int, step: int) -> int:
     return (((seed * 3 + phase) * 1_000_003 + rank) * 1_000_000_007 + step) % (2**63 - 1)
 
 
+def micro_batch_seeds(seed: int, phase: int, rank: int, step: int, count: int) -> list[int]:
+    """The XLA RNG seed of each micro-batch of a step (its dropout masks)."""
+    first = step_seed(seed, phase, rank, step)
+    return [(first * 1_000_003 + i) % (2**63 - 1) for i in range(count)]
+
+
 def build_model(config: RunConfig, phase: int):
     """The base model (on CPU) with this phase's LoRA; returns (model, lora config).
 
@@ -96,9 +104,15 @@ def build_model(config: RunConfig, phase: int):
 
 
 class Stepper:
-    """One optimizer step on the device: the step's XLA seed, its LR from the schedule table,
-    `train_step`, and the running label-token count. The step count lives on the device (an
-    integer [1]: see device_zeros), so nothing per step crosses from the host but the seed."""
+    """One optimizer step on the device: the micro-batches' seeds (LoRA dropout masks, torch_xla's
+    RNG), the LR from the schedule table, gradients, the sums over replicas, the update, and the
+    running label-token count. The step count lives on the device (an integer [1]: see
+    device_zeros), so nothing per step crosses from the host but the seeds.
+
+    With train.capture_step (the default) the gradients (all micro-batches, in one XLA loop)
+    and the update are each traced once, at the first step, and replayed after (step_capture.py);
+    the sums over replicas sit between the two, as they need a host round trip under torchrun
+    on a CPU. Otherwise `step.train_step` traces everything every step."""
 
     def __init__(self, model, optimizer, config: RunConfig, phase: int, parallel: Parallel, device,
                  start_step: int, packed: bool) -> None:
@@ -111,24 +125,77 @@ class Stepper:
         self.schedule = lr_table(peak=config.lr(phase), warmup_steps=t.warmup_steps,
                                  total_steps=config.max_steps(phase), min_lr_ratio=t.min_lr_ratio).to(device)
         self.label_tokens = device_counter(0, device)
+        self.keys: list[str] = []
+        self.gradients = self.update = None
+        self.capture_note = None
+        if t.capture_step and config.model.gradient_checkpointing and getattr(model.config, "attention_dropout", 0):
+            # torch random numbers in a recomputed layer cannot be replayed (step_capture.check_all_parameters_bound)
+            self.capture_note = ("the step is traced every time: attention dropout with gradient checkpointing "
+                                 "draws random numbers the captured step cannot replay")
+        elif t.capture_step:
+            weights = lambda: list(model.parameters()) + list(model.buffers())  # noqa: E731
+            self.gradients = CapturedStep(self._gradients, weights, name="gradients")
+            self.update = CapturedStep(self._update, lambda: optimizer.params + optimizer.state_tensors(),
+                                       name="update")
 
     def device_state(self) -> list[torch.Tensor]:
         return [self.step_count, self.schedule, self.label_tokens]
 
     def __call__(self, step: int, micro_batches: list[dict]) -> dict:
-        import torch_xla.core.xla_model as xm
-
         # The random numbers of step k (LoRA and attention dropout) depend on (seed, phase,
-        # rank, k) only, so a resumed run draws the masks the uninterrupted one drew: restoring
-        # torch_xla's saved RNG state did not (same state read back, different masks: verified
-        # with lora.dropout 0.1). A new seed each step is data for the graph, not a recompile.
-        xm.set_rng_state(step_seed(self.seed, self.phase, self.parallel.rank, step), device=self.device)
-        self.optimizer.lr = self.schedule[self.step_count]
-        results = train_step(self.model, self.optimizer, micro_batches, max_grad_norm=self.max_grad_norm,
-                             collectives=self.parallel.collectives, packed=self.packed, loss_chunk=self.loss_chunk)
+        # rank, k) and the micro-batch only, so a resumed run draws the masks the uninterrupted
+        # one drew: restoring torch_xla's saved RNG state did not (same state read back,
+        # different masks: verified with lora.dropout 0.1). New seeds each step are data for
+        # the graph, not a recompile.
+        seeds = micro_batch_seeds(self.seed, self.phase, self.parallel.rank, step, len(micro_batches))
+        micro_batches = [{**batch, "lora_seed": torch.tensor([seed % 2**31], dtype=torch.int32).to(self.device)}
+                         for batch, seed in zip(micro_batches, seeds)]
+        if self.gradients is None:
+            self.optimizer.lr = self.schedule[self.step_count]
+            results = train_step(self.model, self.optimizer, micro_batches, max_grad_norm=self.max_grad_norm,
+                                 collectives=self.parallel.collectives, packed=self.packed,
+                                 loss_chunk=self.loss_chunk, seeds=seeds)
+        else:
+            self.keys = sorted(micro_batches[0])
+            inputs = [batch[k] for batch in micro_batches for k in self.keys]
+            inputs.append(torch.tensor(seeds, dtype=torch.int64).to(self.device))
+            if not self.gradients.captured:
+                self._capture(inputs, seeds[0])
+            sums = self.gradients(inputs, seed=seeds[0])
+            sums = [sums["grad"], sums["loss_total"], sums["tokens"]]
+            if self.parallel.collectives is not None:
+                sums = self.parallel.collectives.sum_device(sums)
+            lr = self.schedule[self.step_count]
+            results = self.update(sums + [lr], seed=seeds[0])
+            self.optimizer.lr = lr  # (the update's trace left its example there)
         self.label_tokens = self.label_tokens + results["tokens"]
         self.step_count = self.step_count + 1
         return {**results, "lr": self.optimizer.lr}
+
+    def _capture(self, inputs: list[torch.Tensor], seed: int) -> None:
+        """Both traces, before anything of the first step is pending (see CapturedStep.capture):
+        the gradients on the first step's inputs, the update on zeros of their results' shapes."""
+        sums = self.gradients.capture(inputs, seed)
+        examples = [torch.zeros(sums[k][0], dtype=sums[k][1]) for k in ("grad", "loss_total", "tokens")]
+        examples.append(torch.zeros(self.step_count.shape, dtype=self.schedule.dtype))
+        self.update.capture([t.to(self.device) for t in examples], seed)
+
+    def _gradients(self, inputs: list[torch.Tensor]) -> dict:
+        """Traced once: the step's micro-batches (flat, `keys` order) and their seeds -> sums."""
+        per_batch = len(self.keys)
+        micro_batches = [dict(zip(self.keys, inputs[i:i + per_batch])) for i in range(0, len(inputs) - 1, per_batch)]
+        grad, loss_total, tokens = summed_over_micro_batches(
+            lambda batch: micro_batch_gradients(self.model, self.optimizer, batch, self.packed, self.loss_chunk),
+            micro_batches, inputs[-1], reads=list(self.model.parameters()) + list(self.model.buffers()))
+        # [1], not 0-dim: the update is traced on zeros of these shapes, and a 0-dim zero
+        # reaches the device as a constant, not as data.
+        return {"grad": grad, "loss_total": loss_total.reshape(1), "tokens": tokens.reshape(1)}
+
+    def _update(self, inputs: list[torch.Tensor]) -> dict:
+        """Traced once: the summed gradient, loss and label tokens, and the LR -> the update."""
+        grad, loss_total, tokens, lr = inputs
+        self.optimizer.lr = lr
+        return apply_update(self.optimizer, grad, loss_total.reshape(()), tokens.reshape(()), self.max_grad_norm)
 
 
 @dataclass
@@ -247,6 +314,8 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     monitor = DivergenceMonitor(device, t.max_bad_steps)
     monitor.load_state_dict(state, device)
     stepper = Stepper(model, optimizer, config, phase, parallel, device, start_step, data.packed)
+    if parallel.master and stepper.capture_note:
+        print(f"phase {phase}: {stepper.capture_note}", flush=True)
     p = Phase(config, phase, parallel, device, model, lora_config, optimizer, data, stepper, guard, monitor,
               checkpointer, make_logger(config, phase, parallel, data, start_step, resume_from, state),
               StopVote(parallel.collectives, stop_requested), start_step, resume_from is not None,

@@ -143,21 +143,34 @@ def test_too_many_bad_steps_stop_the_run_keeping_the_last_good_checkpoint(tiny_m
     assert summary["skipped_steps"] == 0 and all(torch.isfinite(t).all() for t in adapter_tensors(tmp_path / "out").values())
 
 
-def poison_nan_in_steps(monkeypatch, steps: set[int], grad_accum: int) -> None:
-    """Make the loss NaN in the given (1-based) steps, through a device tensor (no new graph).
-    A 1-element tensor, not a 0-dim one: torch_xla bakes a 0-dim 1.0 into the graph as a constant."""
-    import finetuning_pipeline.step as step_module
+def poison_nan_in_steps(monkeypatch, steps: set[int], grad_accum: int, seed: int = 0, phase: int = 1) -> None:
+    """Make the loss NaN in the given (1-based) steps of one replica, with no new graph, in a
+    step traced once as in one traced every step: the loss is poisoned where the micro-batch's
+    first random draw (made before its dropout masks) is one of the draws those steps' seeds give (the trainer seeds each
+    micro-batch, trainer.micro_batch_seeds), so the decision is data on the device."""
+    import torch_xla.core.xla_model as xm
 
+    import finetuning_pipeline.step as step_module
+    from finetuning_pipeline.trainer import micro_batch_seeds
+    from utils.xla_runtime import init_xla_device
+
+    device = init_xla_device()
+    draws = []
+    for step in steps:
+        for micro_seed in micro_batch_seeds(seed, phase, 0, step - 1, grad_accum):
+            xm.set_rng_state(micro_seed, device=device)
+            draws.append(torch.rand(1, device=device))
+    poisoned_draws = torch.cat(draws).cpu()
     real = step_module.causal_lm_loss_sum
-    calls = {"n": 0}
 
     def poisoned(model, batch, packed=True, loss_chunk=0):
+        if not torch.is_grad_enabled():  # evaluation
+            return real(model, batch, packed, loss_chunk)
+        draw = torch.rand(1, device=batch["input_ids"].device)  # first, before any dropout draws
         loss_sum, count = real(model, batch, packed, loss_chunk)
-        poison = False
-        if torch.is_grad_enabled():  # a training micro-batch (evaluation runs under no_grad)
-            poison = calls["n"] // grad_accum + 1 in steps
-            calls["n"] += 1
-        factor = torch.tensor([float("nan") if poison else 1.0]).to(loss_sum.device)
+        hit = (draw == poisoned_draws.to(loss_sum.device)).any()
+        factor = torch.where(hit, torch.tensor([float("nan")]).to(loss_sum.device),
+                             torch.tensor([1.0]).to(loss_sum.device))
         return (loss_sum * factor).reshape(()), count
 
     monkeypatch.setattr(step_module, "causal_lm_loss_sum", poisoned)
