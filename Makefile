@@ -25,7 +25,7 @@ DEMO_ANSWER := Județul Brașov se află în Transilvania.
 # The demo config's phases need the demo's base model and prepared data; other configs bring their own.
 PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 
-.PHONY: help setup test tiny-model demo-data demo phase1 phase2 preflight bench bench-train bench-prepare bench-memory clean
+.PHONY: help setup test tiny-model demo-data demo phase1 phase2 preflight bench bench-train bench-host bench-prepare bench-memory clean
 
 help:
 	@echo "make setup       create .venv with the pinned stack (torch 2.9.0 + torch_xla 2.9.0) and test tools"
@@ -37,8 +37,9 @@ help:
 	@echo "make preflight   check CONFIG and plan its TPU time (HBM, step time, TPU-hours) on this CPU, with a"
 	@echo "                 rehearsal on a shrunken model; ARGS=\"tpu.type=v5e-8 parallel.mode=fsdp\" (preflight.json)"
 	@echo "make tiny-model  build and pretrain the tiny demo base model + tokenizer (outputs/demo/base)"
-	@echo "make bench       the three benchmarks below (about 20 minutes on 2 cores)"
+	@echo "make bench       the four benchmarks below (about 30 minutes on 2 cores)"
 	@echo "make bench-train our trainer vs HF Trainer + PEFT on XLA:CPU, two shapes (outputs/bench/bench.json)"
+	@echo "make bench-host  host time per step and compile time, 32 layers, grad_accum 1 and 8, captured vs traced"
 	@echo "make bench-prepare  measure dataset.prepare throughput and peak memory (a few minutes)"
 	@echo "make bench-memory   peak memory of a step with a 262k vocabulary: chunked loss, full logits, HF + PEFT"
 	@echo "make clean       remove outputs/ and caches (keeps .venv)"
@@ -92,10 +93,13 @@ phase2: $(STAMP) $(PHASE_DEPS)
 preflight: $(STAMP) $(PHASE_DEPS)
 	$(BIN)/python -m finetuning_pipeline.preflight --config $(CONFIG) $(ARGS)
 
-bench: bench-train bench-prepare bench-memory
+bench: bench-train bench-host bench-prepare bench-memory
 
 bench-train: $(STAMP)
 	$(BIN)/python -m benchmarks.train_bench
+
+bench-host: $(STAMP)
+	$(BIN)/python -m benchmarks.host_bench
 
 bench-prepare: $(STAMP)
 	$(BIN)/python -m benchmarks.prepare_throughput

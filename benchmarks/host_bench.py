@@ -1,0 +1,135 @@
+"""`make bench-host`: the host's time per training step and the compile time, by depth and
+gradient accumulation, for the captured step (train.capture_step, the default) and the step
+traced every time (the trainer before it).
+
+    python -m benchmarks.host_bench [--layers 32] [--grad-accum 1,8] [--steps 10]
+
+Model: Mistral architecture 64 wide (hidden 64, 4 query heads and 2 KV heads of 16, MLP 128,
+vocabulary 1024), LoRA r 16 on all 7 targets, AdamW, fp32, one micro-batch of 1 x 64 tokens per
+accumulation step: so small that the device's share is negligible and the figures are the
+trainer's own host work, which is what holds a TPU back (a TPU runs a small model's step in
+milliseconds; tracing costs the same host time whatever the width).
+
+host_ms_per_step: the device is idle before each step (`xm.wait_device_ops`), then the clock
+runs over the trainer's `Stepper` call and the step boundary (`torch_xla.sync`): Python,
+tracing or binding, graph hashing and launch. The median of the steps after warm-up.
+compile_s: torch_xla's CompileTime metric over the run (every graph the steps compiled).
+Each measurement runs in a fresh process. Results: the `host` section of
+outputs/bench/bench.json and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.results import update_results
+
+MODEL = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128, "sliding_window": None}
+SEQ_LEN, RANK, ALPHA = 64, 16, 32
+WARMUP_STEPS = 2  # the first step traces (and captures) and compiles; the second replays once
+
+
+def measure(layers: int, grad_accum: int, capture: bool, steps: int) -> dict:
+    """One configuration, in this process."""
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from finetuning_pipeline.adamw import MaskedAdamW
+    from finetuning_pipeline.config import load_config
+    from finetuning_pipeline.parallel import Parallel
+    from finetuning_pipeline.trainer import Stepper
+    from lora_logic import inject_lora, lora_parameters
+    from utils.xla_counters import read_counters
+    from utils.xla_runtime import init_xla_device
+
+    device = init_xla_device()
+    config = load_config(None, ["model.path=unused", "model.dtype=float32", f"lora.r={RANK}", f"lora.alpha={ALPHA}",
+                                f"train.grad_accum={grad_accum}", "train.micro_batch=1",
+                                f"train.max_steps={steps + WARMUP_STEPS}", f"train.capture_step={str(capture).lower()}"])
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(num_hidden_layers=layers, **MODEL))
+    inject_lora(model, config.lora_config())
+    model.to(device).train()
+    optimizer = MaskedAdamW(lora_parameters(model), lr=1e-3)
+    stepper = Stepper(model, optimizer, config, 1, Parallel("dp"), device, start_step=0, packed=False)
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(steps + WARMUP_STEPS):
+        step_batches = []
+        for _ in range(grad_accum):
+            ids = torch.randint(0, MODEL["vocab_size"], (1, SEQ_LEN), generator=generator, dtype=torch.int32)
+            step_batches.append({"input_ids": ids.to(device), "labels": ids.to(device)})
+        batches.append(step_batches)
+    torch_xla.sync()
+    xm.wait_device_ops()
+    start = read_counters()
+    times, warm = [], None
+    for step, micro_batches in enumerate(batches):
+        xm.wait_device_ops()  # the device idle: what follows is host work only
+        began = time.perf_counter()
+        stepper(step, micro_batches)
+        torch_xla.sync()
+        times.append(time.perf_counter() - began)
+        if step == WARMUP_STEPS - 1:
+            xm.wait_device_ops()
+            warm = read_counters()
+    xm.wait_device_ops()
+    end = read_counters()
+    return {
+        "host_ms_per_step": round(1000 * statistics.median(times[WARMUP_STEPS:]), 2),
+        "compile_s": round(end.compile_seconds - start.compile_seconds, 2),
+        "graphs": end.compiles - start.compiles,
+        "compiles_after_warmup": end.compiles - warm.compiles,
+        "host_syncs_per_step": (end.host_syncs - warm.host_syncs) / steps,
+    }
+
+
+def in_subprocess(layers: int, grad_accum: int, capture: bool, steps: int) -> dict:
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.host_bench", "--measure", str(layers), str(grad_accum),
+                           str(int(capture)), str(steps)], capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"host bench failed ({layers} layers, grad_accum {grad_accum}, capture {capture}):\n"
+                         f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--grad-accum", default="1,8", help="comma-separated gradient accumulation steps")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up")
+    parser.add_argument("--out", default="outputs/bench/bench.json")
+    parser.add_argument("--measure", nargs=4, type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.measure:  # a child process: one measurement, printed as JSON
+        layers, grad_accum, capture, steps = args.measure
+        print(json.dumps(measure(layers, grad_accum, bool(capture), steps)))
+        return
+    section = {"layers": args.layers, "model": {**MODEL, "seq_len": SEQ_LEN, "micro_batch": 1, "lora_r": RANK,
+                                                "lora_targets": 7, "dtype": "float32"},
+               "grad_accum": {}, "traced_every_step": {"grad_accum": {}}}
+    for accum in [int(v) for v in args.grad_accum.split(",")]:
+        for capture, where in ((True, section["grad_accum"]), (False, section["traced_every_step"]["grad_accum"])):
+            where[str(accum)] = figures = in_subprocess(args.layers, accum, capture, args.steps)
+            label = "captured" if capture else "traced every step"
+            print(f"{args.layers} layers, grad_accum {accum:>2}, {label:17}: host {figures['host_ms_per_step']:8.1f} ms/step"
+                  f"  compile {figures['compile_s']:6.1f} s  graphs {figures['graphs']} "
+                  f"({figures['compiles_after_warmup']} after warm-up)  host syncs/step {figures['host_syncs_per_step']}",
+                  flush=True)
+    update_results(Path(args.out), "host", section)
+    print(f"wrote the host section of {args.out}")
+
+
+if __name__ == "__main__":
+    main()
