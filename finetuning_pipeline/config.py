@@ -204,10 +204,15 @@ class TpuConfig:
     """What `python -m finetuning_pipeline.preflight` plans for (training itself uses whatever
     devices it finds).
     type: the accelerator type as gcloud names it, e.g. v5e-8, v6e-8, v5p-16, v4-32.
-    assumed_mfu: the fraction of peak bf16 FLOP/s the plan assumes a step reaches."""
+    assumed_mfu: the fraction of peak bf16 FLOP/s the plan assumes a step reaches.
+    compile_s_per_layer: seconds to compile a phase's graphs per decoder layer, which the plan
+        adds to every session (a warm xla.compile_cache_dir loads them instead). The default is
+        what `make bench-host` measured on XLA:CPU (13.1 s for 32 layers); a TPU run's summary
+        reports compile_seconds: divide by the layers and set it here."""
 
     type: str = "v5e-8"
     assumed_mfu: float = 0.4
+    compile_s_per_layer: float = 0.41
 
 
 @dataclass
@@ -459,6 +464,8 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"parallel.host_timeout_s must be > 0, got {config.parallel.host_timeout_s}")
     if not 0 < config.tpu.assumed_mfu <= 1:
         raise ConfigError(f"tpu.assumed_mfu must be in (0, 1], got {config.tpu.assumed_mfu}")
+    if not config.tpu.compile_s_per_layer >= 0:
+        raise ConfigError(f"tpu.compile_s_per_layer must be >= 0, got {config.tpu.compile_s_per_layer}")
     if config.phase2.init not in ("continue", "merge", "fresh"):
         raise ConfigError(f"phase2.init must be 'continue', 'merge' or 'fresh', got {config.phase2.init!r}")
     for number in (1, 2):

@@ -136,6 +136,8 @@ class PlanInputs:
     fsdp_axis: int = -1  # under fsdp: chips each weight matrix is split over (-1: every chip)
     loss_chunk: int = 0  # tokens per chunk of the loss (0: the full logits)
     attention: str = "dense"  # what model.attention resolves to on the planned TPU: dense, splash, flash
+    compile_s_per_layer: float = 0.0  # compile seconds per decoder layer (tpu.compile_s_per_layer)
+    capture_step: bool = True  # train.capture_step: one micro-batch compiled, whatever grad_accum
 
 
 def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
@@ -169,7 +171,10 @@ def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
         per_token += 2 * shape.hidden * shape.vocab  # each chunk's projection again in the backward
     step_flops = per_token * global_tokens
     step_time = step_flops / (devices * tpu.peak_flops_per_device * inputs.assumed_mfu)
-    hours = inputs.steps * step_time / 3600  # compiling (minutes, once per phase) not included
+    # The step's graph holds one micro-batch's layers when captured (micro_batch_loop.py),
+    # grad_accum copies of them when traced every step.
+    compile_s = inputs.compile_s_per_layer * shape.layers * (1 if inputs.capture_step else inputs.grad_accum)
+    hours = (inputs.steps * step_time + compile_s) / 3600
     return {
         "fits": bool(fits),
         "hbm_per_chip_gib": round(total / GIB, 2),
@@ -186,10 +191,11 @@ def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
         "flops_per_token": per_token,
         "flops_per_step": step_flops,
         "step_time_s": round(step_time, 3),
+        "compile_s": round(compile_s, 1),  # per session of the phase (a warm compile cache: ~0)
         "tokens_per_sec": round(global_tokens / step_time, 1),
         "tokens_per_step": global_tokens,
         "tokens": inputs.steps * global_tokens,
-        "tpu_hours": round(hours, 3),  # hours the slice is held
+        "tpu_hours": round(hours, 3),  # hours the slice is held, one compile included
         "chip_hours": round(hours * tpu.chips, 2),  # what per-chip-hour pricing bills
         "inputs": {**dataclasses.asdict(inputs), "tpu_type": tpu.type, "chips": tpu.chips, "devices": devices,
                    "hosts": tpu.hosts, "peak_bf16_tflops_per_chip": tpu.generation.bf16_tflops_per_chip,

@@ -8,7 +8,8 @@
    target exists in it (a weightless model on the meta device); the prepared shards against
    the tokenizer (when both are on disk).
 2. Plan, for tpu.type and parallel.mode: HBM per chip against its capacity, FLOPs per step,
-   step time and tokens/s at tpu.assumed_mfu, wall time and TPU-hours per phase, and when it
+   step time and tokens/s at tpu.assumed_mfu, compile time (tpu.compile_s_per_layer), wall time
+   and TPU-hours per phase (compiles included), and when it
    does not fit, the overrides that make it fit (finetuning_pipeline/plan.py has the model).
 3. Rehearsal (skip with --no-rehearsal): the real trainer on XLA:CPU with a shrunken model of
    the same architecture (2 layers, hidden 64) under the same LoRA, parallel mode and
@@ -122,7 +123,8 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
                       checkpointing=config.model.gradient_checkpointing, lora_r=config.lora.r,
                       lora_targets=list(config.lora.target_modules), lora_dropout=config.lora.dropout,
                       assumed_mfu=config.tpu.assumed_mfu, steps=config.max_steps(phase), fsdp_axis=fsdp_axis,
-                      loss_chunk=loss_chunk, attention=attention)
+                      loss_chunk=loss_chunk, attention=attention, compile_s_per_layer=config.tpu.compile_s_per_layer,
+                      capture_step=config.train.capture_step)
 
 
 def make_plan(config: RunConfig, model_config) -> dict:
@@ -134,9 +136,15 @@ def make_plan(config: RunConfig, model_config) -> dict:
         inputs = plan_inputs(config, phase, devices=tpu.devices, model_config=model_config)
         phases[f"phase{phase}"] = plan(shape, tpu, inputs)
         phases[f"phase{phase}"]["parallel_advice"] = mode_advice(shape, tpu, inputs)
-        if config.train.max_wall_time:  # sessions of that budget the phase's steps need (compiles not counted)
+        if config.train.max_wall_time:  # sessions of that budget the phase needs; each compiles again
             budget = parse_duration(config.train.max_wall_time)
-            phases[f"phase{phase}"]["sessions"] = max(1, math.ceil(phases[f"phase{phase}"]["tpu_hours"] * 3600 / budget))
+            planned = phases[f"phase{phase}"]
+            compile_s = planned["compile_s"]
+            steps_s = planned["tpu_hours"] * 3600 - compile_s
+            sessions = max(1, math.ceil(steps_s / max(budget - compile_s, 1.0)))
+            planned["sessions"] = sessions
+            planned["tpu_hours"] = round((steps_s + sessions * compile_s) / 3600, 3)
+            planned["chip_hours"] = round(planned["tpu_hours"] * planned["inputs"]["chips"], 2)
         if not phases[f"phase{phase}"]["fits"]:
             phases[f"phase{phase}"]["to_fit"] = suggestions(shape, tpu, inputs)
     first = next(iter(phases.values()))
@@ -318,7 +326,8 @@ def format_report(report: dict) -> str:
             f"({'fits' if phase['fits'] else 'DOES NOT FIT'}; weights {b['weights']}, LoRA+optimizer "
             f"{b['lora_and_optimizer']}, activations {b['activations']}, logits {b['logits']}), "
             f"{phase['step_time_s']:.2f} s/step, {phase['tokens_per_sec']:,.0f} tokens/s at MFU {p['assumed_mfu']}, "
-            f"{phase['tpu_hours']:.2f} TPU-hours ({phase['chip_hours']:.1f} chip-hours)")
+            f"compile ~{phase['compile_s']:.0f} s a session (tpu.compile_s_per_layer), "
+            f"{phase['tpu_hours']:.2f} TPU-hours with compiles ({phase['chip_hours']:.1f} chip-hours)")
         for fix in phase.get("to_fit", [])[:3]:
             overrides = " ".join(f"{k}={v}" for k, v in fix["overrides"].items())
             lines.append(f"      to fit: {overrides}  ({fix['hbm_per_chip_gib']} GiB, {fix['step_time_s']} s/step)")
