@@ -32,6 +32,10 @@ if name == "gcloud" and "ssh" in args:
     sys.exit(int(os.environ.get("FAKE_SSH_STATUS", "0")))
 if name == "python" and "-c" in args:
     sys.exit(int(os.environ.get("FAKE_TPU_STATUS", "0")))
+if name == "sudo" and args[:1] == ["blkid"]:  # 2: no filesystem on the device
+    sys.exit(int(os.environ.get("FAKE_BLKID_STATUS", "0")))
+if name == "mountpoint":
+    sys.exit(int(os.environ.get("FAKE_MOUNTED_STATUS", "1")))
 """
 
 
@@ -39,7 +43,7 @@ if name == "python" and "-c" in args:
 def fakes(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name in ("gcloud", "git", "python"):
+    for name in ("gcloud", "git", "python", "sudo", "mountpoint"):
         path = bin_dir / name
         path.write_text(FAKE.replace("#!/usr/bin/env python3", f"#!{sys.executable}"))
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
@@ -62,7 +66,7 @@ def test_scripts_are_shellcheck_clean():
     proc = subprocess.run([shellcheck, "-x", *map(str, SCRIPTS)], capture_output=True, text=True, cwd=UTILS)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert {p.name for p in SCRIPTS} >= {"gcloud_tpuvm.sh", "cloud-clone-public.sh", "cloud-clone-private.sh",
-                                         "run-on-pod.sh"}
+                                         "run-on-pod.sh", "mount-cache-disk.sh"}
 
 
 VM = ["--name", "t1", "--type", "v5litepod-8", "--zone", "us-west4-a", "--version", "v2-alpha-tpuv5-lite"]
@@ -77,6 +81,34 @@ def test_create_spot_vm_wait_until_ready_ssh_and_delete_on_exit(fakes):
     assert [c[4] for c in calls] == ["create", "describe", "describe", "describe", "ssh", "delete"]
     assert calls[4] == tpu + ["ssh", "t1", "--zone", "us-west4-a", "--worker", "0"]
     assert calls[5] == tpu + ["delete", "t1", "--zone", "us-west4-a", "--quiet"]
+
+
+def test_a_cache_disk_is_attached_read_write_and_needs_a_project(fakes):
+    proc, calls = fakes("gcloud_tpuvm.sh", *VM, "--project", "proj", "--cache-disk", "xla-cache", "--no-ssh")
+    assert proc.returncode == 0, proc.stderr
+    create = calls[0]
+    assert create[create.index("--data-disk") + 1] == "source=projects/proj/zones/us-west4-a/disks/xla-cache,mode=read-write"
+    proc, calls = fakes("gcloud_tpuvm.sh", *VM, "--cache-disk", "xla-cache")  # no project configured either
+    assert proc.returncode == 2 and "--cache-disk needs --project" in proc.stderr
+    assert not any("create" in c for c in calls)
+
+
+def test_the_cache_disk_is_formatted_only_when_empty_then_mounted(fakes, tmp_path):
+    device = tmp_path / "disk"
+    device.write_text("")
+    args = ["--device", str(device), "--mount-point", str(tmp_path / "persist")]
+    proc, calls = fakes("mount-cache-disk.sh", *args, FAKE_BLKID_STATUS="2")
+    assert proc.returncode == 0, proc.stderr
+    sudo = [c[1:] for c in calls if c[0] == "sudo"]
+    assert sudo[0] == ["blkid", str(device)] and sudo[1][0] == "mkfs.ext4" and sudo[1][-1] == str(device)
+    assert ["mount", "-o", "discard,defaults", str(device), str(tmp_path / "persist")] in sudo
+    assert f"xla.compile_cache_dir={tmp_path / 'persist'}/xla-cache" in proc.stdout
+    proc, calls = fakes("mount-cache-disk.sh", *args, FAKE_BLKID_STATUS="0", FAKE_MOUNTED_STATUS="0")
+    assert proc.returncode == 0, proc.stderr
+    sudo = [c[1] for c in calls if c[0] == "sudo"]
+    assert "mkfs.ext4" not in sudo and "mount" not in sudo  # a filesystem is never formatted again
+    proc, calls = fakes("mount-cache-disk.sh", "--device", str(tmp_path / "missing"))
+    assert proc.returncode == 2 and "no such disk" in proc.stderr and calls == []
 
 
 def test_delete_on_exit_also_runs_when_the_session_fails(fakes):
@@ -98,7 +130,8 @@ def test_dry_run_prints_and_calls_nothing(fakes):
     assert [line.split()[5] for line in printed] == ["create", "describe", "ssh", "delete"]
     for script, args in [("cloud-clone-public.sh", ["--repo", "https://example.com/r.git"]),
                          ("cloud-clone-private.sh", ["--repo", "https://example.com/r.git"]),
-                         ("run-on-pod.sh", ["--name", "p", "--zone", "z", "--", "echo", "hi"])]:
+                         ("run-on-pod.sh", ["--name", "p", "--zone", "z", "--", "echo", "hi"]),
+                         ("mount-cache-disk.sh", ["--device", "/dev/none"])]:
         proc, calls = fakes(script, "--dry-run", *args)
         assert proc.returncode == 0 and calls == [], (script, proc.stderr)
         assert proc.stdout.count("\n+ ") + proc.stdout.startswith("+ ") >= 1, script
