@@ -10,7 +10,8 @@ micro-batch per step with no accumulation, fp32:
   large  8 layers, hidden 512 (GQA 8:4 heads of 64), MLP 1536, micro-batch 8 x seq_len 512:
          the matmuls dominate.
 Each measurement runs in a fresh process (no graph cache shared): ours (the real
-`finetuning_pipeline/main.py`), the peer (transformers.Trainer with optim adamw_torch and a
+`finetuning_pipeline/main.py`; again with train.capture_step=false, the step traced every
+time, as `traced_every_step`), the peer (transformers.Trainer with optim adamw_torch and a
 peft LoRA of the same rank, targets and scaling, on the same token blocks), a frozen-base
 forward+backward of the same model (the floor a LoRA step cannot beat), and the host's XLA
 matmul throughput (for `mfu_host`). Results: outputs/bench/bench.json and a table on stdout.
@@ -85,7 +86,8 @@ def step_flops_per_token(model_dir: Path, seq_len: int) -> float:
 
 
 # -- the measurements, each run in its own process ---------------------------------------------
-def measure_ours(model_dir: str, data: str, micro_batch: int, steps: int, out_dir: str) -> dict:
+def measure_ours(model_dir: str, data: str, micro_batch: int, steps: int, out_dir: str, capture: int = 1) -> dict:
+    """capture 0: the step traced every time (train.capture_step false), for comparison."""
     import yaml
 
     config = {
@@ -93,7 +95,7 @@ def measure_ours(model_dir: str, data: str, micro_batch: int, steps: int, out_di
         "model": {"path": model_dir, "dtype": "float32"},
         "lora": {"r": RANK, "alpha": ALPHA, "target_modules": TARGETS},
         "train": {"max_steps": steps, "micro_batch": micro_batch, "grad_accum": 1, "lr": LR, "warmup_steps": 2,
-                  "warmup_compiles_steps": WARMUP_STEPS},
+                  "warmup_compiles_steps": WARMUP_STEPS, "capture_step": bool(capture)},
         "eval": {"max_batches": 1},
         "checkpoint": {"every": 0, "keep": 1},
         "logging": {"every": steps, "progress_bar": False, "tensorboard": False},
@@ -257,12 +259,14 @@ def bench_shape(name: str, steps: int, peer: bool, root: Path, matmul_rate: floa
     flops_per_token = step_flops_per_token(model_dir, shape["seq_len"])
     args = (model_dir, data, shape["micro_batch"], steps, root / name / "run")
     ours = in_subprocess("ours", *args)
+    traced = in_subprocess("ours", *args[:-1], root / name / "run_traced", 0)
     frozen = in_subprocess("frozen", *args)
     result = {
         "config": {**shape, "rank": RANK, "alpha": ALPHA, "targets": TARGETS, "optimizer": "AdamW", "lr": LR,
                    "grad_accum": 1, "dtype": "float32", "steps": steps, "warmup_steps_excluded": WARMUP_STEPS},
         "flops_per_token": flops_per_token,
         **figures(ours, tokens_per_step, flops_per_token, matmul_rate),
+        "traced_every_step": figures(traced, tokens_per_step, flops_per_token, matmul_rate),
         "frozen_base_fwd_bwd_step_s": frozen["step_time_s"],
         "lora_step_vs_frozen_fwd_bwd": round(ours["step_time_s"] / frozen["step_time_s"], 3),
     }
@@ -320,7 +324,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def print_shape(name: str, r: dict) -> None:
-    rows = [("ours", r)] + ([("HF Trainer + PEFT", r["peer"])] if "peer" in r else [])
+    rows = [("ours", r), ("ours, traced", r["traced_every_step"])]
+    rows += [("HF Trainer + PEFT", r["peer"])] if "peer" in r else []
     for label, f in rows:
         print(f"{name:5} {label:18} {f['tokens_per_sec']:>10,.0f} tok/s  step {f['step_time_s']:.4f} s  "
               f"graphs {f['compiles_total']} ({f['compiles_after_warmup']} after warm-up)  "
