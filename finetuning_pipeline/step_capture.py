@@ -7,7 +7,8 @@ once: `CapturedStep` runs the step function on the lazy tensors, lowers what it 
 one XLA computation, and from then on only binds the current tensors to that computation's
 parameters and hands it to torch_xla as a single operation (torch_xla's own `scan` and
 `gradient_accumulation` build their loops from the same pieces). A replayed step is one
-graph of a few nodes, hashed and launched in well under a millisecond per input.
+graph of a few nodes: a 32-layer model's step is bound and launched in 14 ms where tracing
+it took 197 ms (`make bench-host`).
 
 Contract of the step function: `step_fn(inputs) -> dict of result tensors`. It may read and
 update in place (`copy_`, `add_`) the tensors `state()` lists, and read anything else that

@@ -2,9 +2,9 @@
 one per host under fsdp).
 
 Per optimizer step: `grad_accum` micro-batches arrive on the device (MpDeviceLoader prefetches
-them on a background thread), `step.train_step` builds forwards, backwards, the sums over
-replicas, clipping and the masked AdamW update into one lazy graph, and `torch_xla.sync()`
-marks the step boundary. Nothing in a step waits for the device: logging reads the step's
+them on a background thread), the `Stepper` puts forwards, backwards, the sums over replicas,
+clipping and the masked AdamW update into one graph (traced at step 1 and replayed after:
+step_capture.py), and `torch_xla.sync()` marks the step boundary. Nothing in a step waits for the device: logging reads the step's
 results in a step closure on log steps, and the stop vote is a host collective on a host flag.
 
 `run_phase` is the loop; each concern is a small part with its own state:
