@@ -19,7 +19,6 @@ from finetuning_pipeline.attention_masks import attention_masks
 from finetuning_pipeline.chunked_loss import chunked_loss_sum
 from finetuning_pipeline.collectives import Collectives
 from finetuning_pipeline.kernel_attention import kernel_masks, segment_ids, uses_kernel
-from finetuning_pipeline.micro_batch_loop import summed_over_micro_batches
 from lora_logic.dropout import set_dropout_seed
 
 
@@ -76,32 +75,24 @@ def micro_batch_gradients(model, optimizer, batch: dict[str, torch.Tensor], pack
 
 
 def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, collectives: Collectives | None = None,
-               packed: bool = True, loss_chunk: int = 0, seeds: list[int] | torch.Tensor | None = None,
-               loop: bool = False) -> dict[str, torch.Tensor]:
+               packed: bool = True, loss_chunk: int = 0, seeds: list[int] | None = None) -> dict[str, torch.Tensor]:
     """Accumulate gradients over `micro_batches`, average, clip, step. Returns device tensors:
     loss (mean per label token), tokens (label tokens in the step), grad_norm (before
     clipping) and applied (False when the loss or the gradient norm was not finite: the
     optimizer then skipped the update, on the device). The caller marks the step boundary.
 
-    seeds: the torch_xla RNG seed of each micro-batch (its dropout masks), host integers or an
-    int64 device tensor; None leaves the RNG as it is. loop: accumulate in one XLA While loop
-    (micro_batch_loop.py: traced and compiled once whatever the number of micro-batches; needs
-    seeds as a device tensor) instead of tracing every micro-batch. Both give the same numbers."""
-    def gradients(batch):
-        return micro_batch_gradients(model, optimizer, batch, packed, loss_chunk)
+    This is the step traced every time (train.capture_step false, and the reference the
+    captured step is tested against: trainer.Stepper runs the same parts traced once).
+    seeds: the torch_xla RNG seed of each micro-batch; None leaves the RNG as it is."""
+    import torch_xla.core.xla_model as xm
 
-    if loop:
-        grad, loss_total, tokens = summed_over_micro_batches(
-            gradients, micro_batches, seeds, reads=list(model.parameters()) + list(model.buffers()))
-    else:
-        import torch_xla.core.xla_model as xm
-
-        sums = None
-        for i, batch in enumerate(micro_batches):
-            if seeds is not None:
-                xm.set_rng_state(int(seeds[i]), device=optimizer.params[0].device)
-            sums = gradients(batch) if sums is None else [a + b for a, b in zip(sums, gradients(batch))]
-        grad, loss_total, tokens = sums
+    sums = None
+    for i, batch in enumerate(micro_batches):
+        if seeds is not None:
+            xm.set_rng_state(seeds[i], device=optimizer.params[0].device)
+        out = micro_batch_gradients(model, optimizer, batch, packed, loss_chunk)
+        sums = out if sums is None else [a + b for a, b in zip(sums, out)]
+    grad, loss_total, tokens = sums
     if collectives is not None:  # sums over the replicas (one collective for all three)
         grad, loss_total, tokens = collectives.sum_device([grad, loss_total, tokens])
     return apply_update(optimizer, grad, loss_total, tokens, max_grad_norm)

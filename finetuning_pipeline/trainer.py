@@ -4,8 +4,9 @@ one per host under fsdp).
 Per optimizer step: `grad_accum` micro-batches arrive on the device (MpDeviceLoader prefetches
 them on a background thread), the `Stepper` puts forwards, backwards, the sums over replicas,
 clipping and the masked AdamW update into one graph (traced at step 1 and replayed after:
-step_capture.py), and `torch_xla.sync()` marks the step boundary. Nothing in a step waits for the device: logging reads the step's
-results in a step closure on log steps, and the stop vote is a host collective on a host flag.
+step_capture.py), and `torch_xla.sync()` marks the step boundary. Nothing in a step waits
+for the device: logging reads the step's results in a step closure on log steps, and the
+stop vote is a host collective on a host flag.
 
 `run_phase` is the loop; each concern is a small part with its own state:
   CompileGuard (compile_guard.py)       no new graph after warm-up; the phase's clock
@@ -40,10 +41,10 @@ from finetuning_pipeline.evaluation import describe_eval, evaluate_loss
 from finetuning_pipeline.kernel_attention import choose_attention, enable_kernel_attention
 from finetuning_pipeline.lr_schedule import lr_table
 from finetuning_pipeline.metrics_log import MetricsLog, StepLogger
+from finetuning_pipeline.micro_batch_loop import summed_over_micro_batches
 from finetuning_pipeline.model_loading import DTYPES, load_base, load_model
 from finetuning_pipeline.parallel import Parallel
 from finetuning_pipeline.run_layout import RunLayout
-from finetuning_pipeline.micro_batch_loop import summed_over_micro_batches
 from finetuning_pipeline.step import apply_update, micro_batch_gradients, train_step
 from finetuning_pipeline.step_capture import CapturedStep
 from finetuning_pipeline.stop_signal import StopVote
@@ -76,7 +77,8 @@ def step_seed(seed: int, phase: int, rank: int, step: int) -> int:
 
 
 def micro_batch_seeds(seed: int, phase: int, rank: int, step: int, count: int) -> list[int]:
-    """The XLA RNG seed of each micro-batch of a step (its dropout masks)."""
+    """The seed of each micro-batch of a step: torch_xla's RNG seed for it and, mod 2**31, its
+    LoRA dropout masks' (lora_logic/dropout.py)."""
     first = step_seed(seed, phase, rank, step)
     return [(first * 1_000_003 + i) % (2**63 - 1) for i in range(count)]
 
