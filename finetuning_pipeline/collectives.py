@@ -92,6 +92,16 @@ class Collectives:
     def barrier(self) -> None:
         self._host_max(0)
 
+    def close(self) -> None:
+        """The end of a run that every replica reached: wait for all, then take the host group
+        down in order. (Left to the interpreter's exit, a replica of a CI rehearsal once
+        aborted after finishing: "terminate called without an active exception".)"""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            self.barrier()
+            dist.destroy_process_group()
+
     # -- device sums --------------------------------------------------------------------------
     def sum_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each tensor summed over the replicas (same shapes on every replica); returns the

@@ -210,7 +210,8 @@ def run_replica(index: int, config: RunConfig, plans: list[PhasePlan], resume_co
                       f"({stop.reason()})", flush=True)
                 if parallel.master:
                     print(stop.after_stop(result.stopped_at_step, plan.phase, resume_command), flush=True)
-                return
+                break
+    parallel.collectives.close()
 
 
 def format_summary(summary: dict) -> str:
