@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from finetuning_pipeline.step_capture import check_all_parameters_bound
+from finetuning_pipeline.step_capture import data_id, lower
 
 
 def summed_over_micro_batches(body: Callable[[dict[str, torch.Tensor]], list[torch.Tensor]],
@@ -32,6 +32,7 @@ def summed_over_micro_batches(body: Callable[[dict[str, torch.Tensor]], list[tor
     import torch_xla
     import torch_xla.core.xla_builder as xb
     import torch_xla.core.xla_model as xm
+    from torch_xla.experimental.scan import dynamic_slice
 
     keys = sorted(micro_batches[0])
     first = [micro_batches[0][k] for k in keys]
@@ -40,68 +41,48 @@ def summed_over_micro_batches(body: Callable[[dict[str, torch.Tensor]], list[tor
                            "call torch_xla.sync() first")
     by_data = {}
     for t in reads:
-        (data_id,), _ = torch_xla._XLAC._get_tensors_xla_device_data_node([t], [t])
-        by_data.setdefault(data_id, t)
+        by_data.setdefault(data_id(t), t)
     stacked = [torch.stack([batch[k] for batch in micro_batches]) for k in keys]  # [k, ...] each
     # The body is traced on the first micro-batch itself (real tensors: a placeholder tensor
     # has no SPMD sharding, and a computation with one crashes under SPMD); in the loop its
     # parameters take each micro-batch's slice instead.
     xm.set_rng_state(0)  # the seed's data is a parameter too: seeds[i] in the loop
     outputs = body(dict(zip(keys, first)))
-    context = torch_xla._XLAC.lowering.LoweringContext("MicroBatch")
-    context.set_name_string("micro_batch")
-    context.build(outputs)
-    computation = xb.computation_from_module_proto("micro_batch", context.hlo())
-
-    # The computation's parameters: the micro-batch's, then everything else it read (hoisted),
-    # each found with the data it holds (its owner's data: CapturedStep binds it to that owner).
-    # (What it reads is listed as uncloned: otherwise the call swaps its data for copies, new ids and all.)
-    batch_params = [context.tensor_parameter_id(t) for t in first]  # -1: a key the body does not read
-    hoisted, seed_param = {}, None
-    for data_id, value in zip(*torch_xla._XLAC._get_tensors_xla_device_data_node(outputs, reads + first)):
-        param = context.tensor_parameter_id(value)
-        if data_id == torch_xla._XLAC._get_seed_info_id():
-            seed_param = param
-        elif param not in batch_params:
-            hoisted[param] = by_data.get(data_id, value)
-    seed_params = [seed_param] if seed_param is not None else []
-    check_all_parameters_bound(computation, (set(batch_params) | set(hoisted) | set(seed_params)) - {-1})
+    computation, parameters = lower(outputs, "micro_batch", reads + first)
+    # The computation's parameters: the micro-batch's, the seed, and everything else it read
+    # (loop-invariant), the weights as themselves (CapturedStep binds them to the state they are).
+    batch_params = [next((p for p, data, _ in parameters if data == data_id(t)), -1) for t in first]  # -1: unread
+    seed_params = [p for p, data, _ in parameters if data == torch_xla._XLAC._get_seed_info_id()]
+    invariant = {p: by_data.get(data, value) for p, data, value in parameters
+                 if p not in batch_params and p not in seed_params}
 
     device = stacked[0].device
     accumulators = [torch.zeros(t.shape, dtype=t.dtype, device=device) for t in outputs]
     loop_inputs = ([torch.tensor(0, dtype=torch.int64, device=device)] + accumulators + stacked
-                   + [seeds.to(torch.int64)] + list(hoisted.values()))
+                   + [seeds.to(torch.int64)] + list(invariant.values()))
     builder = xb.create_builder("micro_batch_loop")
     params = [xb.mkparam(builder, i, xb.tensor_shape(t)) for i, t in enumerate(loop_inputs)]
     count, n_acc, n_batch = len(micro_batches), len(accumulators), len(stacked)
-    hoisted_ids = list(hoisted)
 
     def condition(i, *_):
         return i < xb.Op.scalar(i.builder(), count, dtype=xb.Type.S64)
 
     def step(i, *rest):
         acc, batches = list(rest[:n_acc]), rest[n_acc:n_acc + n_batch]
-        seeds_op, invariant = rest[n_acc + n_batch], rest[n_acc + n_batch + 1:]
-        arguments = [None] * (len(set(batch_params) - {-1}) + len(hoisted) + len(seed_params))
+        seeds_op, invariant_ops = rest[n_acc + n_batch], rest[n_acc + n_batch + 1:]
+        arguments = [None] * len(parameters)
         for param, batch in zip(batch_params, batches):
             if param != -1:
-                arguments[param] = _slice(batch, i)
-        for param, value in zip(hoisted_ids, invariant):
+                arguments[param] = dynamic_slice(batch, i)
+        for param, value in zip(invariant, invariant_ops):
             arguments[param] = value
         for param in seed_params:
-            arguments[param] = _slice(seeds_op, i)
+            arguments[param] = dynamic_slice(seeds_op, i)
         result = xb.Op.call(computation, arguments)
         acc = [a + result.get_tuple_element(j) for j, a in enumerate(acc)]
         one = xb.Op.scalar(i.builder(), 1, dtype=xb.Type.S64)
-        return (i + one, *acc, *batches, seeds_op, *invariant)
+        return (i + one, *acc, *batches, seeds_op, *invariant_ops)
 
     loop = xb.Op.mkwhile(params, condition, step).build("micro_batch_loop")
     results = torch_xla._XLAC._xla_user_computation("xla::micro_batch_loop", loop_inputs, loop)
     return results[1:1 + n_acc]
-
-
-def _slice(stacked, i):
-    """stacked[i] of an XLA builder op: [k, ...] -> [...]."""
-    sizes = list(stacked.shape().sizes)
-    start = [i] + [i.zeros_like() for _ in sizes[1:]]
-    return stacked.dynamic_slice(start, [1] + sizes[1:]).reshape(sizes[1:])

@@ -14,8 +14,9 @@ Contract of the step function: `step_fn(inputs) -> dict of result tensors`. It m
 update in place (`copy_`, `add_`) the tensors `state()` lists, and read anything else that
 does not change between steps (frozen weights, buffers, constants it makes). Every tensor it
 updates must be in `state()`: an update of another tensor would be traced once and never
-again. The random numbers of a replay come from its `seed` (one torch_xla RNG seed per call,
-as `xm.set_rng_state` gives the traced step).
+again. It draws no torch random numbers of its own (they would repeat at every replay: the
+capture refuses them); the micro-batch loop takes a seed per micro-batch as data
+(micro_batch_loop.py), and LoRA dropout a seed tensor (lora_logic/dropout.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 
 class CapturedStep:
-    """`step = CapturedStep(step_fn, state)`, then `results = step(inputs, seed)` every step.
+    """`step = CapturedStep(step_fn, state)`, then `results = step(inputs)` every step.
 
     The first call traces `step_fn` on its inputs (or `capture(examples)` does, earlier), keeps
     the lowered computation and puts the state back as it was; every call then replays it.
@@ -51,16 +52,16 @@ class CapturedStep:
     def captured(self) -> bool:
         return self.computation is not None
 
-    def __call__(self, inputs: list[torch.Tensor], seed: int) -> dict:
+    def __call__(self, inputs: list[torch.Tensor]) -> dict:
         signature = [(tuple(t.shape), t.dtype) for t in inputs]
         if self.computation is None:
-            self.capture(inputs, seed)
+            self.capture(inputs)
         elif signature != self.signature:
             raise ValueError(f"{self.name}: inputs changed from {self.signature} to {signature}; a captured step "
                              "replays one shape")
-        return self._replay(inputs, seed)
+        return self._replay(inputs)
 
-    def capture(self, examples: list[torch.Tensor], seed: int) -> dict[str, tuple]:
+    def capture(self, examples: list[torch.Tensor]) -> dict[str, tuple]:
         """Trace the step on `examples`: materialised tensors of the inputs' shapes, dtypes and
         SPMD shardings (the first inputs themselves, or zeros). Returns the results' (shape,
         dtype)s. Call it when nothing is pending on the device (right after a
@@ -69,7 +70,6 @@ class CapturedStep:
         Real tensors, not torch_xla's placeholder tensors: a placeholder carries no sharding,
         and under SPMD the computation then crashes the process (torch_xla 2.9, XLA:CPU)."""
         import torch_xla
-        import torch_xla.core.xla_builder as xb
         import torch_xla.core.xla_model as xm
 
         # Wait, once, for the device: the trace's leftovers are dropped below, and a tensor whose
@@ -86,10 +86,8 @@ class CapturedStep:
         owners: dict[int, list[tuple[str, int]]] = {}
         for kind, tensors in (("input", examples), ("state", state)):
             for i, t in enumerate(tensors):
-                (data_id,), _ = torch_xla._XLAC._get_tensors_xla_device_data_node([t], [t])
-                owners.setdefault(data_id, []).append((kind, i))
+                owners.setdefault(data_id(t), []).append((kind, i))
 
-        xm.set_rng_state(seed)
         results = self.step_fn(list(examples))
         self.result_keys = list(results)
         self.result_signature = {k: (tuple(v.shape), v.dtype) for k, v in results.items()}
@@ -97,24 +95,19 @@ class CapturedStep:
         if any(torch_xla._XLAC._check_tensor_need_materialization(examples)):
             raise RuntimeError(f"{self.name}: the step updates one of its inputs in place; return the new value")
         outputs = [state[i] for i in self.updated] + [results[k] for k in self.result_keys]
-        context = torch_xla._XLAC.lowering.LoweringContext("CapturedStep")
-        context.set_name_string(self.name)
-        context.build(outputs)
-        self.computation = xb.computation_from_module_proto(f"captured_{self.name}", context.hlo())
-
-        seed_id = torch_xla._XLAC._get_seed_info_id()
         updated = {("state", i) for i in self.updated}
+        # What the step only reads is listed as uncloned; the updated state's data is given back below.
+        kept = list(examples) + [t for i, t in enumerate(state) if ("state", i) not in updated]
+        self.computation, parameters = lower(outputs, f"captured_{self.name}", kept)
+
         bindings: dict[int, tuple[str, object]] = {}
         originals: dict[int, torch.Tensor] = {}
-        # What the step only reads is listed as uncloned: otherwise this call swaps its data for
-        # copies (new ids and all). The updated state's data is given back below anyway.
-        kept = list(examples) + [t for i, t in enumerate(state) if ("state", i) not in updated]
-        for data_id, value in zip(*torch_xla._XLAC._get_tensors_xla_device_data_node(outputs, kept)):
-            param = context.tensor_parameter_id(value)
-            found = owners.get(data_id)
-            if data_id == seed_id:
-                bindings[param] = ("seed", None)
-            elif found is None:
+        for param, data, value in parameters:
+            found = owners.get(data)
+            if data == torch_xla._XLAC._get_seed_info_id():
+                raise RuntimeError(f"{self.name}: the step draws torch random numbers outside the micro-batch loop; "
+                                   "a replay would repeat them (seed them by data, as lora_logic/dropout.py does)")
+            if found is None:
                 bindings[param] = ("constant", value)  # made by the step itself: the same every step
             elif len(found) > 1 and updated.intersection(found):
                 raise RuntimeError(f"{self.name}: tensors {found} share one device data and the step updates "
@@ -123,7 +116,6 @@ class CapturedStep:
                 bindings[param] = found[0]
                 if found[0] in updated:
                     originals[found[0][1]] = value  # its data before the step
-        check_all_parameters_bound(self.computation, set(bindings))
         self.bindings = [bindings[i] for i in range(len(bindings))]
         self.signature = [(tuple(t.shape), t.dtype) for t in examples]
         # The trace changed the state tensors lazily: put their data back (the replay computes the
@@ -135,21 +127,12 @@ class CapturedStep:
         torch_xla._XLAC._clear_pending_irs(str(examples[0].device))
         return self.result_signature
 
-    def _replay(self, inputs: list[torch.Tensor], seed: int) -> dict:
+    def _replay(self, inputs: list[torch.Tensor]) -> dict:
         import torch_xla
 
         state = self.state()
-        device = inputs[0].device
-        arguments = []
-        for kind, where in self.bindings:
-            if kind == "state":
-                arguments.append(state[where])
-            elif kind == "input":
-                arguments.append(inputs[where])
-            elif kind == "seed":
-                arguments.append(torch.tensor(seed, dtype=torch.int64).to(device))
-            else:
-                arguments.append(where)
+        sources = {"state": state, "input": inputs}
+        arguments = [sources[kind][where] if kind in sources else where for kind, where in self.bindings]
         outputs = torch_xla._XLAC._xla_user_computation(f"xla::captured_{self.name}", arguments, self.computation)
         with torch.no_grad():  # copy_, not a swap: views of the state (detach()) see the new value too
             for i, value in zip(self.updated, outputs):
@@ -157,20 +140,41 @@ class CapturedStep:
         return dict(zip(self.result_keys, outputs[len(self.updated):]))
 
 
-def check_all_parameters_bound(computation, bound: set[int]) -> None:
-    """Refuse a computation with parameters torch_xla did not report with their data. It
-    reports one node per tensor id, and each `xm.set_rng_state` in a trace makes another RNG
-    seed node under the seed's id (torch_xla's activation checkpointing restores the RNG that
-    way before recomputing a layer): a graph that draws torch random numbers inside a
-    checkpointed layer. LoRA dropout does not (lora_logic/dropout.py); attention dropout would."""
+def data_id(tensor: torch.Tensor) -> int:
+    """The id torch_xla records with a materialised tensor's device data (that of the tensor
+    that made it), without the side effect of swapping the data for a copy."""
+    import torch_xla
+
+    (found,), _ = torch_xla._XLAC._get_tensors_xla_device_data_node([tensor], [tensor])
+    return found
+
+
+def lower(outputs: list[torch.Tensor], name: str, uncloned: list[torch.Tensor]) -> tuple[object, list[tuple]]:
+    """(XLA computation of `outputs`, [(parameter number, data id, data)] for each parameter).
+
+    torch_xla's `_get_tensors_xla_device_data_node` swaps the data of every tensor it reports
+    for a copy with a new id unless the tensor is in `uncloned`: list there what the caller
+    will bind by identity. It reports one node per data id, and each `xm.set_rng_state` in a
+    trace makes another RNG seed node under the seed's id (torch_xla's activation checkpointing
+    restores the RNG that way before recomputing a layer): a computation with a parameter it
+    did not report is refused, naming the setting that avoids it. LoRA dropout draws no torch
+    random numbers (lora_logic/dropout.py); attention dropout does."""
+    import torch_xla
     import torch_xla.core.xla_builder as xb
 
+    context = torch_xla._XLAC.lowering.LoweringContext(name)
+    context.set_name_string(name)
+    context.build(outputs)
+    computation = xb.computation_from_module_proto(name, context.hlo())
+    parameters = [(context.tensor_parameter_id(value), data, value)
+                  for data, value in zip(*torch_xla._XLAC._get_tensors_xla_device_data_node(outputs, uncloned))]
     text = xb.get_computation_hlo(computation)
     entry = text[text.index("\nENTRY"):]
     entry = entry[:entry.index("\n}")]
     shapes = {int(n): shape for shape, n in re.findall(r"= (\S+) parameter\((\d+)\)", entry)}
-    missing = [f"parameter {n}: {shapes[n]}" for n in sorted(set(shapes) - bound)]
+    missing = [f"parameter {n}: {shapes[n]}" for n in sorted(set(shapes) - {p for p, _, _ in parameters})]
     if missing:
         raise RuntimeError(f"a captured step has inputs torch_xla did not report ({', '.join(missing)}): random "
                            "numbers drawn inside a checkpointed layer (attention dropout with "
                            "model.gradient_checkpointing?); set train.capture_step=false")
+    return computation, parameters

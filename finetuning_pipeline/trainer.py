@@ -162,25 +162,25 @@ class Stepper:
             inputs = [batch[k] for batch in micro_batches for k in self.keys]
             inputs.append(torch.tensor(seeds, dtype=torch.int64).to(self.device))
             if not self.gradients.captured:
-                self._capture(inputs, seeds[0])
-            sums = self.gradients(inputs, seed=seeds[0])
+                self._capture(inputs)
+            sums = self.gradients(inputs)
             sums = [sums["grad"], sums["loss_total"], sums["tokens"]]
             if self.parallel.collectives is not None:
                 sums = self.parallel.collectives.sum_device(sums)
             lr = self.schedule[self.step_count]
-            results = self.update(sums + [lr], seed=seeds[0])
+            results = self.update(sums + [lr])
             self.optimizer.lr = lr  # (the update's trace left its example there)
         self.label_tokens = self.label_tokens + results["tokens"]
         self.step_count = self.step_count + 1
         return {**results, "lr": self.optimizer.lr}
 
-    def _capture(self, inputs: list[torch.Tensor], seed: int) -> None:
+    def _capture(self, inputs: list[torch.Tensor]) -> None:
         """Both traces, before anything of the first step is pending (see CapturedStep.capture):
         the gradients on the first step's inputs, the update on zeros of their results' shapes."""
-        sums = self.gradients.capture(inputs, seed)
+        sums = self.gradients.capture(inputs)
         examples = [torch.zeros(sums[k][0], dtype=sums[k][1]) for k in ("grad", "loss_total", "tokens")]
         examples.append(torch.zeros(self.step_count.shape, dtype=self.schedule.dtype))
-        self.update.capture([t.to(self.device) for t in examples], seed)
+        self.update.capture([t.to(self.device) for t in examples])
 
     def _gradients(self, inputs: list[torch.Tensor]) -> dict:
         """Traced once: the step's micro-batches (flat, `keys` order) and their seeds -> sums."""
