@@ -154,11 +154,12 @@ def lower(outputs: list[torch.Tensor], name: str, uncloned: list[torch.Tensor]) 
 
     torch_xla's `_get_tensors_xla_device_data_node` swaps the data of every tensor it reports
     for a copy with a new id unless the tensor is in `uncloned`: list there what the caller
-    will bind by identity. It reports one node per data id, and each `xm.set_rng_state` in a
-    trace makes another RNG seed node under the seed's id (torch_xla's activation checkpointing
-    restores the RNG that way before recomputing a layer): a computation with a parameter it
-    did not report is refused, naming the setting that avoids it. LoRA dropout draws no torch
-    random numbers (lora_logic/dropout.py); attention dropout does."""
+    will bind by identity. Each `xm.set_rng_state` in a trace makes another RNG seed node under
+    the seed's id (torch_xla's activation checkpointing restores the RNG that way before
+    recomputing a layer, with a value the host derived from the seed), and torch_xla reports
+    such nodes once per id or once each: a computation with more than one seed, or with a
+    parameter it did not report, is refused, naming the setting that avoids it. LoRA dropout
+    draws no torch random numbers (lora_logic/dropout.py); attention dropout does."""
     import torch_xla
     import torch_xla.core.xla_builder as xb
 
@@ -173,8 +174,10 @@ def lower(outputs: list[torch.Tensor], name: str, uncloned: list[torch.Tensor]) 
     entry = entry[:entry.index("\n}")]
     shapes = {int(n): shape for shape, n in re.findall(r"= (\S+) parameter\((\d+)\)", entry)}
     missing = [f"parameter {n}: {shapes[n]}" for n in sorted(set(shapes) - {p for p, _, _ in parameters})]
-    if missing:
-        raise RuntimeError(f"a captured step has inputs torch_xla did not report ({', '.join(missing)}): random "
+    seeds = [f"parameter {p}" for p, data, _ in parameters if data == torch_xla._XLAC._get_seed_info_id()]
+    if missing or len(seeds) > 1:
+        raise RuntimeError(f"a captured step has more than one RNG seed ({', '.join(missing + seeds)}): random "
                            "numbers drawn inside a checkpointed layer (attention dropout with "
-                           "model.gradient_checkpointing?); set train.capture_step=false")
+                           "model.gradient_checkpointing?), whose restored seeds a replay cannot derive; set "
+                           "train.capture_step=false")
     return computation, parameters

@@ -187,3 +187,52 @@ def test_a_captured_step_updates_its_state_for_every_view_and_refuses_another_sh
         assert weight.cpu().tolist() == [expected] * 4 and view.cpu().tolist() == [expected] * 4
     with pytest.raises(ValueError, match="a captured step replays one shape"):
         captured([torch.ones(5).to(device)])
+
+
+def test_random_numbers_a_replay_would_repeat_are_refused():
+    """A draw outside the micro-batch loop would be the same at every replay; a draw inside a
+    recomputed (checkpointed) layer brings seed nodes torch_xla does not report. Both refused."""
+    import torch_xla
+    from torch_xla.utils.checkpoint import checkpoint
+
+    from utils.xla_runtime import init_xla_device
+
+    device = init_xla_device()
+    weight = torch.ones(4).to(device)
+    torch_xla.sync()
+    outside = CapturedStep(lambda inputs: {"noisy": inputs[0] + torch.rand(4, device=device)}, lambda: [weight])
+    with pytest.raises(RuntimeError, match="draws torch random numbers outside the micro-batch loop"):
+        outside([torch.ones(4).to(device)])
+
+    scale = torch.nn.Parameter(torch.ones(4).to(device))
+    torch_xla.sync()
+
+    def body(batch):
+        noise = torch.rand(4, device=device)  # a draw first: the layer's saved RNG state is a new seed value
+        out = noise.sum() + checkpoint(lambda h: torch.nn.functional.dropout(h, 0.5, True) * h, batch["x"] * scale, use_reentrant=True)
+        out.sum().backward()
+        grad, scale.grad = scale.grad, None
+        return [grad, out.detach()]  # the forward's seed and the recomputation's restored one
+
+    batches = [{"x": torch.ones(4).to(device)} for _ in range(2)]
+    torch_xla.sync()
+    with pytest.raises(RuntimeError, match="set train.capture_step=false"):
+        summed_over_micro_batches(body, batches, torch.arange(2).to(device), reads=[scale])
+
+
+def test_attention_dropout_with_checkpointing_trains_traced_every_step(tiny_model_dir, data, tmp_path, capsys):
+    """The one setting the captured step cannot replay falls back to tracing every step, says
+    so, and trains."""
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    run = write_run_config(tmp_path / "run.yaml", model_dir, data, tmp_path / "out",
+                           train={"max_steps": 3, "grad_accum": 2}, model={"gradient_checkpointing": True},
+                           logging={"every": 1, "progress_bar": False, "tensorboard": False},
+                           checkpoint={"every": 0, "keep": 1}, eval={"every": 0, "max_batches": 1})
+    assert main.main(["--config", str(run), "--phase", "1"]) == 0
+    assert "the step is traced every time: attention dropout with gradient checkpointing" in capsys.readouterr().out
+    assert sorted(train_losses(tmp_path / "out")) == [1, 2, 3]
