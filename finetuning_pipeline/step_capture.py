@@ -109,6 +109,9 @@ class CapturedStep:
                                    "a replay would repeat them (seed them by data, as lora_logic/dropout.py does)")
             if found is None:
                 bindings[param] = ("constant", value)  # made by the step itself: the same every step
+            elif sum(kind == "input" for kind, _ in found) > 1:
+                raise RuntimeError(f"{self.name}: inputs {found} share one device data, so the replay could not tell "
+                                   "them apart; capture on distinct tensors ([1]-shaped, not 0-dim)")
             elif len(found) > 1 and updated.intersection(found):
                 raise RuntimeError(f"{self.name}: tensors {found} share one device data and the step updates "
                                    "one of them; make each its own tensor ([1]-shaped, not 0-dim)")

@@ -189,6 +189,27 @@ def test_a_captured_step_updates_its_state_for_every_view_and_refuses_another_sh
         captured([torch.ones(5).to(device)])
 
 
+def test_inputs_that_share_device_data_are_refused():
+    """torch_xla gives equal 0-dim tensors one device data: two such inputs would both be bound
+    to the first at every replay (the old capture replayed 1 * 3 + 5 as 20). Refused, naming
+    the fix; [1]-shaped inputs of equal value capture and replay right."""
+    import torch_xla
+
+    from utils.xla_runtime import init_xla_device
+
+    device = init_xla_device()
+    torch_xla.sync()
+    shared = CapturedStep(lambda inputs: {"out": inputs[0] * 3 + inputs[1]}, lambda: [])
+    with pytest.raises(RuntimeError, match=r"share one device data.*\[1\]-shaped"):
+        shared([torch.tensor(2.0, device=device), torch.tensor(2.0, device=device)])
+
+    distinct = CapturedStep(lambda inputs: {"out": inputs[0] * 3 + inputs[1]}, lambda: [])
+    first = [torch.tensor([2.0]).to(device), torch.tensor([2.0]).to(device)]
+    torch_xla.sync()
+    assert distinct(first)["out"].item() == 8.0
+    assert distinct([torch.tensor([1.0]).to(device), torch.tensor([5.0]).to(device)])["out"].item() == 8.0
+
+
 def test_random_numbers_a_replay_would_repeat_are_refused():
     """A draw outside the micro-batch loop would be the same at every replay; a draw inside a
     recomputed (checkpointed) layer brings seed nodes torch_xla does not report. Both refused."""
