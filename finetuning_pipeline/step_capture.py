@@ -162,7 +162,7 @@ def lower(outputs: list[torch.Tensor], name: str, uncloned: list[torch.Tensor]) 
     recomputing a layer, with a value the host derived from the seed), and torch_xla reports
     such nodes once per id or once each: a computation with more than one seed, or with a
     parameter it did not report, is refused, naming the setting that avoids it. LoRA dropout
-    draws no torch random numbers (lora_logic/dropout.py); attention dropout does."""
+    draws no torch random numbers (lora_logic/dropout.py); the model's own dropout does."""
     import torch_xla
     import torch_xla.core.xla_builder as xb
 
@@ -180,7 +180,7 @@ def lower(outputs: list[torch.Tensor], name: str, uncloned: list[torch.Tensor]) 
     seeds = [f"parameter {p}" for p, data, _ in parameters if data == torch_xla._XLAC._get_seed_info_id()]
     if missing or len(seeds) > 1:
         raise RuntimeError(f"a captured step has more than one RNG seed ({', '.join(missing + seeds)}): random "
-                           "numbers drawn inside a checkpointed layer (attention dropout with "
+                           "numbers drawn inside a checkpointed layer (the model's dropout with "
                            "model.gradient_checkpointing?), whose restored seeds a replay cannot derive; set "
                            "train.capture_step=false")
     return computation, parameters

@@ -105,6 +105,20 @@ def build_model(config: RunConfig, phase: int):
     return model, lora_config
 
 
+def model_dropouts(settings) -> dict[str, float]:
+    """The model's own dropout probabilities above 0, by config key, whatever the family calls
+    them (attention_dropout, hidden_dropout, resid_pdrop, embd_pdrop, ...; nested configs
+    too). `settings`: a transformers config or its to_dict()."""
+    found = {}
+    for key, value in (settings if isinstance(settings, dict) else settings.to_dict()).items():
+        name = str(key)
+        if isinstance(value, dict):
+            found.update({f"{name}.{inner}": p for inner, p in model_dropouts(value).items()})
+        elif ("dropout" in name or "pdrop" in name) and type(value) in (int, float) and value > 0:
+            found[name] = value
+    return found
+
+
 class Stepper:
     """One optimizer step on the device: the micro-batches' seeds (LoRA dropout masks, torch_xla's
     RNG), the LR from the schedule table, gradients, the sums over replicas, the update, and the
@@ -130,10 +144,12 @@ class Stepper:
         self.keys: list[str] = []
         self.gradients = self.update = None
         self.capture_note = None
-        if t.capture_step and config.model.gradient_checkpointing and getattr(model.config, "attention_dropout", 0):
-            # torch random numbers in a recomputed layer cannot be replayed (step_capture.check_all_parameters_bound)
-            self.capture_note = ("the step is traced every time: attention dropout with gradient checkpointing "
-                                 "draws random numbers the captured step cannot replay")
+        dropouts = model_dropouts(model.config) if config.model.gradient_checkpointing else {}
+        if t.capture_step and dropouts:
+            # torch random numbers in a recomputed layer cannot be replayed (step_capture.lower refuses them)
+            named = ", ".join(f"{name} {p}" for name, p in dropouts.items())
+            self.capture_note = (f"the step is traced every time: dropout in the model ({named}) with gradient "
+                                 "checkpointing draws random numbers the captured step cannot replay")
         elif t.capture_step:
             weights = lambda: list(model.parameters()) + list(model.buffers())  # noqa: E731
             self.gradients = CapturedStep(self._gradients, weights, name="gradients")
@@ -144,7 +160,7 @@ class Stepper:
         return [self.step_count, self.schedule, self.label_tokens]
 
     def __call__(self, step: int, micro_batches: list[dict]) -> dict:
-        # The random numbers of step k (LoRA and attention dropout) depend on (seed, phase,
+        # The random numbers of step k (LoRA and the model's dropout) depend on (seed, phase,
         # rank, k) and the micro-batch only, so a resumed run draws the masks the uninterrupted
         # one drew: restoring torch_xla's saved RNG state did not (same state read back,
         # different masks: verified with lora.dropout 0.1). New seeds each step are data for
@@ -165,8 +181,7 @@ class Stepper:
                 self._capture(inputs)
             sums = self.gradients(inputs)
             sums = [sums["grad"], sums["loss_total"], sums["tokens"]]
-            if self.parallel.collectives is not None:
-                sums = self.parallel.collectives.sum_device(sums)
+            sums = self.parallel.collectives.sum_device(sums)
             lr = self.schedule[self.step_count]
             results = self.update(sums + [lr])
             self.optimizer.lr = lr  # (the update's trace left its example there)

@@ -255,5 +255,42 @@ def test_attention_dropout_with_checkpointing_trains_traced_every_step(tiny_mode
                            logging={"every": 1, "progress_bar": False, "tensorboard": False},
                            checkpoint={"every": 0, "keep": 1}, eval={"every": 0, "max_batches": 1})
     assert main.main(["--config", str(run), "--phase", "1"]) == 0
-    assert "the step is traced every time: attention dropout with gradient checkpointing" in capsys.readouterr().out
+    assert "the step is traced every time: dropout in the model (attention_dropout 0.1) with gradient checkpointing" \
+        in capsys.readouterr().out
     assert sorted(train_losses(tmp_path / "out")) == [1, 2, 3]
+
+
+def test_residual_dropout_with_checkpointing_trains_traced_every_step(tiny_model_dir, data, tmp_path, capsys):
+    """The hard case of the fallback: a family whose layers draw dropout under another name
+    (Phi-3's resid_pdrop), not attention_dropout. The same fallback, not a refused capture."""
+    import shutil
+
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    mistral = json.loads((model_dir / "config.json").read_text())
+    torch.manual_seed(0)
+    Phi3ForCausalLM(Phi3Config(vocab_size=mistral["vocab_size"], hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=256, resid_pdrop=0.1, pad_token_id=0)).save_pretrained(model_dir)
+    run = write_run_config(tmp_path / "run.yaml", model_dir, data, tmp_path / "out",
+                           lora={"target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]},
+                           train={"max_steps": 3, "grad_accum": 2}, model={"gradient_checkpointing": True},
+                           logging={"every": 1, "progress_bar": False, "tensorboard": False},
+                           checkpoint={"every": 0, "keep": 1}, eval={"every": 0, "max_batches": 1})
+    assert main.main(["--config", str(run), "--phase", "1"]) == 0
+    assert "the step is traced every time: dropout in the model (resid_pdrop 0.1) with gradient checkpointing" \
+        in capsys.readouterr().out
+    assert sorted(train_losses(tmp_path / "out")) == [1, 2, 3]
+
+
+def test_model_dropouts_finds_every_familys_names():
+    from transformers import Gemma3Config, MistralConfig, Phi3Config
+
+    from finetuning_pipeline.trainer import model_dropouts
+
+    assert model_dropouts(Phi3Config(resid_pdrop=0.1, attention_dropout=0.2)) == {"resid_pdrop": 0.1,
+                                                                                  "attention_dropout": 0.2}
+    assert model_dropouts(Gemma3Config(text_config={"attention_dropout": 0.1})) == {"text_config.attention_dropout": 0.1}
+    assert model_dropouts(MistralConfig()) == {}
