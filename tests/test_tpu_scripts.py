@@ -107,6 +107,9 @@ def test_the_cache_disk_is_formatted_only_when_empty_then_mounted(fakes, tmp_pat
     assert proc.returncode == 0, proc.stderr
     sudo = [c[1] for c in calls if c[0] == "sudo"]
     assert "mkfs.ext4" not in sudo and "mount" not in sudo  # a filesystem is never formatted again
+    proc, calls = fakes("mount-cache-disk.sh", *args, FAKE_BLKID_STATUS="4")  # blkid itself failed
+    assert proc.returncode == 2 and "blkid" in proc.stderr and "not formatted" in proc.stderr
+    assert [c[1] for c in calls if c[0] == "sudo"] == ["blkid"]
     proc, calls = fakes("mount-cache-disk.sh", "--device", str(tmp_path / "missing"))
     assert proc.returncode == 2 and "no such disk" in proc.stderr and calls == []
 

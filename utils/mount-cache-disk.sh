@@ -26,13 +26,16 @@ while [[ $# -gt 0 ]]; do
 done
 [[ "$DRY_RUN" == 1 || -e "$DEVICE" ]] || die "$DEVICE: no such disk; create the VM with gcloud_tpuvm.sh --cache-disk DISK"
 
-# blkid exits 2 when the device holds no filesystem: only then is it formatted. (A dry run
-# probes nothing and prints the format command it would run on an empty disk.)
-if [[ "$DRY_RUN" != 1 ]] && sudo blkid "$DEVICE" >/dev/null; then
-  echo "$DEVICE already holds a filesystem: mounting it as it is"
-else
-  run sudo mkfs.ext4 -m 0 -E lazy_itable_init=0,lazy_journal_init=0,discard "$DEVICE"
-fi
+# blkid exits 0 when the device holds a filesystem and 2 when it holds none: only then is it
+# formatted; any other answer (no permission, an I/O error) stops here. (A dry run probes
+# nothing and prints the format command it would run on an empty disk.)
+probe=2
+[[ "$DRY_RUN" == 1 ]] || { sudo blkid "$DEVICE" >/dev/null && probe=0 || probe=$?; }
+case "$probe" in
+  0) echo "$DEVICE already holds a filesystem: mounting it as it is" ;;
+  2) run sudo mkfs.ext4 -m 0 -E lazy_itable_init=0,lazy_journal_init=0,discard "$DEVICE" ;;
+  *) die "blkid $DEVICE failed (exit $probe): cannot tell whether it holds a filesystem, so it is not formatted" ;;
+esac
 run sudo mkdir -p "$MOUNT_POINT"
 if [[ "$DRY_RUN" != 1 ]] && mountpoint -q "$MOUNT_POINT"; then
   echo "$MOUNT_POINT is already mounted"
