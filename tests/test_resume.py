@@ -146,8 +146,9 @@ def test_too_many_bad_steps_stop_the_run_keeping_the_last_good_checkpoint(tiny_m
 def poison_nan_in_steps(monkeypatch, steps: set[int], grad_accum: int, seed: int = 0, phase: int = 1) -> None:
     """Make the loss NaN in the given (1-based) steps of one replica, with no new graph, in a
     step traced once as in one traced every step: the loss is poisoned where the micro-batch's
-    first random draw (made before its dropout masks) is one of the draws those steps' seeds give (the trainer seeds each
-    micro-batch, trainer.micro_batch_seeds), so the decision is data on the device."""
+    first random draw (made before its dropout masks) is one of the draws those steps' seeds
+    give (the trainer seeds each micro-batch, trainer.micro_batch_seeds), so the decision is
+    data on the device."""
     import torch_xla.core.xla_model as xm
 
     import finetuning_pipeline.step as step_module
