@@ -241,6 +241,18 @@ def test_random_numbers_a_replay_would_repeat_are_refused():
         summed_over_micro_batches(body, batches, torch.arange(2).to(device), reads=[scale])
 
 
+def assert_trains_traced_with_checkpointing(model_dir, data, tmp_path, capsys, dropouts: str, **sections) -> None:
+    """3 steps of phase 1 with gradient checkpointing: traced every step, saying so, and trained."""
+    run = write_run_config(tmp_path / "run.yaml", model_dir, data, tmp_path / "out",
+                           train={"max_steps": 3, "grad_accum": 2}, model={"gradient_checkpointing": True},
+                           logging={"every": 1, "progress_bar": False, "tensorboard": False},
+                           checkpoint={"every": 0, "keep": 1}, eval={"every": 0, "max_batches": 1}, **sections)
+    assert main.main(["--config", str(run), "--phase", "1"]) == 0
+    assert f"the step is traced every time: dropout in the model ({dropouts}) with gradient checkpointing" \
+        in capsys.readouterr().out
+    assert sorted(train_losses(tmp_path / "out")) == [1, 2, 3]
+
+
 def test_attention_dropout_with_checkpointing_trains_traced_every_step(tiny_model_dir, data, tmp_path, capsys):
     """The one setting the captured step cannot replay falls back to tracing every step, says
     so, and trains."""
@@ -250,14 +262,7 @@ def test_attention_dropout_with_checkpointing_trains_traced_every_step(tiny_mode
     shutil.copytree(tiny_model_dir, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
-    run = write_run_config(tmp_path / "run.yaml", model_dir, data, tmp_path / "out",
-                           train={"max_steps": 3, "grad_accum": 2}, model={"gradient_checkpointing": True},
-                           logging={"every": 1, "progress_bar": False, "tensorboard": False},
-                           checkpoint={"every": 0, "keep": 1}, eval={"every": 0, "max_batches": 1})
-    assert main.main(["--config", str(run), "--phase", "1"]) == 0
-    assert "the step is traced every time: dropout in the model (attention_dropout 0.1) with gradient checkpointing" \
-        in capsys.readouterr().out
-    assert sorted(train_losses(tmp_path / "out")) == [1, 2, 3]
+    assert_trains_traced_with_checkpointing(model_dir, data, tmp_path, capsys, "attention_dropout 0.1")
 
 
 def test_residual_dropout_with_checkpointing_trains_traced_every_step(tiny_model_dir, data, tmp_path, capsys):
@@ -274,15 +279,8 @@ def test_residual_dropout_with_checkpointing_trains_traced_every_step(tiny_model
     Phi3ForCausalLM(Phi3Config(vocab_size=mistral["vocab_size"], hidden_size=32, intermediate_size=64,
                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                max_position_embeddings=256, resid_pdrop=0.1, pad_token_id=0)).save_pretrained(model_dir)
-    run = write_run_config(tmp_path / "run.yaml", model_dir, data, tmp_path / "out",
-                           lora={"target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]},
-                           train={"max_steps": 3, "grad_accum": 2}, model={"gradient_checkpointing": True},
-                           logging={"every": 1, "progress_bar": False, "tensorboard": False},
-                           checkpoint={"every": 0, "keep": 1}, eval={"every": 0, "max_batches": 1})
-    assert main.main(["--config", str(run), "--phase", "1"]) == 0
-    assert "the step is traced every time: dropout in the model (resid_pdrop 0.1) with gradient checkpointing" \
-        in capsys.readouterr().out
-    assert sorted(train_losses(tmp_path / "out")) == [1, 2, 3]
+    assert_trains_traced_with_checkpointing(model_dir, data, tmp_path, capsys, "resid_pdrop 0.1",
+                                            lora={"target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]})
 
 
 def test_model_dropouts_finds_every_familys_names():
