@@ -73,7 +73,9 @@ class SeededDropout(nn.Module):
 
 def set_dropout_seed(model: nn.Module, seed: torch.Tensor | None) -> None:
     """Seed every SeededDropout in `model` (an int32 tensor [1] on the model's device); None
-    returns them to RNG dropout."""
+    returns them to RNG dropout. Reaches the template of scanned layers too (layer_scan.py)."""
     for module in model.modules():
         if isinstance(module, SeededDropout):
             module.seed = seed
+        for dropout in getattr(module, "seeded_dropouts", lambda: [])():
+            dropout.seed = seed

@@ -9,6 +9,7 @@ from torch import nn
 
 from lora_logic.config import LoraConfig
 from lora_logic.layer import LoRALinear
+from lora_logic.layer_scan import ScannedLayers
 
 
 def matches_target(module_name: str, target: str) -> bool:
@@ -68,19 +69,27 @@ def inject_lora(model: nn.Module, config: LoraConfig) -> list[str]:
 
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The trainable LoRA weights (A then B of each layer), the only thing the optimizer sees."""
+    """The trainable LoRA weights (A then B of each layer), the only thing the optimizer sees.
+    Scanned layers (layer_scan.py) hold theirs stacked: one [layers, ...] tensor per target's A and B."""
     params = []
-    for _, module in lora_modules(model):
-        params += [module.lora_A.weight, module.lora_B.weight]
+    for _, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            params += [module.lora_A.weight, module.lora_B.weight]
+        elif isinstance(module, ScannedLayers):
+            params += module.lora_parameters()
     return params
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """{"<module path>.lora_A.weight": [r, in], "<module path>.lora_B.weight": [out, r]} with
     paths relative to `model` (e.g. "model.layers.0.self_attn.q_proj.lora_A.weight").
-    Tensors are the live parameters (detached), on their own device."""
+    Tensors are the live parameters (detached), on their own device; scanned layers give each
+    layer's slice of their stacks under the same names."""
     state = {}
-    for name, module in lora_modules(model):
-        state[f"{name}.lora_A.weight"] = module.lora_A.weight.detach()
-        state[f"{name}.lora_B.weight"] = module.lora_B.weight.detach()
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            state[f"{name}.lora_A.weight"] = module.lora_A.weight.detach()
+            state[f"{name}.lora_B.weight"] = module.lora_B.weight.detach()
+        elif isinstance(module, ScannedLayers):
+            state.update(module.lora_state_dict(name))
     return state

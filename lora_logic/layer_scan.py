@@ -1,0 +1,273 @@
+"""Run a model's decoder layers as one XLA loop: one layer traced and compiled, whatever the depth.
+
+A Hugging Face model runs its decoder layers in a Python loop, so XLA sees a 32-layer model as
+32 copies of the layer, traced and compiled 32 times over. Here the layers' weights are
+stacked once ([layers, ...] per weight: the frozen base and the LoRA A/B alike) and the loop
+becomes torch_xla's `scan`: the first layer (the template) is traced once with
+`torch.func.functional_call` on one layer's slice of the stacks, forward and backward, and
+XLA runs it in a While loop, so compile time no longer grows with depth (figures: README,
+"Host time per step and compile time").
+
+`scan_decoder_layers(model)` swaps the model's layer list for a `ScannedLayers` that the
+model's own forward iterates as before: it hands out one stand-in per layer; each records the
+arguments the model passes to its layer (masks and rotary tables may differ per layer), and
+the last one runs the scan. So the model's code is unchanged, as long as it passes each
+layer's output straight to the next layer (checked: anything in between is an error, not a
+silent skip).
+
+The layers must be identical but for their weights: same modules, shapes and settings (a
+Gemma 3 layer's sliding or full attention is a setting; such models are refused, naming the
+setting). LoRA dropout keeps one mask per layer: each layer's salt is stacked with the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lora_logic.dropout import SeededDropout
+from lora_logic.layer import LoRALinear
+
+# Differ from layer to layer and do not change the computation: the index a layer uses in a
+# KV cache (training runs without one).
+_PER_LAYER_ATTRIBUTES = {"layer_idx"}
+
+
+def scan_decoder_layers(model: nn.Module, remat: bool = False) -> "ScannedLayers":
+    """Replace the decoder layers of a Hugging Face causal LM (`model.get_decoder().layers`) by
+    a `ScannedLayers`, in place; returns it. remat: recompute each layer's activations in the
+    backward (activation checkpointing, inside the loop) instead of keeping them."""
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) < 2:
+        raise ValueError(f"{type(model).__name__}: no list of decoder layers at get_decoder().layers to scan")
+    scanned = ScannedLayers(layers, remat=remat)
+    decoder.layers = scanned
+    return scanned
+
+
+class ScannedLayers(nn.Module):
+    """The stacked weights of identical layers, and the stand-ins the model's loop calls."""
+
+    def __init__(self, layers: nn.ModuleList, remat: bool = False) -> None:
+        super().__init__()
+        check_identical(layers)
+        template = layers[0]
+        self.count = len(layers)
+        self.remat = remat
+        self.keys: dict[str, str] = {}  # template name -> registered name (no dots allowed there)
+        for name, param in template.named_parameters():
+            stacked = torch.stack([layer.get_parameter(name).detach() for layer in layers])
+            self.register_parameter(self._key(name), nn.Parameter(stacked, requires_grad=param.requires_grad))
+        for name, _ in template.named_buffers():
+            self.register_buffer(self._key(name), torch.stack([layer.get_buffer(name) for layer in layers]),
+                                 persistent=False)
+        self.dropouts = [name for name, m in template.named_modules() if isinstance(m, SeededDropout)]
+        for name in self.dropouts:
+            salts = [layer.get_submodule(name).salt for layer in layers]
+            self.register_buffer(self._key(name + ".salt"), torch.tensor(salts, dtype=torch.int32), persistent=False)
+        if getattr(template, "gradient_checkpointing", False):
+            template.gradient_checkpointing = False  # the loop recomputes instead (remat)
+        # Kept out of the module tree (its tensors would be listed twice): the template only
+        # provides the code and settings; every tensor it uses comes from the stacks.
+        self._template = [template.to("meta")]
+        self._calls: list[tuple[tuple, dict]] = []
+        self._returned = None
+
+    def _key(self, name: str) -> str:
+        key = "stacked:" + name.replace(".", ":")
+        self.keys[name] = key
+        return key
+
+    @property
+    def template(self) -> nn.Module:
+        return self._template[0]
+
+    def train(self, mode: bool = True) -> "ScannedLayers":
+        super().train(mode)
+        self.template.train(mode)
+        return self
+
+    def seeded_dropouts(self) -> list[SeededDropout]:
+        """The template's LoRA dropouts, for `set_dropout_seed` (they are outside the module tree)."""
+        return [self.template.get_submodule(name) for name in self.dropouts]
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self):
+        return iter(self[:])
+
+    def __getitem__(self, index):
+        calls = [_LayerCall(self, i) for i in range(self.count)]
+        return calls[index]
+
+    def lora_state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Each layer's LoRA weights under its own name, as the unscanned model names them:
+        "<prefix>.<layer>.self_attn.q_proj.lora_A.weight" (detached slices of the stacks)."""
+        names = [name for name, m in self.template.named_modules() if isinstance(m, LoRALinear)]
+        state = {}
+        for layer in range(self.count):
+            for name in names:
+                for part in ("lora_A.weight", "lora_B.weight"):
+                    state[f"{prefix}.{layer}.{name}.{part}"] = self.get_parameter(self.keys[f"{name}.{part}"]).detach()[layer]
+        return state
+
+    def lora_parameters(self) -> list[nn.Parameter]:
+        """The stacked LoRA weights ([layers, r, in] and [layers, out, r]), A then B per target."""
+        names = [name for name, m in self.template.named_modules() if isinstance(m, LoRALinear)]
+        return [self.get_parameter(self.keys[f"{name}.{part}"]) for name in names for part in ("lora_A.weight", "lora_B.weight")]
+
+    def _record(self, index: int, args: tuple, kwargs: dict):
+        passed = args[0] if args else kwargs.get("hidden_states")
+        if index == 0:
+            self._calls = []
+        elif not self._calls or passed is not self._returned:
+            self._calls = []
+            raise RuntimeError("ScannedLayers: the model changed the hidden states between two layers (or called "
+                               "them out of order); its layers cannot run as one loop: set train.scan_layers=false")
+        self._calls.append((args, kwargs))
+        if index < self.count - 1:
+            self._returned = passed
+            return passed
+        calls, self._calls, self._returned = self._calls, [], None
+        return self._run(calls)
+
+    def _run(self, calls: list[tuple[tuple, dict]]) -> torch.Tensor:
+        from functorch.compile import default_partition, min_cut_rematerialization_partition
+        from torch_xla.experimental.scan import scan
+
+        args, kwargs = calls[0]
+        hidden = args[0] if args else kwargs["hidden_states"]
+        per_layer, static = _split_arguments([({"_args": a[1:]} | {k: v for k, v in kw.items() if k != "hidden_states"})
+                                              for a, kw in calls], self.count)
+        weights = {name: getattr(self, key) for name, key in self.keys.items() if not name.endswith(".salt")}
+        dropout = self._dropout_inputs()
+        template = self.template
+
+        def layer(h, xs):
+            tensors, inputs, (seed, salts) = xs
+            merged = _merge_arguments(inputs, static)
+            for name, salt in salts.items():
+                module = template.get_submodule(name)
+                module.seed, module.salt = seed, salt
+            out = torch.func.functional_call(template, tensors, (h, *merged.pop("_args")), merged, strict=True)
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"ScannedLayers: a {type(template).__name__} returned {type(out).__name__}; "
+                                "only layers that return their hidden states can be scanned")
+            return out, None
+
+        partition = min_cut_rematerialization_partition if self.remat else default_partition
+        saved = [(m.seed, m.salt) for m in self.seeded_dropouts()]
+        try:
+            out, _ = scan(layer, hidden, (weights, per_layer, dropout), partition_fn=partition)
+        finally:
+            for module, (seed, salt) in zip(self.seeded_dropouts(), saved):
+                module.seed, module.salt = seed, salt
+        return out
+
+    def _dropout_inputs(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the micro-batch's dropout seed per layer [layers, 1], each dropout's salt per layer)."""
+        live = [m for m in self.seeded_dropouts() if m.training and m.p > 0]
+        if not live:
+            return torch.zeros(self.count, 1, dtype=torch.int32, device=self._device()), {}
+        seed = live[0].seed
+        if seed is None:
+            raise RuntimeError("ScannedLayers: LoRA dropout needs a seed per micro-batch (set_dropout_seed) when "
+                               "the layers run as one loop; random draws cannot be traced into it")
+        salts = {name: getattr(self, self.keys[name + ".salt"]) for name in self.dropouts}
+        return seed.to(torch.int32).reshape(1, 1).expand(self.count, 1), salts
+
+    def _device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def extra_repr(self) -> str:
+        return f"layers={self.count}, template={type(self.template).__name__}, remat={self.remat}"
+
+
+class _LayerCall:
+    """What the model's loop calls in place of layer `index`."""
+
+    def __init__(self, owner: ScannedLayers, index: int) -> None:
+        self.owner, self.index = owner, index
+
+    def __call__(self, *args, **kwargs):
+        return self.owner._record(self.index, args, kwargs)
+
+
+def _split_arguments(calls: list[dict], count: int) -> tuple[dict, dict]:
+    """(per-layer tensors [layers, ...] by argument, the arguments every layer got alike).
+
+    A tensor every layer got is expanded (no copy until XLA needs the loop's input); tensors
+    that differ are stacked; anything else must be equal for every layer."""
+    per_layer, static = {}, {}
+    flat = [_flatten(call) for call in calls]
+    for key in flat[0]:
+        values = [f.get(key) for f in flat]
+        first = values[0]
+        if isinstance(first, torch.Tensor):
+            if all(v is first for v in values):
+                per_layer[key] = first.expand(count, *first.shape)
+            elif all(isinstance(v, torch.Tensor) and v.shape == first.shape for v in values):
+                per_layer[key] = torch.stack(values)
+            else:
+                raise ValueError(f"ScannedLayers: argument {key} differs in shape from layer to layer")
+        elif all(v is first or v == first for v in values):
+            static[key] = first
+        else:
+            raise ValueError(f"ScannedLayers: argument {key} differs from layer to layer ({first!r}, ...)")
+    return per_layer, static
+
+
+def _flatten(arguments: dict) -> dict:
+    """{"name" or "name/i": value}: tuples and lists (rotary tables, positional arguments) item by item."""
+    flat = {}
+    for key, value in arguments.items():
+        if isinstance(value, (tuple, list)):
+            flat[key] = ("sequence", len(value))
+            flat.update({f"{key}/{i}": item for i, item in enumerate(value)})
+        else:
+            flat[key] = value
+    return flat
+
+
+def _merge_arguments(per_layer: dict, static: dict) -> dict:
+    flat = {**static, **per_layer}
+    merged = {}
+    for key in [k for k in flat if "/" not in k]:
+        value = flat[key]
+        if isinstance(value, tuple) and len(value) == 2 and value[0] == "sequence":
+            merged[key] = tuple(flat[f"{key}/{i}"] for i in range(value[1]))
+        else:
+            merged[key] = value
+    return merged
+
+
+def check_identical(layers: nn.ModuleList) -> None:
+    """Refuse layers that differ in anything but their weights, naming the difference."""
+    template = layers[0]
+    reference = _structure(template)
+    for index, layer in enumerate(layers):
+        found = _structure(layer)
+        if found == reference:
+            continue
+        for key in sorted(set(reference) | set(found)):
+            if reference.get(key) != found.get(key):
+                raise ValueError(f"decoder layers 0 and {index} differ in {key} ({reference.get(key)!r} vs "
+                                 f"{found.get(key)!r}); only identical layers run as one loop: set "
+                                 "train.scan_layers=false for this model")
+
+
+def _structure(layer: nn.Module) -> dict:
+    """Everything that decides a layer's computation except its tensors' values."""
+    found = {}
+    for name, module in layer.named_modules():
+        found[f"{name or '<layer>'}: type"] = type(module).__name__
+        for attribute, value in vars(module).items():
+            if attribute.startswith("_") or attribute in _PER_LAYER_ATTRIBUTES or attribute == "salt":
+                continue
+            if isinstance(value, (bool, int, float, str, type(None), tuple, list)):
+                found[f"{name}.{attribute}" if name else attribute] = value
+    for name, tensor in list(layer.named_parameters()) + list(layer.named_buffers()):
+        found[f"{name}: tensor"] = (tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
+    return found

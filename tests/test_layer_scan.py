@@ -1,0 +1,125 @@
+"""Decoder layers run as one XLA loop (lora_logic/layer_scan.py) compute what the model's own
+layer loop computes: loss, LoRA gradients (per layer, under the unscanned names), LoRA dropout
+masks per layer, and a captured training step over 2 micro-batches; layers that differ are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch_xla
+from test_model_families import FAMILIES, batch, family_model
+
+from finetuning_pipeline.step import causal_lm_loss_sum
+from lora_logic import LoraConfig, inject_lora, lora_parameters, lora_state_dict
+from lora_logic.dropout import set_dropout_seed
+from lora_logic.layer_scan import ScannedLayers, scan_decoder_layers
+
+
+def deeper(name: str, layers: int = 4, dropout: float = 0.0) -> torch.nn.Module:
+    """The family's tiny model with `layers` identical layers and LoRA dropout."""
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    config = FAMILIES[name]()
+    config.num_hidden_layers = layers
+    config.sliding_window = None  # Qwen's max_window_layers would make layers differ
+    if hasattr(config, "layer_types"):
+        config.layer_types = ["full_attention"] * layers
+    model = AutoModelForCausalLM.from_config(config).float()
+    inject_lora(model, LoraConfig(r=4, alpha=8, dropout=dropout))
+    with torch.no_grad():
+        for param in lora_parameters(model):
+            param.normal_(std=0.05)
+    return model.train()
+
+
+def loss_and_lora_grads(model, data: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    device = torch_xla.device()
+    model.to(device)
+    set_dropout_seed(model, torch.tensor([11], dtype=torch.int32, device=device))
+    loss_sum, count = causal_lm_loss_sum(model, {k: v.to(device) for k, v in data.items()}, packed=True)
+    (loss_sum / count).backward()
+    set_dropout_seed(model, None)
+    grads = {}
+    for name, module in model.named_modules():
+        if isinstance(module, ScannedLayers):
+            for layer_name, key in module.keys.items():
+                if layer_name.endswith(("lora_A.weight", "lora_B.weight")):
+                    grad = module.get_parameter(key).grad
+                    for i in range(module.count):
+                        grads[f"{name}.{i}.{layer_name}"] = grad[i]
+        elif hasattr(module, "lora_A"):
+            grads[f"{name}.lora_A.weight"] = module.lora_A.weight.grad
+            grads[f"{name}.lora_B.weight"] = module.lora_B.weight.grad
+    torch_xla.sync()
+    return (loss_sum / count).item(), {k: v.cpu() for k, v in grads.items()}
+
+
+@pytest.mark.parametrize("family", ["mistral", "llama", "qwen3", "gemma3"])
+def test_scanned_layers_give_the_loss_and_gradients_of_the_layer_loop(family):
+    data = batch(packed=True)
+    expected_loss, expected = loss_and_lora_grads(deeper(family, dropout=0.1), data)
+    model = deeper(family, dropout=0.1)
+    scan_decoder_layers(model)
+    loss, grads = loss_and_lora_grads(model, data)
+    assert abs(loss - expected_loss) <= 1e-5 * abs(expected_loss)
+    assert grads.keys() == expected.keys() and len(grads) == 4 * 2 * len(LoraConfig().target_modules)
+    for key, grad in expected.items():
+        assert torch.allclose(grads[key], grad, rtol=1e-4, atol=1e-6), key
+    # Dropout masks differ per layer: with one salt for all layers the gradients would not match.
+    assert len(lora_parameters(model)) == 2 * len(LoraConfig().target_modules)
+
+
+def test_a_captured_step_over_two_micro_batches_gives_the_layer_loop_losses():
+    """The trainer's captured step (micro-batch loop around the layer loop), 4 steps, LoRA dropout."""
+    from finetuning_pipeline.adamw import MaskedAdamW
+    from finetuning_pipeline.config import load_config
+    from finetuning_pipeline.parallel import Parallel
+    from finetuning_pipeline.trainer import Stepper
+
+    config = load_config(None, ["model.path=unused", "model.dtype=float32", "lora.dropout=0.1", "train.grad_accum=2",
+                                "train.micro_batch=1", "train.max_steps=4"])
+    device = torch_xla.device()
+    runs = []
+    for scan in (False, True):
+        model = deeper("mistral", dropout=0.1)
+        if scan:
+            scan_decoder_layers(model)
+        model.to(device)
+        stepper = Stepper(model, MaskedAdamW(lora_parameters(model), lr=1e-2), config, 1, Parallel("dp"), device,
+                          start_step=0, packed=True)
+        micro_batches = [{k: v.to(device) for k, v in batch(packed=True).items()} for _ in range(2)]
+        losses = []
+        for step in range(4):
+            results = stepper(step, micro_batches)
+            torch_xla.sync()
+            losses.append(results["loss"].item())
+        runs.append(losses)
+    assert stepper.gradients.captured
+    assert runs[1] == pytest.approx(runs[0], rel=1e-6) and len(set(runs[0])) == 4
+
+
+def test_the_adapter_names_and_values_are_the_unscanned_ones():
+    expected = {k: v.clone() for k, v in lora_state_dict(deeper("mistral")).items()}
+    model = deeper("mistral")
+    scan_decoder_layers(model)
+    state = lora_state_dict(model)
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+
+
+def test_layers_that_differ_are_refused_naming_the_setting():
+    model = family_model("gemma3")  # a sliding layer, then a full one
+    with pytest.raises(ValueError, match=r"decoder layers 0 and 1 differ in .*sliding"):
+        scan_decoder_layers(model)
+
+
+def test_a_model_that_changes_the_hidden_states_between_layers_is_refused():
+    model = deeper("mistral")
+    scanned = scan_decoder_layers(model)
+    hidden = torch.zeros(1, 4, 32)
+    calls = scanned[:]
+    calls[0](hidden)
+    with pytest.raises(RuntimeError, match="changed the hidden states between two layers"):
+        calls[1](hidden + 1)
