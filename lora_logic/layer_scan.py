@@ -28,9 +28,10 @@ from torch import nn
 from lora_logic.dropout import SeededDropout
 from lora_logic.layer import LoRALinear
 
-# Differ from layer to layer and do not change the computation: the index a layer uses in a
-# KV cache (training runs without one).
-_PER_LAYER_ATTRIBUTES = {"layer_idx"}
+# Differ from layer to layer and are handled: the index a layer uses in a KV cache (training
+# runs without one), and a LoRA dropout's salt (stacked, a loop input).
+_PER_LAYER_ATTRIBUTES = {"layer_idx", "salt"}
+_UNSCANNED = "run this model's layers unscanned (without scan_decoder_layers)"
 
 
 def scan_decoder_layers(model: nn.Module, remat: bool = False) -> "ScannedLayers":
@@ -55,17 +56,22 @@ class ScannedLayers(nn.Module):
         template = layers[0]
         self.count = len(layers)
         self.remat = remat
-        self.keys: dict[str, str] = {}  # template name -> registered name (no dots allowed there)
+        # Template name -> registered name (module attribute names cannot hold dots).
+        self.keys = {name: "stacked:" + name.replace(".", ":")
+                     for name, _ in list(template.named_parameters()) + list(template.named_buffers())}
         for name, param in template.named_parameters():
             stacked = torch.stack([layer.get_parameter(name).detach() for layer in layers])
-            self.register_parameter(self._key(name), nn.Parameter(stacked, requires_grad=param.requires_grad))
+            self.register_parameter(self.keys[name], nn.Parameter(stacked, requires_grad=param.requires_grad))
         for name, _ in template.named_buffers():
-            self.register_buffer(self._key(name), torch.stack([layer.get_buffer(name) for layer in layers]),
+            self.register_buffer(self.keys[name], torch.stack([layer.get_buffer(name) for layer in layers]),
                                  persistent=False)
+        self.lora_names = [f"{name}.{part}" for name, m in template.named_modules() if isinstance(m, LoRALinear)
+                           for part in ("lora_A.weight", "lora_B.weight")]
         self.dropouts = [name for name, m in template.named_modules() if isinstance(m, SeededDropout)]
-        for name in self.dropouts:
+        self.salt_keys = {name: "salt:" + name.replace(".", ":") for name in self.dropouts}
+        for name, key in self.salt_keys.items():
             salts = [layer.get_submodule(name).salt for layer in layers]
-            self.register_buffer(self._key(name + ".salt"), torch.tensor(salts, dtype=torch.int32), persistent=False)
+            self.register_buffer(key, torch.tensor(salts, dtype=torch.int32), persistent=False)
         if getattr(template, "gradient_checkpointing", False):
             template.gradient_checkpointing = False  # the loop recomputes instead (remat)
         # Kept out of the module tree (its tensors would be listed twice): the template only
@@ -73,11 +79,6 @@ class ScannedLayers(nn.Module):
         self._template = [template.to("meta")]
         self._calls: list[tuple[tuple, dict]] = []
         self._returned = None
-
-    def _key(self, name: str) -> str:
-        key = "stacked:" + name.replace(".", ":")
-        self.keys[name] = key
-        return key
 
     @property
     def template(self) -> nn.Module:
@@ -102,21 +103,15 @@ class ScannedLayers(nn.Module):
         calls = [_LayerCall(self, i) for i in range(self.count)]
         return calls[index]
 
+    def lora_parameters(self) -> list[nn.Parameter]:
+        """The stacked LoRA weights ([layers, r, in] and [layers, out, r]), A then B per target."""
+        return [self.get_parameter(self.keys[name]) for name in self.lora_names]
+
     def lora_state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
         """Each layer's LoRA weights under its own name, as the unscanned model names them:
         "<prefix>.<layer>.self_attn.q_proj.lora_A.weight" (detached slices of the stacks)."""
-        names = [name for name, m in self.template.named_modules() if isinstance(m, LoRALinear)]
-        state = {}
-        for layer in range(self.count):
-            for name in names:
-                for part in ("lora_A.weight", "lora_B.weight"):
-                    state[f"{prefix}.{layer}.{name}.{part}"] = self.get_parameter(self.keys[f"{name}.{part}"]).detach()[layer]
-        return state
-
-    def lora_parameters(self) -> list[nn.Parameter]:
-        """The stacked LoRA weights ([layers, r, in] and [layers, out, r]), A then B per target."""
-        names = [name for name, m in self.template.named_modules() if isinstance(m, LoRALinear)]
-        return [self.get_parameter(self.keys[f"{name}.{part}"]) for name in names for part in ("lora_A.weight", "lora_B.weight")]
+        return {f"{prefix}.{layer}.{name}": self.get_parameter(self.keys[name]).detach()[layer]
+                for layer in range(self.count) for name in self.lora_names}
 
     def _record(self, index: int, args: tuple, kwargs: dict):
         passed = args[0] if args else kwargs.get("hidden_states")
@@ -125,7 +120,7 @@ class ScannedLayers(nn.Module):
         elif not self._calls or passed is not self._returned:
             self._calls = []
             raise RuntimeError("ScannedLayers: the model changed the hidden states between two layers (or called "
-                               "them out of order); its layers cannot run as one loop: set train.scan_layers=false")
+                               f"them out of order), so they cannot run as one loop; {_UNSCANNED}")
         self._calls.append((args, kwargs))
         if index < self.count - 1:
             self._returned = passed
@@ -139,19 +134,19 @@ class ScannedLayers(nn.Module):
 
         args, kwargs = calls[0]
         hidden = args[0] if args else kwargs["hidden_states"]
-        per_layer, static = _split_arguments([({"_args": a[1:]} | {k: v for k, v in kw.items() if k != "hidden_states"})
-                                              for a, kw in calls], self.count)
-        weights = {name: getattr(self, key) for name, key in self.keys.items() if not name.endswith(".salt")}
+        inputs, arguments = _per_layer_arguments(
+            [(a[1:], {k: v for k, v in kw.items() if k != "hidden_states"}) for a, kw in calls], self.count)
+        weights = {name: getattr(self, key) for name, key in self.keys.items()}
         dropout = self._dropout_inputs()
         template = self.template
 
         def layer(h, xs):
-            tensors, inputs, (seed, salts) = xs
-            merged = _merge_arguments(inputs, static)
-            for name, salt in salts.items():
+            tensors, layer_inputs, dropout = xs
+            for name, salt in dropout.get("salts", {}).items():
                 module = template.get_submodule(name)
-                module.seed, module.salt = seed, salt
-            out = torch.func.functional_call(template, tensors, (h, *merged.pop("_args")), merged, strict=True)
+                module.seed, module.salt = dropout["seed"], salt
+            rest, named = arguments(layer_inputs)
+            out = torch.func.functional_call(template, tensors, (h, *rest), named, strict=True)
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"ScannedLayers: a {type(template).__name__} returned {type(out).__name__}; "
                                 "only layers that return their hidden states can be scanned")
@@ -160,26 +155,24 @@ class ScannedLayers(nn.Module):
         partition = min_cut_rematerialization_partition if self.remat else default_partition
         saved = [(m.seed, m.salt) for m in self.seeded_dropouts()]
         try:
-            out, _ = scan(layer, hidden, (weights, per_layer, dropout), partition_fn=partition)
+            out, _ = scan(layer, hidden, (weights, inputs, dropout), partition_fn=partition)
         finally:
             for module, (seed, salt) in zip(self.seeded_dropouts(), saved):
                 module.seed, module.salt = seed, salt
         return out
 
-    def _dropout_inputs(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(the micro-batch's dropout seed per layer [layers, 1], each dropout's salt per layer)."""
+    def _dropout_inputs(self) -> dict:
+        """{"seed": the micro-batch's dropout seed per layer [layers, 1], "salts": each dropout's
+        salt per layer}, or {} when no LoRA dropout is live (eval, or p 0)."""
         live = [m for m in self.seeded_dropouts() if m.training and m.p > 0]
         if not live:
-            return torch.zeros(self.count, 1, dtype=torch.int32, device=self._device()), {}
-        seed = live[0].seed
+            return {}
+        seed = live[0].seed  # set_dropout_seed gives every dropout the same one
         if seed is None:
             raise RuntimeError("ScannedLayers: LoRA dropout needs a seed per micro-batch (set_dropout_seed) when "
                                "the layers run as one loop; random draws cannot be traced into it")
-        salts = {name: getattr(self, self.keys[name + ".salt"]) for name in self.dropouts}
-        return seed.to(torch.int32).reshape(1, 1).expand(self.count, 1), salts
-
-    def _device(self) -> torch.device:
-        return next(self.parameters()).device
+        return {"seed": seed.to(torch.int32).reshape(1, 1).expand(self.count, 1),
+                "salts": {name: getattr(self, key) for name, key in self.salt_keys.items()}}
 
     def extra_repr(self) -> str:
         return f"layers={self.count}, template={type(self.template).__name__}, remat={self.remat}"
@@ -195,67 +188,54 @@ class _LayerCall:
         return self.owner._record(self.index, args, kwargs)
 
 
-def _split_arguments(calls: list[dict], count: int) -> tuple[dict, dict]:
-    """(per-layer tensors [layers, ...] by argument, the arguments every layer got alike).
+def _per_layer_arguments(calls: list, count: int):
+    """(the tensors of the layers' arguments, each [layers, ...]; a function that rebuilds one
+    layer's arguments from its slices of them).
 
-    A tensor every layer got is expanded (no copy until XLA needs the loop's input); tensors
-    that differ are stacked; anything else must be equal for every layer."""
-    per_layer, static = {}, {}
-    flat = [_flatten(call) for call in calls]
-    for key in flat[0]:
-        values = [f.get(key) for f in flat]
-        first = values[0]
+    Every layer must get arguments of one structure (torch's pytree). A tensor every layer got
+    is expanded (no copy until XLA needs the loop's input), tensors that differ are stacked;
+    anything else (flags, None) must be equal for every layer."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    flat = [tree_flatten(call) for call in calls]
+    leaves, spec = flat[0]
+    if any(other != spec for _, other in flat):
+        raise ValueError(f"ScannedLayers: the model passes its layers arguments of different structures; {_UNSCANNED}")
+    slots, inputs = [], []
+    for slot, first in enumerate(leaves):
+        values = [layer_leaves[slot] for layer_leaves, _ in flat]
         if isinstance(first, torch.Tensor):
             if all(v is first for v in values):
-                per_layer[key] = first.expand(count, *first.shape)
-            elif all(isinstance(v, torch.Tensor) and v.shape == first.shape for v in values):
-                per_layer[key] = torch.stack(values)
+                inputs.append(first.expand(count, *first.shape))
+            elif all(v.shape == first.shape for v in values):
+                inputs.append(torch.stack(values))
             else:
-                raise ValueError(f"ScannedLayers: argument {key} differs in shape from layer to layer")
-        elif all(v is first or v == first for v in values):
-            static[key] = first
-        else:
-            raise ValueError(f"ScannedLayers: argument {key} differs from layer to layer ({first!r}, ...)")
-    return per_layer, static
+                raise ValueError(f"ScannedLayers: argument {slot} of the layers differs in shape; {_UNSCANNED}")
+            slots.append(slot)
+        elif not all(v is first or v == first for v in values):
+            raise ValueError(f"ScannedLayers: argument {slot} differs from layer to layer ({first!r}, ...); {_UNSCANNED}")
 
+    def arguments(slices: list[torch.Tensor]):
+        rebuilt = list(leaves)  # the static values as they are, the tensors from this layer's slices
+        for slot, value in zip(slots, slices):
+            rebuilt[slot] = value
+        return tree_unflatten(rebuilt, spec)
 
-def _flatten(arguments: dict) -> dict:
-    """{"name" or "name/i": value}: tuples and lists (rotary tables, positional arguments) item by item."""
-    flat = {}
-    for key, value in arguments.items():
-        if isinstance(value, (tuple, list)):
-            flat[key] = ("sequence", len(value))
-            flat.update({f"{key}/{i}": item for i, item in enumerate(value)})
-        else:
-            flat[key] = value
-    return flat
-
-
-def _merge_arguments(per_layer: dict, static: dict) -> dict:
-    flat = {**static, **per_layer}
-    merged = {}
-    for key in [k for k in flat if "/" not in k]:
-        value = flat[key]
-        if isinstance(value, tuple) and len(value) == 2 and value[0] == "sequence":
-            merged[key] = tuple(flat[f"{key}/{i}"] for i in range(value[1]))
-        else:
-            merged[key] = value
-    return merged
+    return inputs, arguments
 
 
 def check_identical(layers: nn.ModuleList) -> None:
     """Refuse layers that differ in anything but their weights, naming the difference."""
     template = layers[0]
     reference = _structure(template)
-    for index, layer in enumerate(layers):
+    for index, layer in enumerate(layers[1:], start=1):
         found = _structure(layer)
         if found == reference:
             continue
         for key in sorted(set(reference) | set(found)):
             if reference.get(key) != found.get(key):
                 raise ValueError(f"decoder layers 0 and {index} differ in {key} ({reference.get(key)!r} vs "
-                                 f"{found.get(key)!r}); only identical layers run as one loop: set "
-                                 "train.scan_layers=false for this model")
+                                 f"{found.get(key)!r}); only identical layers run as one loop: {_UNSCANNED}")
 
 
 def _structure(layer: nn.Module) -> dict:
@@ -264,7 +244,7 @@ def _structure(layer: nn.Module) -> dict:
     for name, module in layer.named_modules():
         found[f"{name or '<layer>'}: type"] = type(module).__name__
         for attribute, value in vars(module).items():
-            if attribute.startswith("_") or attribute in _PER_LAYER_ATTRIBUTES or attribute == "salt":
+            if attribute.startswith("_") or attribute in _PER_LAYER_ATTRIBUTES:
                 continue
             if isinstance(value, (bool, int, float, str, type(None), tuple, list)):
                 found[f"{name}.{attribute}" if name else attribute] = value
