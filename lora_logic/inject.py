@@ -19,8 +19,15 @@ def matches_target(module_name: str, target: str) -> bool:
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
-    """(name, module) for every LoRALinear in `model`, in `named_modules()` order."""
+    """(name, module) for every LoRALinear in `model`, in `named_modules()` order.
+
+    Scanned decoder layers (layer_scan.py) hold their LoRA weights stacked, in no LoRALinear:
+    a model with them is refused here, so injecting, loading and merging (which go through
+    this) say so instead of finding no LoRA; `lora_parameters` and `lora_state_dict` read them."""
     for name, module in model.named_modules():
+        if isinstance(module, ScannedLayers):
+            raise ValueError(f"{name}: the decoder layers are scanned (lora_logic/layer_scan.py), their LoRA weights "
+                             "stacked; inject, load or merge adapters before scan_decoder_layers")
         if isinstance(module, LoRALinear):
             yield name, module
 
@@ -84,7 +91,7 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """{"<module path>.lora_A.weight": [r, in], "<module path>.lora_B.weight": [out, r]} with
     paths relative to `model` (e.g. "model.layers.0.self_attn.q_proj.lora_A.weight").
     Tensors are the live parameters (detached), on their own device; scanned layers give each
-    layer's slice of their stacks under the same names."""
+    layer's weights under the same names, as host copies (ScannedLayers.lora_state_dict)."""
     state = {}
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):

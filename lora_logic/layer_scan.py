@@ -108,10 +108,11 @@ class ScannedLayers(nn.Module):
         return [self.get_parameter(self.keys[name]) for name in self.lora_names]
 
     def lora_state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
-        """Each layer's LoRA weights under its own name, as the unscanned model names them:
-        "<prefix>.<layer>.self_attn.q_proj.lora_A.weight" (detached slices of the stacks)."""
-        return {f"{prefix}.{layer}.{name}": self.get_parameter(self.keys[name]).detach()[layer]
-                for layer in range(self.count) for name in self.lora_names}
+        """Each layer's LoRA weights under the unscanned model's names,
+        "<prefix>.<layer>.self_attn.q_proj.lora_A.weight": copies on the host, each stack moved
+        there once (a device slice per tensor would be a graph to compile per tensor)."""
+        stacks = {name: self.get_parameter(self.keys[name]).detach().to("cpu") for name in self.lora_names}
+        return {f"{prefix}.{layer}.{name}": stacks[name][layer] for layer in range(self.count) for name in self.lora_names}
 
     def _record(self, index: int, args: tuple, kwargs: dict):
         passed = args[0] if args else kwargs.get("hidden_states")

@@ -1,6 +1,8 @@
 """Decoder layers run as one XLA loop (lora_logic/layer_scan.py) compute what the model's own
 layer loop computes: loss, LoRA gradients (per layer, under the unscanned names), LoRA dropout
-masks per layer, and a captured training step over 2 micro-batches; layers that differ are refused."""
+masks per layer, and a captured training step over 2 micro-batches; the
+adapter saved from a scanned model on the device is the one a plain model loads; layers that
+differ, and adapters loaded into scanned layers, are refused."""
 
 from __future__ import annotations
 
@@ -107,6 +109,41 @@ def test_the_adapter_names_and_values_are_the_unscanned_ones():
     assert state.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(state[key], value), key
+
+
+def test_the_adapter_saved_from_scanned_layers_on_the_device_loads_into_a_plain_model(tmp_path):
+    """The hard case of saving: stacks on the XLA device, read on the host one stack at a time
+    (no graph compiled), written in PEFT's layout, loaded by a model that was never scanned."""
+    from lora_logic import load_adapter, save_adapter
+    from utils.xla_counters import read_counters
+
+    model = deeper("mistral")
+    scan_decoder_layers(model)
+    model.to(torch_xla.device())
+    torch_xla.sync()
+    before = read_counters()
+    save_adapter(model, tmp_path / "adapter", LoraConfig(r=4, alpha=8), "tiny")
+    assert (read_counters() - before).compiles == 0
+    plain = deeper("mistral")
+    with torch.no_grad():
+        for param in lora_parameters(plain):
+            param.zero_()
+    load_adapter(plain, tmp_path / "adapter")
+    expected = lora_state_dict(model)
+    for key, value in lora_state_dict(plain).items():
+        assert torch.equal(value, expected[key]), key
+
+
+def test_adapters_are_loaded_before_scanning_not_into_the_stacks(tmp_path):
+    from lora_logic import load_adapter, merge_lora, save_adapter
+
+    save_adapter(deeper("mistral"), tmp_path / "adapter", LoraConfig(r=4, alpha=8), "tiny")
+    model = deeper("mistral")
+    scan_decoder_layers(model)
+    for refused in (lambda: load_adapter(model, tmp_path / "adapter"), lambda: merge_lora(model),
+                    lambda: inject_lora(model, LoraConfig(r=4, alpha=8))):
+        with pytest.raises(ValueError, match="decoder layers are scanned.*before scan_decoder_layers"):
+            refused()
 
 
 def test_layers_that_differ_are_refused_naming_the_setting():
