@@ -1,6 +1,6 @@
 """Decoder layers run as one XLA loop (lora_logic/layer_scan.py) compute what the model's own
 layer loop computes: loss, LoRA gradients (per layer, under the unscanned names), LoRA dropout
-masks per layer, and a captured training step over 2 micro-batches; the
+masks per layer, sliding windows, and a captured training step over 2 micro-batches; the
 adapter saved from a scanned model on the device is the one a plain model loads; layers that
 differ, and adapters loaded into scanned layers, are refused."""
 
@@ -18,14 +18,19 @@ from lora_logic.layer_scan import ScannedLayers, scan_decoder_layers
 
 
 def deeper(name: str, layers: int = 4, dropout: float = 0.0) -> torch.nn.Module:
-    """The family's tiny model with `layers` identical layers and LoRA dropout."""
+    """The family's tiny model with `layers` identical layers and LoRA dropout. Mistral and
+    Gemma 3 keep their sliding window (6, shorter than the batch's rows; Gemma 3 all layers
+    sliding, with its local rotary table); Qwen3's window is only on some layers
+    (max_window_layers), which would make them differ, so it is off."""
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 
     config = FAMILIES[name]()
     config.num_hidden_layers = layers
-    config.sliding_window = None  # Qwen's max_window_layers would make layers differ
-    if hasattr(config, "layer_types"):
+    if name == "gemma3":
+        config.layer_types = ["sliding_attention"] * layers
+    elif name == "qwen3":
+        config.use_sliding_window, config.sliding_window = False, None
         config.layer_types = ["full_attention"] * layers
     model = AutoModelForCausalLM.from_config(config).float()
     inject_lora(model, LoraConfig(r=4, alpha=8, dropout=dropout))
@@ -57,7 +62,7 @@ def loss_and_lora_grads(model, data: dict) -> tuple[float, dict[str, torch.Tenso
     return (loss_sum / count).item(), {k: v.cpu() for k, v in grads.items()}
 
 
-@pytest.mark.parametrize("family", ["mistral", "llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["mistral", "llama", "qwen3", "gemma3"])  # mistral, gemma3: sliding
 def test_scanned_layers_give_the_loss_and_gradients_of_the_layer_loop(family):
     data = batch(packed=True)
     expected_loss, expected = loss_and_lora_grads(deeper(family, dropout=0.1), data)
