@@ -31,20 +31,26 @@ from lora_logic.layer import LoRALinear
 # Differ from layer to layer and are handled: the index a layer uses in a KV cache (training
 # runs without one), and a LoRA dropout's salt (stacked, a loop input).
 _PER_LAYER_ATTRIBUTES = {"layer_idx", "salt"}
-_UNSCANNED = "run this model's layers unscanned (without scan_decoder_layers)"
+_UNSCANNED = "run this model's layers unscanned (train.scan_layers=false; without scan_decoder_layers)"
 
 
 def scan_decoder_layers(model: nn.Module, remat: bool = False) -> "ScannedLayers":
     """Replace the decoder layers of a Hugging Face causal LM (`model.get_decoder().layers`) by
     a `ScannedLayers`, in place; returns it. remat: recompute each layer's activations in the
     backward (activation checkpointing, inside the loop) instead of keeping them."""
-    decoder = model.get_decoder()
-    layers = getattr(decoder, "layers", None)
+    scanned = ScannedLayers(scannable_layers(model), remat=remat)
+    model.get_decoder().layers = scanned
+    return scanned
+
+
+def scannable_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a Hugging Face causal LM, checked identical but for their weights;
+    a ValueError says why they cannot be scanned."""
+    layers = getattr(model.get_decoder(), "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) < 2:
         raise ValueError(f"{type(model).__name__}: no list of decoder layers at get_decoder().layers to scan")
-    scanned = ScannedLayers(layers, remat=remat)
-    decoder.layers = scanned
-    return scanned
+    check_identical(layers)
+    return layers
 
 
 class ScannedLayers(nn.Module):
@@ -62,6 +68,8 @@ class ScannedLayers(nn.Module):
         for name, param in template.named_parameters():
             stacked = torch.stack([layer.get_parameter(name).detach() for layer in layers])
             self.register_parameter(self.keys[name], nn.Parameter(stacked, requires_grad=param.requires_grad))
+            for layer in layers[1:]:  # replaced by the stacks: freed as we go (peak: one weight's stack more)
+                layer.get_parameter(name).data = torch.empty(0, dtype=param.dtype, device=param.device)
         for name, _ in template.named_buffers():
             self.register_buffer(self.keys[name], torch.stack([layer.get_buffer(name) for layer in layers]),
                                  persistent=False)
@@ -236,7 +244,7 @@ def check_identical(layers: nn.ModuleList) -> None:
         for key in sorted(set(reference) | set(found)):
             if reference.get(key) != found.get(key):
                 raise ValueError(f"decoder layers 0 and {index} differ in {key} ({reference.get(key)!r} vs "
-                                 f"{found.get(key)!r}); only identical layers run as one loop: {_UNSCANNED}")
+                                 f"{found.get(key)!r}); only identical layers run as one loop")
 
 
 def _structure(layer: nn.Module) -> dict:
