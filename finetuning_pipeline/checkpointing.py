@@ -2,7 +2,7 @@
 
 A checkpoint is `phaseN/checkpoints/step_XXXXXXXX/` with
   adapter_config.json, adapter_model.safetensors   the LoRA weights (a loadable PEFT adapter)
-  optimizer.pt                                     AdamW state, on CPU
+  optimizer.pt                                     AdamW state, on CPU (moments per LoRA weight, layers unscanned)
   trainer_state.json                               step, loader position, phase, config hash
   rng.pt                                           python, numpy and torch RNG states (XLA: seeded per step)
   COMPLETE                                         written last: {"step", "files": {name: sha256}}
@@ -26,7 +26,7 @@ import torch
 
 from dataset.manifest import content_digest, read_manifest
 from finetuning_pipeline.run_layout import RunLayout
-from lora_logic import LoraConfig, load_adapter, save_adapter
+from lora_logic import LoraConfig, load_adapter, per_layer_lora, save_adapter, stacked_lora
 from utils.atomic_io import fsync_dir
 
 COMPLETE = "COMPLETE"
@@ -106,7 +106,9 @@ def save_checkpoint(root: str | Path, step: int, *, model, optimizer, lora_confi
     staging.mkdir()
     try:
         save_adapter(model, staging, lora_config, base_model)
-        torch.save(to_cpu(optimizer.state_dict()), staging / "optimizer.pt")
+        state = optimizer.state_dict()
+        state.update({key: per_layer_lora(model, state[key]) for key in ("exp_avg", "exp_avg_sq")})
+        torch.save(to_cpu(state), staging / "optimizer.pt")
         torch.save(rng_state(), staging / "rng.pt")
         (staging / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2) + "\n")
         files = {p.name: sha256_file(p) for p in sorted(staging.iterdir())}
@@ -198,15 +200,27 @@ def newest_intact_checkpoint(root: str | Path, report=print) -> Path | None:
     return None
 
 
-def load_checkpoint(path: str | Path, *, model, optimizer) -> dict:
-    """Restore LoRA weights, optimizer and RNG states from a complete checkpoint; returns the
-    trainer state (step, loader position, ...)."""
+def load_checkpoint(path: str | Path, *, model) -> dict:
+    """Restore the LoRA weights and RNG states from a complete checkpoint into a model whose
+    layers are not scanned yet (load_optimizer_state follows once the optimizer exists);
+    returns the trainer state (step, loader position, ...)."""
     path = Path(path)
     verify_checkpoint(path)
     load_adapter(model, path)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
     restore_rng_state(torch.load(path / "rng.pt", weights_only=False))
     return json.loads((path / "trainer_state.json").read_text())
+
+
+def load_optimizer_state(path: str | Path, *, model, optimizer) -> None:
+    """The optimizer state of checkpoint `path` (verified by load_checkpoint), whose moments are
+    stored per LoRA weight of the unscanned model: stacked for `model`'s scanned layers."""
+    file = Path(path) / "optimizer.pt"
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    try:
+        state.update({key: stacked_lora(model, state[key]) for key in ("exp_avg", "exp_avg_sq")})
+        optimizer.load_state_dict(state)
+    except ValueError as err:
+        raise ValueError(f"{file} does not fit this model's LoRA: {err}") from None
 
 
 class Checkpointer:
