@@ -93,6 +93,13 @@ class TrainConfig:
         the micro-batches in one XLA loop (micro_batch_loop.py): host time per step and compile
         time do not grow with grad_accum. false traces every step (the reference path: the
         same numbers, for debugging).
+    scan_layers: run the decoder layers as one XLA loop over their weights stacked once
+        (lora_logic/layer_scan.py): one layer is traced and compiled whatever the depth, so
+        compile time does not grow with the number of layers. Unset (the default): scanned
+        where the model allows it (identical layers, no dropout of the model's own,
+        parallel.mode dp), the layer loop otherwise, and the log says why; true: scanned or
+        an error saying why not; false: the layer loop. Checkpoints and adapters are the same
+        either way (a run may resume with the other setting).
     """
 
     max_steps: int = 100
@@ -112,6 +119,7 @@ class TrainConfig:
     warmup_compiles_steps: int = 1
     recompile_policy: str = "error"
     capture_step: bool = True
+    scan_layers: bool | None = None
 
 
 @dataclass
@@ -270,7 +278,7 @@ class RunConfig:
         flat = {"model.path": self.model.path, "model.revision": self.model.revision, "model.dtype": self.model.dtype}
         flat.update({f"lora.{k}": v for k, v in dataclasses.asdict(self.lora).items()})
         skip = {"warmup_compiles_steps", "recompile_policy", "max_bad_steps", "micro_batch", "grad_accum",
-                "max_wall_time", "capture_step"}
+                "max_wall_time", "capture_step", "scan_layers"}
         flat.update({f"train.{k}": v for k, v in dataclasses.asdict(self.train).items() if k not in skip})
         phase_cfg = dataclasses.asdict(self.phase(phase))
         if phase == 1:

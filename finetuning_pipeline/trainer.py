@@ -31,7 +31,7 @@ from dataset.loader import ShardLoader
 from dataset.manifest import is_packed, read_manifest
 from finetuning_pipeline.activation_checkpointing import enable_activation_checkpointing
 from finetuning_pipeline.adamw import MaskedAdamW
-from finetuning_pipeline.checkpointing import Checkpointer, load_checkpoint, resume_keys
+from finetuning_pipeline.checkpointing import Checkpointer, load_checkpoint, load_optimizer_state, resume_keys
 from finetuning_pipeline.chunked_loss import resolve_chunk_tokens
 from finetuning_pipeline.compile_guard import CompileGuard
 from finetuning_pipeline.config import RunConfig
@@ -45,10 +45,11 @@ from finetuning_pipeline.micro_batch_loop import summed_over_micro_batches
 from finetuning_pipeline.model_loading import DTYPES, load_base, load_model
 from finetuning_pipeline.parallel import Parallel
 from finetuning_pipeline.run_layout import RunLayout
+from finetuning_pipeline.scan_choice import model_dropouts, scan_layers
 from finetuning_pipeline.step import apply_update, micro_batch_gradients, train_step
 from finetuning_pipeline.step_capture import CapturedStep
 from finetuning_pipeline.stop_signal import StopVote
-from lora_logic import inject_lora, lora_parameters, save_adapter
+from lora_logic import ScannedLayers, inject_lora, lora_parameters, save_adapter
 from utils.atomic_io import atomic_write_json
 from utils.hub_models import model_dir
 from utils.xla_runtime import device_counter, device_kind, to_host
@@ -103,20 +104,6 @@ def build_model(config: RunConfig, phase: int):
         lora_config = config.lora_config()
         inject_lora(model, lora_config)
     return model, lora_config
-
-
-def model_dropouts(settings) -> dict[str, float]:
-    """The model's own dropout probabilities above 0, by config key, whatever the family calls
-    them (attention_dropout, hidden_dropout, resid_pdrop, embd_pdrop, ...; nested configs
-    too). `settings`: a transformers config or its to_dict()."""
-    found = {}
-    for key, value in (settings if isinstance(settings, dict) else settings.to_dict()).items():
-        name = str(key)
-        if isinstance(value, dict):
-            found.update({f"{name}.{inner}": p for inner, p in model_dropouts(value).items()})
-        elif ("dropout" in name or "pdrop" in name) and type(value) in (int, float) and value > 0:
-            found[name] = value
-    return found
 
 
 class Stepper:
@@ -311,21 +298,26 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     guard = CompileGuard(phase, t.warmup_compiles_steps, t.recompile_policy)  # counts from here
     seed_everything(t.seed + phase)
     model, lora_config = build_model(config, phase)
+    checkpointer = Checkpointer(layout.checkpoints(phase), every=config.checkpoint.every, keep=config.checkpoint.keep,
+                                collectives=parallel.collectives, base_model=config.model.path, lora_config=lora_config)
+    checkpointer.clean()
+    # The resumed adapter goes into the layers before they are stacked (on the host), the
+    # optimizer's moments into the optimizer built on the stacks.
+    state = load_checkpoint(resume_from, model=model) if resume_from else {}
+    scanned = scan_layers(model, t.scan_layers, remat=config.model.gradient_checkpointing, spmd=parallel.mesh is not None)
     sharded = parallel.place_model(model, device)
     attention, why = choose_attention(config.model.attention, model.config, on_tpu=device_kind() == "TPU",
                                       spmd_mesh=parallel.mesh is not None)
     if attention != "dense":
         enable_kernel_attention(model, attention, parallel.mesh)
     if parallel.master:
-        print(f"phase {phase}: {why}", flush=True)
+        print(f"phase {phase}: {why}; {scanned}", flush=True)
     model.train()
     optimizer = MaskedAdamW(lora_parameters(model), lr=config.lr(phase), betas=tuple(t.betas), eps=t.eps,
                             weight_decay=t.weight_decay)
+    if resume_from:
+        load_optimizer_state(resume_from, model=model, optimizer=optimizer)
     data = PhaseData(config, phase, parallel)
-    checkpointer = Checkpointer(layout.checkpoints(phase), every=config.checkpoint.every, keep=config.checkpoint.keep,
-                                collectives=parallel.collectives, base_model=config.model.path, lora_config=lora_config)
-    checkpointer.clean()
-    state = load_checkpoint(resume_from, model=model, optimizer=optimizer) if resume_from else {}
     start_step = data.resume(state, resume_from)
     guard.resume_at(start_step)
     monitor = DivergenceMonitor(device, t.max_bad_steps)
@@ -404,6 +396,7 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
         "world_size": p.parallel.world,
         "parallel": {**p.parallel.describe(), "sharded_base_parameters": len(p.sharded)},
         "attention": p.model.config._attn_implementation,
+        "scanned_layers": any(isinstance(m, ScannedLayers) for m in p.model.modules()),
         "seq_len": p.data.seq_len,
         "global_batch": p.data.batches_per_step,
     }

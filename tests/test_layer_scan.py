@@ -116,6 +116,27 @@ def test_the_adapter_names_and_values_are_the_unscanned_ones():
         assert torch.equal(state[key], value), key
 
 
+def test_optimizer_moments_convert_between_stacks_and_the_unscanned_layout():
+    """What a checkpoint stores: one tensor per LoRA weight of the unscanned model, in its
+    lora_parameters order, whether the layers ran scanned or not (4 layers x 7 targets x A/B)."""
+    from lora_logic import per_layer_lora, stacked_lora
+
+    plain = deeper("mistral")
+    scanned = deeper("mistral")
+    scan_decoder_layers(scanned)
+    unscanned_layout, stacks = lora_parameters(plain), lora_parameters(scanned)
+    assert len(unscanned_layout) == 4 * 7 * 2 and len(stacks) == 7 * 2
+    per_layer = per_layer_lora(scanned, stacks)
+    assert len(per_layer) == len(unscanned_layout)
+    for ours, theirs in zip(per_layer, unscanned_layout):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(stacked_lora(scanned, unscanned_layout), stacks):
+        assert torch.equal(ours, theirs)
+    assert per_layer_lora(plain, unscanned_layout) == unscanned_layout == stacked_lora(plain, unscanned_layout)
+    with pytest.raises(ValueError, match="tensors for the model's"):
+        stacked_lora(scanned, unscanned_layout[:-1])
+
+
 def test_the_adapter_saved_from_scanned_layers_on_the_device_loads_into_a_plain_model(tmp_path):
     """The hard case of saving: stacks on the XLA device, read on the host one stack at a time
     (no graph compiled), written in PEFT's layout, loaded by a model that was never scanned."""
@@ -165,3 +186,31 @@ def test_a_model_that_changes_the_hidden_states_between_layers_is_refused():
     calls[0](hidden)
     with pytest.raises(RuntimeError, match="changed the hidden states between two layers"):
         calls[1](hidden + 1)
+
+
+def test_the_trainer_scans_where_the_model_allows_and_says_why_not_elsewhere():
+    """train.scan_layers: unset scans where it can and names the reason where it cannot; true
+    makes the reason an error naming the key; false never scans."""
+    from finetuning_pipeline.errors import ConfigError
+    from finetuning_pipeline.scan_choice import scan_layers
+
+    def has_scan(model):
+        return any(isinstance(m, ScannedLayers) for m in model.modules())
+
+    model = deeper("mistral")
+    assert scan_layers(model, None, remat=True, spmd=False).startswith("decoder layers scanned: 4 layers")
+    assert has_scan(model) and model.get_decoder().layers.remat
+    for setting in (None, True, False):
+        model = family_model("gemma3")  # a sliding layer, then a full one
+        if setting:
+            with pytest.raises(ConfigError, match=r"train.scan_layers=true, but decoder layers 0 and 1 differ in .*sliding"):
+                scan_layers(model, setting, remat=False, spmd=False)
+        else:
+            message = scan_layers(model, setting, remat=False, spmd=False)
+            assert message.startswith("decoder layers run one by one") and ("sliding" in message) == (setting is None)
+        assert not has_scan(model)
+    model = deeper("mistral")
+    model.config.attention_dropout = 0.1
+    assert "attention_dropout 0.1" in scan_layers(model, None, remat=False, spmd=False) and not has_scan(model)
+    model = deeper("mistral")
+    assert "parallel.mode=fsdp" in scan_layers(model, None, remat=False, spmd=True) and not has_scan(model)

@@ -286,7 +286,7 @@ def test_residual_dropout_with_checkpointing_trains_traced_every_step(tiny_model
 def test_model_dropouts_finds_every_familys_names():
     from transformers import Gemma3Config, MistralConfig, Phi3Config
 
-    from finetuning_pipeline.trainer import model_dropouts
+    from finetuning_pipeline.scan_choice import model_dropouts
 
     assert model_dropouts(Phi3Config(resid_pdrop=0.1, attention_dropout=0.2)) == {"resid_pdrop": 0.1,
                                                                                   "attention_dropout": 0.2}

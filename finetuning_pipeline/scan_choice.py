@@ -1,0 +1,67 @@
+"""Whether a phase runs its decoder layers as one XLA loop (train.scan_layers; the loop itself
+is lora_logic/layer_scan.py), and what in a model prevents it.
+
+Scanned, one layer is traced and compiled whatever the depth (README, "Host time per step and
+compile time"). Not every model can be: its layers must be identical but for their weights (a
+Gemma 3's sliding and full layers are not), and random numbers of the model's own dropout
+cannot be drawn inside the loop (each layer would draw the same masks); and under
+parallel.mode=fsdp (SPMD) the scan is not supported yet. Unset, the setting
+scans where the model allows it and says why not otherwise, as model.attention "auto" does.
+"""
+
+from __future__ import annotations
+
+from finetuning_pipeline.errors import ConfigError
+from lora_logic.layer_scan import scan_decoder_layers, scannable_layers
+
+
+def model_dropouts(settings) -> dict[str, float]:
+    """The model's own dropout probabilities above 0, by config key, whatever the family calls
+    them (attention_dropout, hidden_dropout, resid_pdrop, embd_pdrop, ...; nested configs
+    too). `settings`: a transformers config or its to_dict()."""
+    found = {}
+    for key, value in (settings if isinstance(settings, dict) else settings.to_dict()).items():
+        name = str(key)
+        if isinstance(value, dict):
+            found.update({f"{name}.{inner}": p for inner, p in model_dropouts(value).items()})
+        elif ("dropout" in name or "pdrop" in name) and type(value) in (int, float) and value > 0:
+            found[name] = value
+    return found
+
+
+def why_not_scanned(model, spmd: bool) -> str | None:
+    """Why `model`'s decoder layers cannot run as one loop in training, or None if they can
+    (a weightless meta-device model answers as well: preflight asks one). spmd: parallel.mode=fsdp."""
+    if spmd:
+        # torch_xla's scan shards its backward through JAX (absent here), and with JAX present
+        # the scan inside the captured step's micro-batch loop gave other losses than one
+        # device (step 1: 6.9602 vs 6.9585 on the fsdp test's model; traced every step: equal).
+        return "parallel.mode=fsdp does not run scanned layers yet"
+    dropouts = model_dropouts(model.config)
+    if dropouts:
+        named = ", ".join(f"{name} {p}" for name, p in dropouts.items())
+        return f"the model's own dropout ({named}) cannot draw its masks inside the loop"
+    try:
+        scannable_layers(model)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def scan_layers(model, setting: bool | None, remat: bool, spmd: bool) -> str:
+    """Scan `model`'s decoder layers (in place, before it moves to the device: the stacking
+    then costs host memory, one weight's stack at a time) if `setting` and the model allow it;
+    returns what was done, for the log. remat: model.gradient_checkpointing, done inside the
+    loop. spmd: parallel.mode=fsdp. Raises ConfigError when `setting` is True and the model
+    cannot be scanned."""
+    if setting is False:
+        return "decoder layers run one by one (train.scan_layers=false)"
+    why_not = why_not_scanned(model, spmd)
+    if why_not is None:
+        scanned = scan_decoder_layers(model, remat=remat)
+        return (f"decoder layers scanned: {scanned.count} layers run as one XLA loop (one layer traced and compiled)"
+                + (", recomputed in the backward (model.gradient_checkpointing)" if remat else ""))
+    if setting:
+        raise ConfigError(f"train.scan_layers=true, but {why_not}; set train.scan_layers=false "
+                          "(or leave it unset: scanned where the model allows it)")
+    return f"decoder layers run one by one: {why_not}"
