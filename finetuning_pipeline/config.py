@@ -97,8 +97,8 @@ class TrainConfig:
         (lora_logic/layer_scan.py): one layer is traced and compiled whatever the depth, so
         compile time does not grow with the number of layers. Unset (the default): scanned
         where the model allows it (identical layers, no dropout of the model's own,
-        parallel.mode dp), the layer loop otherwise, and the log says why; true: scanned or
-        an error saying why not; false: the layer loop. Checkpoints and adapters are the same
+        parallel.mode dp) and has 16 layers or more, the layer loop otherwise, and the log
+        says why; true: scanned or an error saying why not; false: the layer loop. Checkpoints and adapters are the same
         either way (a run may resume with the other setting).
     """
 
@@ -215,12 +215,16 @@ class TpuConfig:
     assumed_mfu: the fraction of peak bf16 FLOP/s the plan assumes a step reaches.
     compile_s_per_layer: seconds to compile a phase's graphs per decoder layer, which the plan
         adds to every session (a warm xla.compile_cache_dir loads them instead). The default is
-        what `make bench-host` measured on XLA:CPU (13.1 s for 32 layers); a TPU run's summary
-        reports compile_seconds: divide by the layers and set it here."""
+        what `make bench-host` measured on XLA:CPU for the layer loop (13.1 s for 32 layers); a
+        TPU run's summary reports compile_seconds: divide by the layers and set it here.
+    compile_s_scanned: the same for a run whose decoder layers are scanned (train.scan_layers:
+        one layer compiled whatever the depth), per phase and session; the default is what
+        `make bench-host` measured on XLA:CPU; a TPU run's summary compile_seconds sets it."""
 
     type: str = "v5e-8"
     assumed_mfu: float = 0.4
     compile_s_per_layer: float = 0.41
+    compile_s_scanned: float = 2.8
 
 
 @dataclass
@@ -472,8 +476,9 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"parallel.host_timeout_s must be > 0, got {config.parallel.host_timeout_s}")
     if not 0 < config.tpu.assumed_mfu <= 1:
         raise ConfigError(f"tpu.assumed_mfu must be in (0, 1], got {config.tpu.assumed_mfu}")
-    if not config.tpu.compile_s_per_layer >= 0:
-        raise ConfigError(f"tpu.compile_s_per_layer must be >= 0, got {config.tpu.compile_s_per_layer}")
+    for key in ("compile_s_per_layer", "compile_s_scanned"):
+        if not getattr(config.tpu, key) >= 0:
+            raise ConfigError(f"tpu.{key} must be >= 0, got {getattr(config.tpu, key)}")
     if config.phase2.init not in ("continue", "merge", "fresh"):
         raise ConfigError(f"phase2.init must be 'continue', 'merge' or 'fresh', got {config.phase2.init!r}")
     for number in (1, 2):

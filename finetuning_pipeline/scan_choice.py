@@ -6,7 +6,8 @@ compile time"). Not every model can be: its layers must be identical but for the
 Gemma 3's sliding and full layers are not), and random numbers of the model's own dropout
 cannot be drawn inside the loop (each layer would draw the same masks); and under
 parallel.mode=fsdp (SPMD) the scan is not supported yet. Unset, the setting
-scans where the model allows it and says why not otherwise, as model.attention "auto" does.
+scans where the model allows it and the depth makes it pay, and says why not otherwise, as
+model.attention "auto" does.
 """
 
 from __future__ import annotations
@@ -29,9 +30,19 @@ def model_dropouts(settings) -> dict[str, float]:
     return found
 
 
-def why_not_scanned(model, spmd: bool) -> str | None:
-    """Why `model`'s decoder layers cannot run as one loop in training, or None if they can
-    (a weightless meta-device model answers as well: preflight asks one). spmd: parallel.mode=fsdp."""
+# Unset, train.scan_layers scans from this depth. Below it the loop does not pay on XLA:CPU:
+# per step it slices and writes back every stack (make bench-train's shapes, same run: 2 layers
+# 12.9-15.9 vs 10.6-10.8 ms a step; 8 layers 5.49 vs 5.13 s), and its compile time, about
+# constant, only wins with depth (8 layers: 6.5 vs 6.2 s; 32 layers: 2.4 vs 13.2 s).
+AUTO_MIN_LAYERS = 16
+
+
+def why_not_scanned(model, spmd: bool, setting: bool | None = None) -> str | None:
+    """Why `model`'s decoder layers will not run as one loop in training, or None if they will
+    (a weightless meta-device model answers as well: preflight asks one). spmd:
+    parallel.mode=fsdp; setting: train.scan_layers."""
+    if setting is False:
+        return "train.scan_layers=false"
     if spmd:
         # torch_xla's scan shards its backward through JAX (absent here), and with JAX present
         # the scan inside the captured step's micro-batch loop gave other losses than one
@@ -42,9 +53,12 @@ def why_not_scanned(model, spmd: bool) -> str | None:
         named = ", ".join(f"{name} {p}" for name, p in dropouts.items())
         return f"the model's own dropout ({named}) cannot draw its masks inside the loop"
     try:
-        scannable_layers(model)
+        layers = scannable_layers(model)
     except ValueError as err:
         return str(err)
+    if setting is None and len(layers) < AUTO_MIN_LAYERS:
+        return (f"{len(layers)} layers compile about as fast unrolled (scanned from {AUTO_MIN_LAYERS} layers; "
+                "train.scan_layers=true scans anyway)")
     return None
 
 
@@ -54,9 +68,7 @@ def scan_layers(model, setting: bool | None, remat: bool, spmd: bool) -> str:
     returns what was done, for the log. remat: model.gradient_checkpointing, done inside the
     loop. spmd: parallel.mode=fsdp. Raises ConfigError when `setting` is True and the model
     cannot be scanned."""
-    if setting is False:
-        return "decoder layers run one by one (train.scan_layers=false)"
-    why_not = why_not_scanned(model, spmd)
+    why_not = why_not_scanned(model, spmd, setting)
     if why_not is None:
         scanned = scan_decoder_layers(model, remat=remat)
         return (f"decoder layers scanned: {scanned.count} layers run as one XLA loop (one layer traced and compiled)"

@@ -189,17 +189,21 @@ def test_a_model_that_changes_the_hidden_states_between_layers_is_refused():
 
 
 def test_the_trainer_scans_where_the_model_allows_and_says_why_not_elsewhere():
-    """train.scan_layers: unset scans where it can and names the reason where it cannot; true
-    makes the reason an error naming the key; false never scans."""
+    """train.scan_layers: unset scans where it can and the depth pays, and names the reason
+    where not; true makes the reason an error naming the key; false never scans."""
     from finetuning_pipeline.errors import ConfigError
     from finetuning_pipeline.scan_choice import scan_layers
 
     def has_scan(model):
         return any(isinstance(m, ScannedLayers) for m in model.modules())
 
-    model = deeper("mistral")
-    assert scan_layers(model, None, remat=True, spmd=False).startswith("decoder layers scanned: 4 layers")
+    model = deeper("mistral", layers=16)
+    assert scan_layers(model, None, remat=True, spmd=False).startswith("decoder layers scanned: 16 layers")
     assert has_scan(model) and model.get_decoder().layers.remat
+    model = deeper("mistral")  # 4 layers: too few to pay unless asked for
+    assert "4 layers compile about as fast unrolled" in scan_layers(model, None, remat=False, spmd=False)
+    assert not has_scan(model)
+    assert scan_layers(model, True, remat=False, spmd=False).startswith("decoder layers scanned: 4 layers")
     for setting in (None, True, False):
         model = family_model("gemma3")  # a sliding layer, then a full one
         if setting:
