@@ -138,6 +138,8 @@ class PlanInputs:
     attention: str = "dense"  # what model.attention resolves to on the planned TPU: dense, splash, flash
     compile_s_per_layer: float = 0.0  # compile seconds per decoder layer (tpu.compile_s_per_layer)
     capture_step: bool = True  # train.capture_step: one micro-batch compiled, whatever grad_accum
+    scanned_layers: bool = False  # train.scan_layers as resolved for the model: one layer compiled
+    compile_s_scanned: float = 0.0  # compile seconds of a phase with scanned layers (tpu.compile_s_scanned)
 
 
 def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
@@ -172,8 +174,11 @@ def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
     step_flops = per_token * global_tokens
     step_time = step_flops / (devices * tpu.peak_flops_per_device * inputs.assumed_mfu)
     # The step's graph holds one micro-batch's layers when captured (micro_batch_loop.py),
-    # grad_accum copies of them when traced every step.
-    compile_s = inputs.compile_s_per_layer * shape.layers * (1 if inputs.capture_step else inputs.grad_accum)
+    # grad_accum copies of them when traced every step; scanned, one layer whatever the depth.
+    if inputs.scanned_layers and inputs.mode != "fsdp":  # (scan_choice: not under fsdp yet)
+        compile_s = inputs.compile_s_scanned
+    else:
+        compile_s = inputs.compile_s_per_layer * shape.layers * (1 if inputs.capture_step else inputs.grad_accum)
     hours = (inputs.steps * step_time + compile_s) / 3600
     return {
         "fits": bool(fits),

@@ -46,6 +46,7 @@ from finetuning_pipeline.model_loading import check_lora_targets  # noqa: E402
 from finetuning_pipeline.parallel import mesh_shape  # noqa: E402
 from finetuning_pipeline.plan import ModelShape, PlanInputs, mode_advice, plan, suggestions  # noqa: E402
 from finetuning_pipeline.run_layout import RunLayout  # noqa: E402
+from finetuning_pipeline.scan_choice import why_not_scanned  # noqa: E402
 from finetuning_pipeline.stop_signal import parse_duration  # noqa: E402
 from finetuning_pipeline.tpu_chips import parse_tpu_type  # noqa: E402
 from utils.atomic_io import atomic_write_json  # noqa: E402
@@ -124,7 +125,19 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
                       lora_targets=list(config.lora.target_modules), lora_dropout=config.lora.dropout,
                       assumed_mfu=config.tpu.assumed_mfu, steps=config.max_steps(phase), fsdp_axis=fsdp_axis,
                       loss_chunk=loss_chunk, attention=attention, compile_s_per_layer=config.tpu.compile_s_per_layer,
-                      capture_step=config.train.capture_step)
+                      capture_step=config.train.capture_step, compile_s_scanned=config.tpu.compile_s_scanned,
+                      scanned_layers=model_config is not None and layers_scanned(config, model_config, mode))
+
+
+def layers_scanned(config: RunConfig, model_config, mode: str | None = None) -> bool:
+    """Whether the trainer will scan this model's decoder layers (train.scan_layers: asked of a
+    weightless model of the architecture, as scan_choice answers the trainer)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    return why_not_scanned(model, (mode or config.parallel.mode) == "fsdp", config.train.scan_layers) is None
 
 
 def make_plan(config: RunConfig, model_config) -> dict:
@@ -326,7 +339,8 @@ def format_report(report: dict) -> str:
             f"({'fits' if phase['fits'] else 'DOES NOT FIT'}; weights {b['weights']}, LoRA+optimizer "
             f"{b['lora_and_optimizer']}, activations {b['activations']}, logits {b['logits']}), "
             f"{phase['step_time_s']:.2f} s/step, {phase['tokens_per_sec']:,.0f} tokens/s at MFU {p['assumed_mfu']}, "
-            f"compile ~{phase['compile_s']:.0f} s a session (tpu.compile_s_per_layer), "
+            f"compile ~{phase['compile_s']:.0f} s a session ("
+            f"{'layers scanned: tpu.compile_s_scanned' if phase['inputs']['scanned_layers'] else 'tpu.compile_s_per_layer'}), "
             f"{phase['tpu_hours']:.2f} TPU-hours with compiles ({phase['chip_hours']:.1f} chip-hours)")
         for fix in phase.get("to_fit", [])[:3]:
             overrides = " ".join(f"{k}={v}" for k, v in fix["overrides"].items())

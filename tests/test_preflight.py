@@ -58,26 +58,37 @@ def test_the_plan_scales_with_the_slice_and_the_steps(tmp_path):
     # Twice the chips: twice the global batch per step at the same step time; half the steps.
     assert v6e16["step_time_s"] == pytest.approx(v6e8["step_time_s"], rel=1e-3)
     assert v6e16["tokens_per_sec"] == pytest.approx(2 * v6e8["tokens_per_sec"], rel=1e-3)
-    # Half the steps, the same compile (one per phase, its layers' worth at tpu.compile_s_per_layer).
+    # Half the steps, the same compile (one per phase; the layers scanned: tpu.compile_s_scanned).
     compile_h = {name: sum(p["compile_s"] for p in r["phases"].values()) / 3600 for name, r in
                  (("v6e8", v6e8), ("v6e16", v6e16))}
-    assert compile_h["v6e8"] == compile_h["v6e16"] == pytest.approx(2 * 32 * 0.41 / 3600, abs=1e-4)
+    assert compile_h["v6e8"] == compile_h["v6e16"] == pytest.approx(2 * 2.8 / 3600, abs=1e-4)
     assert v6e16["tpu_hours"] - compile_h["v6e16"] == pytest.approx((v6e8["tpu_hours"] - compile_h["v6e8"]) / 2,
                                                                     rel=1e-2)
 
 
 def test_compile_time_follows_the_layers_not_grad_accum_and_counts_every_session(tmp_path):
-    _, captured = run_preflight(tmp_path / "a", MISTRAL, "tpu.compile_s_per_layer=10", "train.grad_accum=8")
-    _, traced = run_preflight(tmp_path / "b", MISTRAL, "tpu.compile_s_per_layer=10", "train.grad_accum=8",
-                              "train.capture_step=false")
+    loop = ("train.scan_layers=false", "tpu.compile_s_per_layer=10", "train.grad_accum=8")
+    _, captured = run_preflight(tmp_path / "a", MISTRAL, *loop)
+    _, traced = run_preflight(tmp_path / "b", MISTRAL, *loop, "train.capture_step=false")
     assert captured["phases"]["phase1"]["compile_s"] == 320  # 32 layers x 10 s, once for the 8 micro-batches
     assert traced["phases"]["phase1"]["compile_s"] == 8 * 320  # traced: the graph holds 8 micro-batches
-    _, sessions = run_preflight(tmp_path / "c", MISTRAL, "tpu.compile_s_per_layer=10", "train.grad_accum=8",
-                                "train.max_wall_time=20m")
+    _, sessions = run_preflight(tmp_path / "c", MISTRAL, *loop, "train.max_wall_time=20m")
     phase = sessions["phases"]["phase1"]
     steps_h = captured["phases"]["phase1"]["tpu_hours"] - 320 / 3600
     assert phase["sessions"] > 1
     assert phase["tpu_hours"] == pytest.approx(steps_h + phase["sessions"] * 320 / 3600, abs=2e-3)
+
+
+def test_scanned_layers_compile_once_whatever_the_depth_where_the_model_allows(tmp_path):
+    """The plan asks a weightless model what the trainer will do: Mistral's identical layers
+    are scanned (tpu.compile_s_scanned, whatever layers and grad_accum) except under fsdp;
+    Gemma 3's sliding and full layers differ, so it compiles per layer."""
+    _, scanned = run_preflight(tmp_path / "a", MISTRAL, "tpu.compile_s_scanned=7", "train.grad_accum=8")
+    assert scanned["phases"]["phase1"]["compile_s"] == 7 and scanned["phases"]["phase1"]["inputs"]["scanned_layers"]
+    _, fsdp = run_preflight(tmp_path / "b", MISTRAL, "tpu.compile_s_per_layer=10", "parallel.mode=fsdp")
+    assert fsdp["phases"]["phase1"]["compile_s"] == 320 and not fsdp["phases"]["phase1"]["inputs"]["scanned_layers"]
+    _, gemma = run_preflight(tmp_path / "c", CONFIGS / "gemma3_270m_single_chip.yaml", "tpu.compile_s_per_layer=10")
+    assert gemma["phases"]["phase1"]["compile_s"] == 18 * 10 and not gemma["phases"]["phase1"]["inputs"]["scanned_layers"]
 
 
 @pytest.mark.parametrize("name", SHIPPED)
