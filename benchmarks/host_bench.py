@@ -1,8 +1,9 @@
 """`make bench-host`: the host's time per training step and the compile time, by depth and
-gradient accumulation, for the captured step (train.capture_step, the default) and the step
-traced every time (the trainer before it).
+gradient accumulation, for the trainer's default step (captured, the decoder layers scanned:
+train.capture_step, train.scan_layers), the captured step over the layer loop, and the step
+traced every time (the trainer before both).
 
-    python -m benchmarks.host_bench [--layers 32] [--grad-accum 1,8] [--steps 10]
+    python -m benchmarks.host_bench [--layers 32] [--grad-accum 1,8] [--steps 10] [--modes scanned,layer_loop,traced_every_step]
 
 Model: Mistral architecture 64 wide (hidden 64, 4 query heads and 2 KV heads of 16, MLP 128,
 vocabulary 1024), LoRA r 16 on all 7 targets, AdamW, fp32, one micro-batch of 1 x 64 tokens per
@@ -37,7 +38,11 @@ SEQ_LEN, RANK, ALPHA = 64, 16, 32
 WARMUP_STEPS = 2  # the first step traces (and captures) and compiles; the second replays once
 
 
-def measure(layers: int, grad_accum: int, capture: bool, steps: int) -> dict:
+# How the step is run: (train.capture_step, decoder layers scanned); the bench.json key.
+MODES = {"scanned": (True, True), "layer_loop": (True, False), "traced_every_step": (False, False)}
+
+
+def measure(layers: int, grad_accum: int, mode: str, steps: int) -> dict:
     """One configuration, in this process."""
     import torch
     import torch_xla
@@ -47,11 +52,13 @@ def measure(layers: int, grad_accum: int, capture: bool, steps: int) -> dict:
     from finetuning_pipeline.adamw import MaskedAdamW
     from finetuning_pipeline.config import load_config
     from finetuning_pipeline.parallel import Parallel
+    from finetuning_pipeline.scan_choice import scan_layers
     from finetuning_pipeline.trainer import Stepper
     from lora_logic import inject_lora, lora_parameters
     from utils.xla_counters import read_counters
     from utils.xla_runtime import init_xla_device
 
+    capture, scan = MODES[mode]
     device = init_xla_device()
     config = load_config(None, ["model.path=unused", "model.dtype=float32", f"lora.r={RANK}", f"lora.alpha={ALPHA}",
                                 f"train.grad_accum={grad_accum}", "train.micro_batch=1",
@@ -59,6 +66,7 @@ def measure(layers: int, grad_accum: int, capture: bool, steps: int) -> dict:
     torch.manual_seed(0)
     model = MistralForCausalLM(MistralConfig(num_hidden_layers=layers, **MODEL))
     inject_lora(model, config.lora_config())
+    scan_layers(model, scan, remat=False, spmd=False)  # as the trainer does: on the host, after injection
     model.to(device).train()
     optimizer = MaskedAdamW(lora_parameters(model), lr=1e-3)
     stepper = Stepper(model, optimizer, config, 1, Parallel("dp"), device, start_step=0, packed=False)
@@ -94,12 +102,12 @@ def measure(layers: int, grad_accum: int, capture: bool, steps: int) -> dict:
     }
 
 
-def in_subprocess(layers: int, grad_accum: int, capture: bool, steps: int) -> dict:
+def in_subprocess(layers: int, grad_accum: int, mode: str, steps: int) -> dict:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.host_bench", "--measure", str(layers), str(grad_accum),
-                           str(int(capture)), str(steps)], capture_output=True, text=True, env=env, check=False)
+                           mode, str(steps)], capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
-        raise SystemExit(f"host bench failed ({layers} layers, grad_accum {grad_accum}, capture {capture}):\n"
+        raise SystemExit(f"host bench failed ({layers} layers, grad_accum {grad_accum}, {mode}):\n"
                          f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -110,20 +118,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grad-accum", default="1,8", help="comma-separated gradient accumulation steps")
     parser.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up")
     parser.add_argument("--out", default="outputs/bench/bench.json")
-    parser.add_argument("--measure", nargs=4, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--measure", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure:  # a child process: one measurement, printed as JSON
-        layers, grad_accum, capture, steps = args.measure
-        print(json.dumps(measure(layers, grad_accum, bool(capture), steps)))
+        layers, grad_accum, mode, steps = args.measure
+        print(json.dumps(measure(int(layers), int(grad_accum), mode, int(steps))))
         return
+    modes = args.modes.split(",")
+    if not set(modes) <= set(MODES):
+        parser.error(f"--modes: {sorted(set(modes) - set(MODES))} unknown; choose from {', '.join(MODES)}")
     section = {"layers": args.layers, "model": {**MODEL, "seq_len": SEQ_LEN, "micro_batch": 1, "lora_r": RANK,
                                                 "lora_targets": 7, "dtype": "float32"},
-               "grad_accum": {}, "traced_every_step": {"grad_accum": {}}}
+               "grad_accum": {}}
     for accum in [int(v) for v in args.grad_accum.split(",")]:
-        for capture, where in ((True, section["grad_accum"]), (False, section["traced_every_step"]["grad_accum"])):
-            where[str(accum)] = figures = in_subprocess(args.layers, accum, capture, args.steps)
-            label = "captured" if capture else "traced every step"
-            print(f"{args.layers} layers, grad_accum {accum:>2}, {label:17}: host {figures['host_ms_per_step']:8.1f} ms/step"
+        for mode in modes:
+            # The default step's figures are the section's own; the others under their mode.
+            where = section["grad_accum"] if mode == "scanned" else section.setdefault(mode, {"grad_accum": {}})["grad_accum"]
+            where[str(accum)] = figures = in_subprocess(args.layers, accum, mode, args.steps)
+            print(f"{args.layers} layers, grad_accum {accum:>2}, {mode:17}: host {figures['host_ms_per_step']:8.1f} ms/step"
                   f"  compile {figures['compile_s']:6.1f} s  graphs {figures['graphs']} "
                   f"({figures['compiles_after_warmup']} after warm-up)  host syncs/step {figures['host_syncs_per_step']}",
                   flush=True)
