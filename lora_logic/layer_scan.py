@@ -38,18 +38,23 @@ def scan_decoder_layers(model: nn.Module, remat: bool = False) -> "ScannedLayers
     """Replace the decoder layers of a Hugging Face causal LM (`model.get_decoder().layers`) by
     a `ScannedLayers`, in place; returns it. remat: recompute each layer's activations in the
     backward (activation checkpointing, inside the loop) instead of keeping them."""
-    scanned = ScannedLayers(scannable_layers(model), remat=remat)
+    scanned = ScannedLayers(_decoder_layers(model), remat=remat)  # (which checks them)
     model.get_decoder().layers = scanned
     return scanned
 
 
 def scannable_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a Hugging Face causal LM, checked identical but for their weights;
-    a ValueError says why they cannot be scanned."""
+    a ValueError says why they cannot be scanned. Scans nothing (a meta-device model will do)."""
+    layers = _decoder_layers(model)
+    check_identical(layers)
+    return layers
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     layers = getattr(model.get_decoder(), "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) < 2:
         raise ValueError(f"{type(model).__name__}: no list of decoder layers at get_decoder().layers to scan")
-    check_identical(layers)
     return layers
 
 
