@@ -46,7 +46,7 @@ from finetuning_pipeline.model_loading import check_lora_targets  # noqa: E402
 from finetuning_pipeline.parallel import mesh_shape  # noqa: E402
 from finetuning_pipeline.plan import ModelShape, PlanInputs, mode_advice, plan, suggestions  # noqa: E402
 from finetuning_pipeline.run_layout import RunLayout  # noqa: E402
-from finetuning_pipeline.scan_choice import why_not_scanned  # noqa: E402
+from finetuning_pipeline.scan_choice import scan_decision  # noqa: E402
 from finetuning_pipeline.stop_signal import parse_duration  # noqa: E402
 from finetuning_pipeline.tpu_chips import parse_tpu_type  # noqa: E402
 from utils.atomic_io import atomic_write_json  # noqa: E402
@@ -130,14 +130,15 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
 
 
 def layers_scanned(config: RunConfig, model_config, mode: str | None = None) -> bool:
-    """Whether the trainer will scan this model's decoder layers (train.scan_layers: asked of a
-    weightless model of the architecture, as scan_choice answers the trainer)."""
+    """Whether the trainer will scan this model's decoder layers (train.scan_layers, asked of a
+    weightless model of the architecture as the trainer asks its model; true where they cannot
+    be is a ConfigError here)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
-    return why_not_scanned(model, (mode or config.parallel.mode) == "fsdp", config.train.scan_layers) is None
+    return scan_decision(model, config.train.scan_layers, (mode or config.parallel.mode) == "fsdp") is None
 
 
 def make_plan(config: RunConfig, model_config) -> dict:
@@ -248,8 +249,11 @@ def rehearse(config: RunConfig, model_config, root: Path, data_ready: bool) -> d
     run = config.to_dict()
     run["output_dir"] = str(root / "run")
     run["model"].update(path=str(root / "model"), tokenizer=None, dtype="float32")
+    # The 2-layer model runs its layers the way the real one will (scanned or not: unset would
+    # decide by its own depth).
     run["train"].update(max_steps=REHEARSAL_STEPS, micro_batch=1, grad_accum=min(config.train.grad_accum, 2),
-                        warmup_steps=2, warmup_compiles_steps=1, recompile_policy="error")
+                        warmup_steps=2, warmup_compiles_steps=1, recompile_policy="error",
+                        scan_layers=layers_scanned(config, model_config))
     run["eval"].update(every=0, max_batches=1, micro_batch=None)
     run["checkpoint"].update(every=2, keep=REHEARSAL_STEPS)
     run["logging"].update(every=1, progress_bar=False, tensorboard=False)
@@ -270,7 +274,8 @@ def rehearse(config: RunConfig, model_config, root: Path, data_ready: bool) -> d
     out = RunLayout(root / "run")
     summaries = {p: json.loads(out.summary(p).read_text()) for p in phases}
     steps["phases"] = {f"phase{p}": {k: s[k] for k in ("steps", "compiles_total", "compiles_after_warmup",
-                                                         "host_syncs_per_step", "eval_loss_before", "eval_loss_after")}
+                                                         "host_syncs_per_step", "eval_loss_before", "eval_loss_after",
+                                                         "scanned_layers")}
                        for p, s in summaries.items()}
 
     first = phases[0]

@@ -62,18 +62,25 @@ def why_not_scanned(model, spmd: bool, setting: bool | None = None) -> str | Non
     return None
 
 
-def scan_layers(model, setting: bool | None, remat: bool, spmd: bool) -> str:
-    """Scan `model`'s decoder layers (in place, before it moves to the device: the stacking
-    then costs host memory, one weight's stack at a time) if `setting` and the model allow it;
-    returns what was done, for the log. remat: model.gradient_checkpointing, done inside the
-    loop. spmd: parallel.mode=fsdp. Raises ConfigError when `setting` is True and the model
-    cannot be scanned."""
+def scan_decision(model, setting: bool | None, spmd: bool) -> str | None:
+    """None when the trainer will scan `model`'s decoder layers, else why not (for the log).
+    Raises ConfigError when `setting` (train.scan_layers) is True and they cannot be: preflight
+    asks the same of a weightless model, so the error comes on a CPU, before a TPU is rented."""
     why_not = why_not_scanned(model, spmd, setting)
-    if why_not is None:
-        scanned = scan_decoder_layers(model, remat=remat)
-        return (f"decoder layers scanned: {scanned.count} layers run as one XLA loop (one layer traced and compiled)"
-                + (", recomputed in the backward (model.gradient_checkpointing)" if remat else ""))
-    if setting:
+    if why_not is not None and setting:
         raise ConfigError(f"train.scan_layers=true, but {why_not}; set train.scan_layers=false "
                           "(or leave it unset: scanned where the model allows it)")
-    return f"decoder layers run one by one: {why_not}"
+    return why_not
+
+
+def scan_layers(model, setting: bool | None, remat: bool, spmd: bool) -> str:
+    """Scan `model`'s decoder layers (in place, before it moves to the device: the stacking
+    then costs host memory, one weight's stack at a time) as `scan_decision` decides; returns
+    what was done, for the log. remat: model.gradient_checkpointing, done inside the loop.
+    spmd: parallel.mode=fsdp."""
+    why_not = scan_decision(model, setting, spmd)
+    if why_not is not None:
+        return f"decoder layers run one by one: {why_not}"
+    scanned = scan_decoder_layers(model, remat=remat)
+    return (f"decoder layers scanned: {scanned.count} layers run as one XLA loop (one layer traced and compiled)"
+            + (", recomputed in the backward (model.gradient_checkpointing)" if remat else ""))

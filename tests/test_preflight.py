@@ -91,6 +91,13 @@ def test_scanned_layers_compile_once_whatever_the_depth_where_the_model_allows(t
     assert gemma["phases"]["phase1"]["compile_s"] == 18 * 10 and not gemma["phases"]["phase1"]["inputs"]["scanned_layers"]
 
 
+def test_scan_layers_true_on_a_model_that_cannot_be_scanned_is_refused_on_the_cpu(tmp_path, capsys):
+    """Not after the model has loaded on a rented TPU: preflight asks a weightless model."""
+    code, _ = run_preflight(tmp_path, CONFIGS / "gemma3_270m_single_chip.yaml", "train.scan_layers=true")
+    assert code == 2
+    assert "train.scan_layers=true, but decoder layers 0 and 5 differ in" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", SHIPPED)
 def test_the_plans_layer_shapes_match_the_architecture(name):
     """The projection shapes the FLOP and LoRA counts use are the real model's."""
@@ -160,6 +167,17 @@ def test_rehearsal_before_the_download_uses_the_bundled_samples(tmp_path):
     rehearsal = report["checks"]["rehearsal"]
     assert code == 0 and rehearsal["status"] == "passed", rehearsal
     assert rehearsal["architecture"] == "MistralForCausalLM" and rehearsal["data"].startswith("bundled samples")
+
+
+def test_the_rehearsal_scans_its_two_layers_when_the_real_model_will_be_scanned(tmp_path):
+    """Mistral 7B under dp is scanned (32 identical layers): so is the 2-layer rehearsal, whose
+    own depth would not be, and its resume is still bitwise."""
+    code, report = run_preflight(tmp_path, MISTRAL, "tpu.type=v6e-8", "parallel.mode=dp", rehearse=True)
+    rehearsal = report["checks"]["rehearsal"]
+    assert code == 0 and rehearsal["status"] == "passed", rehearsal
+    assert report["phases"]["phase1"]["inputs"]["scanned_layers"] is True
+    assert all(phase["scanned_layers"] for phase in rehearsal["phases"].values())
+    assert rehearsal["resume_bitwise_identical"] is True
 
 
 @pytest.mark.parametrize("tpu_type, attention, fits", [("v6e-8", "auto", True), ("v6e-8", "dense", False),
