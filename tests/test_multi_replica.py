@@ -219,6 +219,32 @@ def test_sigterm_to_every_replica_checkpoints_one_step_and_resumes_exactly(tiny_
     assert_same_run(out_of(config), reference)
 
 
+def test_scanned_layers_on_two_replicas_stop_resume_and_take_the_layer_loops_steps(tiny_model_dir, data, reference,
+                                                                                    tmp_path):
+    """The scanned layers' hard case: two replicas, each its own LoRA dropout masks, the chunked
+    loss's loop around the layers' loop, SIGTERM mid-run and a resume from the collective
+    checkpoint (moments stored per layer): the steps of the layer loop's uninterrupted run."""
+    config = config_for(tmp_path, tiny_model_dir, data, train={"scan_layers": True}, checkpoint={"every": 0})
+    replicas = run_replicas(2, config, tmp_path / "logs")
+    wait_for_replicas(replicas, out_of(config), 3)
+    for proc in replicas.procs:
+        proc.send_signal(signal.SIGTERM)
+    assert replicas.wait(HANG) == [0, 0], replicas.outputs()
+    stopped = checkpoint_steps(out_of(config))
+    assert len(stopped) == 1 and stopped[0] < STEPS
+    resumed = run_replicas(2, config, tmp_path / "logs-resumed")
+    assert resumed.wait(HANG) == [0, 0], resumed.outputs()
+    summary = json.loads((out_of(config) / "phase1" / "summary.json").read_text())
+    assert summary["scanned_layers"] and summary["resumed_from_step"] == stopped[0]
+    ours, theirs = train_losses(out_of(config)), train_losses(reference)
+    assert [s for s, _ in ours] == [s for s, _ in theirs] == list(range(1, STEPS + 1))
+    assert [loss for _, loss in ours] == pytest.approx([loss for _, loss in theirs], abs=1e-5)
+    ours, theirs = adapter_tensors(out_of(config)), adapter_tensors(reference)
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
 def test_sigterm_to_one_replica_stops_them_all_at_the_next_step(tiny_model_dir, data, reference, tmp_path):
     """A stray `kill` of one worker, with log steps rare (logging.every beyond the phase): the
     vote runs every step, not only on log steps, so the run still stops within a step or two."""
