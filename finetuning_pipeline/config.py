@@ -98,8 +98,9 @@ class TrainConfig:
         compile time does not grow with the number of layers. Unset (the default): scanned
         where the model allows it (identical layers, no dropout of the model's own,
         parallel.mode dp) and has 16 layers or more, the layer loop otherwise, and the log
-        says why; true: scanned or an error saying why not; false: the layer loop. Checkpoints and adapters are the same
-        either way (a run may resume with the other setting).
+        says why; true: scanned or an error saying why not (preflight says it too); false:
+        the layer loop. Checkpoints and adapters are the same either way (a run may resume
+        with the other setting).
     """
 
     max_steps: int = 100
