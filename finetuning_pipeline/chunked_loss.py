@@ -107,7 +107,7 @@ def _over_chunks(body, carry, xs):
     loop (torch_xla's scan): a Python loop puts every chunk into one graph, and XLA:CPU then
     keeps all their logits at once (measured: as much memory as the full logits)."""
     if xs[0].device.type == "xla":
-        from torch_xla.experimental.scan import scan
+        from utils.xla_scan import scan
 
         return scan(body, carry, xs, is_fn_pure=True)
     outputs = []
