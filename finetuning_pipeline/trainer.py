@@ -1,7 +1,7 @@
 """The training loop of one phase, run by every replica (one process per TPU chip under dp,
 one per host under fsdp).
 
-Per optimizer step: `grad_accum` micro-batches arrive on the device (MpDeviceLoader prefetches
+Per optimizer step: `grad_accum` micro-batches arrive on the device (torch_xla's ParallelLoader prefetches
 them on a background thread), the `Stepper` puts forwards, backwards, the sums over replicas,
 clipping and the masked AdamW update into one graph (traced at step 1 and replayed after:
 step_capture.py), and `torch_xla.sync()` marks the step boundary. Nothing in a step waits
@@ -20,7 +20,10 @@ every replica takes it at the same step by construction.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import random
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +66,13 @@ class PhaseResult:
     phase: int
     stopped_at_step: int | None = None
     summary: dict | None = None
+
+
+# Replicas that are threads of one process (launch.py: TPU v2/v3, the CPU rehearsal) share the
+# host's RNGs (LoRA's init draws from torch's global generator) and transformers' lazy imports,
+# which are not thread-safe (measured: "cannot import name 'AutoModelForCausalLM'" in one of two
+# threads). They build their models one at a time, each from the same seed, as processes would.
+HOST_BUILD = threading.Lock()
 
 
 def seed_everything(seed: int) -> None:
@@ -138,10 +148,15 @@ class Stepper:
             self.capture_note = (f"the step is traced every time: dropout in the model ({named}) with gradient "
                                  "checkpointing draws random numbers the captured step cannot replay")
         elif t.capture_step:
-            weights = lambda: list(model.parameters()) + list(model.buffers())  # noqa: E731
-            self.gradients = CapturedStep(self._gradients, weights, name="gradients")
-            self.update = CapturedStep(self._update, lambda: optimizer.params + optimizer.state_tensors(),
-                                       name="update")
+            # The traced functions are bound to the pieces they read, not to this Stepper: a
+            # CapturedStep holding the Stepper's own methods would be a reference cycle that kept
+            # the phase's model and optimizer alive after it (until a garbage collection happened
+            # to run), while the next phase loads its own.
+            self.gradients = CapturedStep(
+                functools.partial(gradient_sums, model, optimizer, self.keys, packed, self.loss_chunk),
+                functools.partial(model_state, model), name="gradients")
+            self.update = CapturedStep(functools.partial(update_from_sums, optimizer, self.max_grad_norm),
+                                       functools.partial(optimizer_state, optimizer), name="update")
 
     def device_state(self) -> list[torch.Tensor]:
         return [self.step_count, self.schedule, self.label_tokens]
@@ -161,7 +176,7 @@ class Stepper:
                                  collectives=self.parallel.collectives, packed=self.packed,
                                  loss_chunk=self.loss_chunk, seeds=seeds)
         else:
-            self.keys = sorted(micro_batches[0])
+            self.keys[:] = sorted(micro_batches[0])  # (the gradients' partial holds this list)
             inputs = [batch[k] for batch in micro_batches for k in self.keys]
             inputs.append(torch.tensor(seeds, dtype=torch.int64).to(self.device))
             if not self.gradients.captured:
@@ -184,22 +199,34 @@ class Stepper:
         examples.append(torch.zeros(self.step_count.shape, dtype=self.schedule.dtype))
         self.update.capture([t.to(self.device) for t in examples])
 
-    def _gradients(self, inputs: list[torch.Tensor]) -> dict:
-        """Traced once: the step's micro-batches (flat, `keys` order) and their seeds -> sums."""
-        per_batch = len(self.keys)
-        micro_batches = [dict(zip(self.keys, inputs[i:i + per_batch])) for i in range(0, len(inputs) - 1, per_batch)]
-        grad, loss_total, tokens = summed_over_micro_batches(
-            lambda batch: micro_batch_gradients(self.model, self.optimizer, batch, self.packed, self.loss_chunk),
-            micro_batches, inputs[-1], reads=list(self.model.parameters()) + list(self.model.buffers()))
-        # [1], not 0-dim: the update is traced on zeros of these shapes, and a 0-dim zero
-        # reaches the device as a constant, not as data.
-        return {"grad": grad, "loss_total": loss_total.reshape(1), "tokens": tokens.reshape(1)}
 
-    def _update(self, inputs: list[torch.Tensor]) -> dict:
-        """Traced once: the summed gradient, loss and label tokens, and the LR -> the update."""
-        grad, loss_total, tokens, lr = inputs
-        self.optimizer.lr = lr
-        return apply_update(self.optimizer, grad, loss_total.reshape(()), tokens.reshape(()), self.max_grad_norm)
+
+def model_state(model) -> list[torch.Tensor]:
+    return list(model.parameters()) + list(model.buffers())
+
+
+def optimizer_state(optimizer: MaskedAdamW) -> list[torch.Tensor]:
+    return optimizer.params + optimizer.state_tensors()
+
+
+def gradient_sums(model, optimizer: MaskedAdamW, keys: list[str], packed: bool, loss_chunk,
+                  inputs: list[torch.Tensor]) -> dict:
+    """Traced once: the step's micro-batches (flat, `keys` order) and their seeds -> sums."""
+    per_batch = len(keys)
+    micro_batches = [dict(zip(keys, inputs[i:i + per_batch])) for i in range(0, len(inputs) - 1, per_batch)]
+    grad, loss_total, tokens = summed_over_micro_batches(
+        lambda batch: micro_batch_gradients(model, optimizer, batch, packed, loss_chunk),
+        micro_batches, inputs[-1], reads=model_state(model))
+    # [1], not 0-dim: the update is traced on zeros of these shapes, and a 0-dim zero
+    # reaches the device as a constant, not as data.
+    return {"grad": grad, "loss_total": loss_total.reshape(1), "tokens": tokens.reshape(1)}
+
+
+def update_from_sums(optimizer: MaskedAdamW, max_grad_norm: float, inputs: list[torch.Tensor]) -> dict:
+    """Traced once: the summed gradient, loss and label tokens, and the LR -> the update."""
+    grad, loss_total, tokens, lr = inputs
+    optimizer.lr = lr
+    return apply_update(optimizer, grad, loss_total.reshape(()), tokens.reshape(()), max_grad_norm)
 
 
 @dataclass
@@ -257,35 +284,36 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
     import torch_xla.core.xla_model as xm
 
     p = start_phase(config, phase, parallel, device, resume_from, stop_requested, accepted_changes)
-    batches = p.data.device_batches(device)
-    step = p.start_step
-    while step < p.max_steps:
-        p.guard.step_started()
-        # Fetch first: MpDeviceLoader's next() marks a step itself, which would cut anything
-        # already traced for this step (the LR) into a graph of its own.
-        micro_batches = [next(batches) for _ in range(config.train.grad_accum)]
-        p.guard.data_ready()
-        results = p.stepper(step, micro_batches)
-        p.monitor.update(results["applied"])
-        step += 1
-        log_now = step % config.logging.every == 0 or step == p.max_steps or step == p.start_step + 1
-        if log_now:
-            xm.add_step_closure(log_step, args=(p.logger, p.monitor, step, results, p.monitor.skipped,
-                                                p.monitor.worst_bad_run))
-        torch_xla.sync()
-        p.guard.step_ended(step)
-        p.logger.advance()
-        if log_now:
-            p.monitor.check(phase, step, p.checkpointer.latest)
-        if config.eval.every and step % config.eval.every == 0 and step < p.max_steps:
-            p.logger.log_eval(step, p.evaluate())
-        stopping = p.stop.due()
-        if stopping or p.checkpointer.due(step, p.max_steps):
-            p.save(step)
-        if stopping:
-            p.logger.close()
-            return PhaseResult(phase, stopped_at_step=step)
-    return finish_phase(p, step, results["loss"] if step > p.start_step else None)
+    # Closed on every way out (a stop, an error): its threads hold phase data until joined.
+    with contextlib.closing(p.data.device_batches(device)) as batches:
+        step = p.start_step
+        while step < p.max_steps:
+            p.guard.step_started()
+            # Fetch first: the loader's next() marks a step itself, which would cut anything
+            # already traced for this step (the LR) into a graph of its own.
+            micro_batches = [next(batches) for _ in range(config.train.grad_accum)]
+            p.guard.data_ready()
+            results = p.stepper(step, micro_batches)
+            p.monitor.update(results["applied"])
+            step += 1
+            log_now = step % config.logging.every == 0 or step == p.max_steps or step == p.start_step + 1
+            if log_now:
+                xm.add_step_closure(log_step, args=(p.logger, p.monitor, step, results, p.monitor.skipped,
+                                                    p.monitor.worst_bad_run))
+            torch_xla.sync()
+            p.guard.step_ended(step)
+            p.logger.advance()
+            if log_now:
+                p.monitor.check(phase, step, p.checkpointer.latest)
+            if config.eval.every and step % config.eval.every == 0 and step < p.max_steps:
+                p.logger.log_eval(step, p.evaluate())
+            stopping = p.stop.due()
+            if stopping or p.checkpointer.due(step, p.max_steps):
+                p.save(step)
+            if stopping:
+                p.logger.close()
+                return PhaseResult(phase, stopped_at_step=step)
+        return finish_phase(p, step, results["loss"] if step > p.start_step else None)
 
 
 def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resume_from: Path | None,
@@ -296,15 +324,17 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
 
     t, layout = config.train, RunLayout(config.output_dir)
     guard = CompileGuard(phase, t.warmup_compiles_steps, t.recompile_policy)  # counts from here
-    seed_everything(t.seed + phase)
-    model, lora_config = build_model(config, phase)
+    with HOST_BUILD:
+        seed_everything(t.seed + phase)
+        model, lora_config = build_model(config, phase)
+        # The resumed adapter goes into the layers before they are stacked (on the host), the
+        # optimizer's moments into the optimizer built on the stacks.
+        state = load_checkpoint(resume_from, model=model) if resume_from else {}
+        scanned = scan_layers(model, t.scan_layers, remat=config.model.gradient_checkpointing,
+                              spmd=parallel.mesh is not None)
     checkpointer = Checkpointer(layout.checkpoints(phase), every=config.checkpoint.every, keep=config.checkpoint.keep,
                                 collectives=parallel.collectives, base_model=config.model.path, lora_config=lora_config)
     checkpointer.clean()
-    # The resumed adapter goes into the layers before they are stacked (on the host), the
-    # optimizer's moments into the optimizer built on the stacks.
-    state = load_checkpoint(resume_from, model=model) if resume_from else {}
-    scanned = scan_layers(model, t.scan_layers, remat=config.model.gradient_checkpointing, spmd=parallel.mesh is not None)
     sharded = parallel.place_model(model, device)
     attention, why = choose_attention(config.model.attention, model.config, on_tpu=device_kind() == "TPU",
                                       spmd_mesh=parallel.mesh is not None)
@@ -479,23 +509,26 @@ class PhaseData:
         return start_step
 
     def device_batches(self, device):
-        """The phase's batches on the device, prefetched by MpDeviceLoader's thread. That thread
+        """The phase's batches on the device, prefetched by torch_xla's loader thread. That thread
         drops an exception of the reader (a shard that became unreadable: EIO, a vanished
         network disk) and simply ends the iteration, which the loop would take for a
-        StopIteration traceback; the reader's error is kept and raised here instead."""
+        StopIteration traceback; the reader's error is kept and raised here instead. Closing
+        this generator stops and joins the loader's threads (they hold this PhaseData)."""
         import torch_xla.distributed.parallel_loader as pl
 
         failure: list[BaseException] = []
 
-        class Reader:  # runs on the loader's thread
-            def __iter__(inner):
-                try:
-                    yield from self.loader
-                except Exception as err:  # noqa: BLE001 - handed to the training thread below
-                    failure.append(err)
+        def read():  # runs on the loader's thread
+            try:
+                yield from self.loader
+            except Exception as err:  # noqa: BLE001 - handed to the training thread below
+                failure.append(err)
 
         # We mark every step ourselves; by default the loader would also sync at each next().
-        loader = pl.MpDeviceLoader(Reader(), device, batches_per_execution=1 << 30,
+        loader = pl.ParallelLoader(read(), [device], batches_per_execution=1 << 30,
                                    input_sharding=self.parallel.input_sharding())
-        yield from loader
+        try:
+            yield from loader.per_device_loader(device)
+        finally:
+            loader.close()
         raise failure[0] if failure else RuntimeError("the data loader stopped without an error (a bug)")

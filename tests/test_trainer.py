@@ -215,3 +215,37 @@ def test_gradient_accumulation_equals_one_large_batch():
     torch.testing.assert_close(results_a["grad_norm"], results_b["grad_norm"], rtol=1e-5, atol=1e-6)
     assert results_a["tokens"].item() == results_b["tokens"].item() == (labels[:, 1:] != -100).sum().item()
     assert bool(results_a["applied"]) and bool(results_b["applied"])
+
+
+def test_nothing_of_phase_1_is_alive_when_phase_2_starts(tiny_model_dir, data, tmp_path, monkeypatch):
+    """With the garbage collector off, phase 1's model, optimizer, captured step and data loader
+    are gone once phase 2 builds its own: on a chip that holds one copy of a 7B base, phase 2
+    would otherwise need two. (Before: the Stepper's captured steps held its own methods, a
+    cycle; the loader's thread held the phase data.)"""
+    import gc
+    import weakref
+
+    from finetuning_pipeline import trainer
+
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out",
+                              train={"max_steps": 3}, eval={"every": 0, "max_batches": 1})
+    phase1, alive_at_phase2 = {}, []
+    start_phase = trainer.start_phase
+
+    def watched(config, phase, *args, **kwargs):
+        if phase == 2:
+            alive_at_phase2.extend(name for name, ref in phase1.items() if ref() is not None)
+        p = start_phase(config, phase, *args, **kwargs)
+        if phase == 1:
+            phase1.update({name: weakref.ref(obj) for name, obj in [
+                ("model", p.model), ("optimizer", p.optimizer), ("stepper", p.stepper), ("data", p.data),
+                ("captured gradients", p.stepper.gradients), ("captured update", p.stepper.update)]})
+        return p
+
+    monkeypatch.setattr(trainer, "start_phase", watched)
+    gc.disable()
+    try:
+        assert main.main(["--config", str(config)]) == 0
+    finally:
+        gc.enable()
+    assert len(phase1) == 6 and alive_at_phase2 == []
