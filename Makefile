@@ -58,17 +58,17 @@ test: $(STAMP)
 tiny-model: $(STAMP)
 	$(BIN)/python -m finetuning_pipeline.tiny_model --out $(DEMO)/base --force
 
+# The recipe of each input lives in finetuning_pipeline/demo_inputs.py (main.py without --config
+# builds what is missing with it too); these rules rebuild what is out of date.
 $(DEMO_BASE): $(STAMP) $(SAMPLES)/domain_text.jsonl $(SAMPLES)/chat_qa.jsonl $(SAMPLES)/alpaca.jsonl \
 		finetuning_pipeline/tiny_model.py finetuning_pipeline/tiny_pretraining.py
-	$(BIN)/python -m finetuning_pipeline.tiny_model --out $(DEMO)/base --force
+	$(BIN)/python -m finetuning_pipeline.demo_inputs base --force
 
 $(DEMO)/data/phase1/manifest.json: $(DEMO_BASE) $(SAMPLES)/domain_text.jsonl
-	$(BIN)/python -m dataset.prepare --force --quiet --tokenizer $(DEMO)/base --seq-len 256 \
-		--input $(SAMPLES)/domain_text.jsonl --out $(DEMO)/data/phase1
+	$(BIN)/python -m finetuning_pipeline.demo_inputs phase1 --force
 
 $(DEMO)/data/phase2/manifest.json: $(DEMO_BASE) $(SAMPLES)/chat_qa.jsonl $(SAMPLES)/alpaca.jsonl
-	$(BIN)/python -m dataset.prepare --force --quiet --tokenizer $(DEMO)/base --seq-len 256 \
-		--input $(SAMPLES)/chat_qa.jsonl --input $(SAMPLES)/alpaca.jsonl --out $(DEMO)/data/phase2
+	$(BIN)/python -m finetuning_pipeline.demo_inputs phase2 --force
 
 demo-data: $(DEMO_DATA)
 

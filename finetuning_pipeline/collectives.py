@@ -2,8 +2,10 @@
 
 Two kinds of traffic:
 - Host decisions every replica must take together (stop at this step, the checkpoint was
-  written, wait here) go through a `torch.distributed` gloo process group on the host: a vote
-  is one small TCP round trip and never touches the device. (torch_xla 2.9's
+  written, wait here) go through a gloo group on the host: a vote is one small TCP round trip
+  and never touches the device. Each replica has a group object of its own, not
+  torch.distributed's process-wide default group: on TPU v2/v3 a process runs two replicas
+  as threads (launch.py), and one default group per process cannot hold both ranks. (torch_xla 2.9's
   `xm.rendezvous`/`xm.mesh_reduce` all-gather on the device and sync the graph first:
   `xla_model.xla_rendezvous`, a host sync per vote.) A peer that dies closes its sockets, so a
   vote fails at once on the others instead of hanging.
@@ -20,6 +22,7 @@ Two kinds of traffic:
 from __future__ import annotations
 
 import datetime
+import json
 import os
 
 import torch
@@ -39,28 +42,40 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", "0")) if torchrun_world() > 1 else 0
 
 
-def init_host_group(init_method: str | None = None, timeout_s: float = 1800) -> None:
-    """The gloo process group for host collectives. `init_method` None reads torchrun's
-    environment (MASTER_ADDR, RANK, ...); "xla://" asks the PJRT runtime (TPU processes)."""
+def replica_group(init_method: str, rank: int, world: int, timeout_s: float = 1800):
+    """This replica's gloo group. `init_method` "env://" reads torchrun's environment
+    (MASTER_ADDR, RANK, ...); "xla://" asks torch_xla's rendezvous (TPU processes, which finds
+    the master host). Returns (group, stores); keep the stores alive as long as the group."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        return
+    timeout = datetime.timedelta(seconds=timeout_s)
     if init_method == "xla://":
         import torch_xla.distributed.xla_backend  # noqa: F401  registers the xla:// rendezvous
-    dist.init_process_group("gloo", init_method=init_method, timeout=datetime.timedelta(seconds=timeout_s))
+    store, _, _ = next(dist.rendezvous(init_method, timeout=timeout))
+    client = store
+    if isinstance(store, dist.TCPStore):
+        # A client of its own: torch_xla hands every thread of a process the same store, and
+        # two replica threads waiting on one socket block each other in gloo's rendezvous
+        # (measured: the second group never connects).
+        client = dist.TCPStore(store.host, store.port, is_master=False, timeout=timeout)
+    group = dist.ProcessGroupGloo(dist.PrefixStore("tpu-lora/replicas", client), rank, world, timeout)
+    return group, (store, client)  # rank 0's store is the server the others connect to
 
 
 class Collectives:
     """rank, world: this process among the processes that feed data. device_reduction: how
     device tensors are summed across them (see the module docstring)."""
 
-    def __init__(self, rank: int = 0, world: int = 1, device_reduction: str = "none") -> None:
+    def __init__(self, rank: int = 0, world: int = 1, device_reduction: str = "none", group=None,
+                 store=None) -> None:
         if device_reduction not in DEVICE_REDUCTIONS:
             raise ValueError(f"device_reduction must be one of {DEVICE_REDUCTIONS}, got {device_reduction!r}")
+        if world > 1 and group is None:
+            raise ValueError("several replicas need a host group (replica_group)")
         self.rank = rank
         self.world = world
         self.device_reduction = device_reduction if world > 1 else "none"
+        self.group, self._store = group, store
 
     # -- host decisions -----------------------------------------------------------------------
     def _host_max(self, value: int) -> int:
@@ -75,8 +90,13 @@ class Collectives:
     def _all_reduce(self, host_tensor: torch.Tensor, op) -> None:
         import torch.distributed as dist
 
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        self._wait(lambda: self.group.allreduce([host_tensor], options))
+
+    def _wait(self, collective) -> None:
         try:
-            dist.all_reduce(host_tensor, op=op)
+            collective().wait()
         except RuntimeError as err:  # gloo: "Connection closed by peer", a timeout, ...
             raise ReplicaLost(f"replica {self.rank}: another replica stopped answering ({err}); the run "
                               "resumes from its last complete checkpoint with --resume auto") from None
@@ -92,15 +112,38 @@ class Collectives:
     def barrier(self) -> None:
         self._host_max(0)
 
-    def close(self) -> None:
-        """The end of a run that every replica reached: wait for all, then take the host group
-        down in order. (Left to the interpreter's exit, a replica of a CI rehearsal once
-        aborted after finishing: "terminate called without an active exception".)"""
-        import torch.distributed as dist
+    def gather(self, value) -> list:
+        """`value` (anything JSON can write) from every replica, in rank order, on every replica."""
+        if self.world == 1:
+            return [value]
+        payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+        size = self._host_max(payload.numel())
+        padded = torch.zeros(size + 8, dtype=torch.uint8)  # 8 bytes of length, then the text
+        padded[:8] = torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8)
+        padded[8:8 + payload.numel()] = payload
+        gathered = [torch.empty_like(padded) for _ in range(self.world)]
+        self._wait(lambda: self.group.allgather([gathered], [padded]))
+        values = []
+        for buffer in gathered:
+            length = int(buffer[:8].view(torch.int64).item())
+            values.append(json.loads(bytes(buffer[8:8 + length].tolist()).decode()))
+        return values
 
-        if dist.is_initialized():
-            self.barrier()
-            dist.destroy_process_group()
+    def close(self, clean: bool = True) -> None:
+        """Take the host group down. `clean`: the end of a run that every replica reached, so
+        wait for all first. (Left to the interpreter's exit, a replica of a CI rehearsal once
+        aborted after finishing: "terminate called without an active exception".) Not clean:
+        this replica failed; its peers' next collective fails at once instead of waiting out
+        parallel.host_timeout_s (a replica thread's failure does not end its process, so
+        nothing else would close its sockets)."""
+        if self.group is None:
+            return
+        try:
+            if clean:
+                self.barrier()
+        finally:
+            self.group.shutdown()
+            self.group = self._store = None
 
     # -- device sums --------------------------------------------------------------------------
     def sum_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:

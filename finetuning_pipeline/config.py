@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from finetuning_pipeline.errors import ConfigError
+from finetuning_pipeline.launch import LAUNCHERS
 from finetuning_pipeline.parallel import MODES
 from finetuning_pipeline.stop_signal import parse_duration
 from finetuning_pipeline.wandb_log import MODES as WANDB_MODES
@@ -190,11 +191,21 @@ class ParallelConfig:
     mesh of every chip (see mesh). Both give the same steps for the same global batch; see
     finetuning_pipeline/parallel.py and the README for which to choose.
     host_timeout_s: how long a replica waits for the others at a host collective (a stop
-    vote, a checkpoint) before it gives up and exits (a hung peer; a dead one fails at once)."""
+    vote, a checkpoint) before it gives up and exits (a hung peer; a dead one fails at once).
+    launcher: how the replicas are started (finetuning_pipeline/launch.py). "auto": the TPU
+    host's way on a TPU (a process per chip, a replica thread per device), this process (or
+    torchrun's processes) on a CPU. "tpu": the TPU host's way on a CPU too, the rehearsal of a
+    TPU run (CPU_NUM_DEVICES=2: two replica threads in one process, as on TPU v2/v3).
+    "process": this process is the one replica.
+    single_chip: train on one chip of a multi-chip host (chip 0), one replica: sets the
+    environment torch_xla and libtpu read (TPU_VISIBLE_CHIPS=0, TPU_PROCESS_BOUNDS=1,1,1,
+    TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1; a value you exported wins). On a CPU: one device."""
 
     mode: str = "dp"
     mesh: MeshConfig = field(default_factory=MeshConfig)
     host_timeout_s: float = 1800.0
+    launcher: str = "auto"
+    single_chip: bool = False
 
 
 @dataclass
@@ -473,6 +484,11 @@ def validate(config: RunConfig) -> None:
             raise ConfigError(f"{key} must be a chip count >= 1, or -1 for the chips the other axis leaves; got {value}")
     if mesh.data == -1 and mesh.fsdp == -1:
         raise ConfigError("parallel.mesh: at most one of data and fsdp may be -1")
+    if config.parallel.launcher not in LAUNCHERS:
+        raise ConfigError(f"parallel.launcher must be one of {', '.join(LAUNCHERS)}, got {config.parallel.launcher!r}")
+    if config.parallel.single_chip and config.parallel.mode != "dp":
+        raise ConfigError("parallel.single_chip: one chip is one replica under parallel.mode=dp; set "
+                          "parallel.mode=dp, or leave single_chip false")
     if not config.parallel.host_timeout_s > 0:
         raise ConfigError(f"parallel.host_timeout_s must be > 0, got {config.parallel.host_timeout_s}")
     if not 0 < config.tpu.assumed_mfu <= 1:

@@ -1,6 +1,6 @@
 """Train LoRA adapters through the two-phase curriculum on TPU (or XLA:CPU).
 
-    PJRT_DEVICE=TPU python finetuning_pipeline/main.py --config CONFIG.yaml [--phase 1|2|all]
+    PJRT_DEVICE=TPU python finetuning_pipeline/main.py [--config CONFIG.yaml] [--phase 1|2|all]
         [--resume auto|never|CHECKPOINT_DIR] [--force] [--accept-changes] [key=value ...]
 
 Phase 1 continues pretraining on raw domain text (every token is trained on); phase 2 tunes
@@ -8,12 +8,15 @@ on chat Q&A (assistant tokens only). Each phase reads data written by `python -m
 dataset.prepare` and writes, under output_dir/phaseN/: adapter/ (PEFT layout),
 checkpoints/, metrics.jsonl, summary.json; the run writes output_dir/loss.png.
 
-One process per TPU chip is started with torch_xla.launch (PJRT); on a CPU the world is one
-replica, run in this process, or N replicas started by
-`PJRT_DEVICE=CPU torchrun --standalone --nproc-per-node N finetuning_pipeline/main.py ...`
-(they talk through gloo on the loopback: collectives.py). Everything that can be checked
-without a device (config, paths, data manifests against the tokenizer, sequence length against
-the model, resume settings) is checked first.
+Without --config, the config named by $TPU_LORA_CONFIG, else the embedded default (the demo's,
+with its paths under the repository wherever the command is started from; its tiny model and
+data are built first if missing). On a TPU the replicas are started the TPU host's way
+(launch.py: a process per chip, a replica thread per device); `parallel.launcher=tpu` takes
+that same path on a CPU. On a CPU the world is otherwise one replica, run in this process, or
+N replicas started by `PJRT_DEVICE=CPU torchrun --standalone --nproc-per-node N
+finetuning_pipeline/main.py ...` (they talk through gloo on the loopback: collectives.py).
+Everything that can be checked without a device (config, paths, data manifests against the
+tokenizer, sequence length against the model, resume settings) is checked first.
 """
 
 from __future__ import annotations
@@ -48,11 +51,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         epilog="Overrides are dotted config keys, e.g. train.max_steps=200 lora.r=8 output_dir=outputs/try2. "
         "Unknown keys are an error. Exit status: 0 done (or stopped cleanly), 2 bad config or data, "
         "3 the run had to stop (a recompile after warm-up, diverged training, a failed checkpoint or output write, "
-        "a replica that died). SIGTERM/SIGINT to any replica: every replica checkpoints the same step and exits 0; "
-        "the same command then resumes. Several replicas on a CPU: PJRT_DEVICE=CPU torchrun --standalone "
+        "a replica that died). SIGTERM/SIGINT to any replica or to the launching process: every replica checkpoints "
+        "the same step and exits 0; the same command then resumes. Several replicas on a CPU, started the TPU host's "
+        "way: CPU_NUM_DEVICES=N ... parallel.launcher=tpu; or as processes: PJRT_DEVICE=CPU torchrun --standalone "
         "--nproc-per-node N finetuning_pipeline/main.py ...",
     )
-    parser.add_argument("--config", required=True, help="YAML run config (see finetuning_pipeline/configs/)")
+    parser.add_argument("--config", help=f"YAML run config (see finetuning_pipeline/configs/); default: ${CONFIG_ENV}, "
+                        "else the embedded default (configs/demo.yaml, its paths under the repository)")
     parser.add_argument("--phase", choices=("1", "2", "all"), default="all", help="which phase(s) to run (default all)")
     parser.add_argument("--resume", default="auto",
                         help="auto (default): continue the unfinished phase from its newest complete checkpoint and "
@@ -174,44 +179,61 @@ def output_dir_lock(layout: RunLayout, parallel):
         lock.release()
 
 
+# The config to train when --config is not given (see choose_config).
+CONFIG_ENV = "TPU_LORA_CONFIG"
+
 # The file-system errors that can only mean a write failed (a read that fails says EIO, ENOENT, ...).
 WRITE_ERRNOS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
-def run_replica(index: int, config: RunConfig, plans: list[PhasePlan], resume_command: str, budget) -> None:
-    """Entry point of each process (one per chip under dp, one per host under fsdp). Every
-    replica runs the same phases and stops after the same one."""
-    from finetuning_pipeline.parallel import compile_cache_dir, start
+def run_replica(config: RunConfig, plans: list[PhasePlan], resume_command: str, budget) -> None:
+    """Entry point of each replica (one per chip under dp, one per host under fsdp), on the
+    main thread of its process or on a launcher's worker thread. Every replica runs the same
+    phases and stops after the same one."""
+    from finetuning_pipeline.host_agreement import check_hosts_agree
+    from finetuning_pipeline.parallel import start
     from finetuning_pipeline.stop_signal import StopOnSignal
+
+    parallel, device = start(config.parallel.mode, (config.parallel.mesh.data, config.parallel.mesh.fsdp),
+                             config.parallel.host_timeout_s)
+    layout = RunLayout(config.output_dir)
+    finished = False
+    try:
+        with StopOnSignal(budget) as stop, output_dir_lock(layout, parallel):
+            check_hosts_agree(layout, plans, parallel.collectives)
+            for plan in plans:
+                if plan.replace and parallel.master:
+                    shutil.rmtree(layout.phase_dir(plan.phase))
+                result = run_one_phase(config, plan, parallel, device, stop, layout)
+                if result.summary is not None:
+                    print(format_summary(result.summary), flush=True)
+                if result.stopped_at_step is not None:
+                    print(f"replica {parallel.rank}: stopped after step {result.stopped_at_step} of phase {plan.phase} "
+                          f"({stop.reason()})", flush=True)
+                    if parallel.master:
+                        print(stop.after_stop(result.stopped_at_step, plan.phase, resume_command), flush=True)
+                    break
+        finished = True
+    finally:
+        parallel.collectives.close(clean=finished)
+
+
+def run_one_phase(config: RunConfig, plan: PhasePlan, parallel, device, stop, layout: RunLayout):
+    """run_phase, with a file-system error named for the user (metrics, TensorBoard, adapter,
+    summary, data shards; checkpoints vote on theirs)."""
     from finetuning_pipeline.trainer import run_phase
 
-    parallel, device = start(config.parallel.mode, (config.parallel.mesh.data, config.parallel.mesh.fsdp), index,
-                             compile_cache_dir(config.xla.compile_cache_dir), config.parallel.host_timeout_s)
-    layout = RunLayout(config.output_dir)
-    with StopOnSignal(budget) as stop, output_dir_lock(layout, parallel):
-        for plan in plans:
-            if plan.replace and parallel.master:
-                shutil.rmtree(layout.phase_dir(plan.phase))
-            try:
-                result = run_phase(config, plan.phase, parallel=parallel, device=device, resume_from=plan.resume_from,
-                                   stop_requested=stop.requested, accepted_changes=plan.accepted_changes)
-            except OSError as err:  # metrics, TensorBoard, adapter, summary, data shards (checkpoints vote on theirs)
-                latest = complete_checkpoints(layout.checkpoints(plan.phase))
-                verb = "write" if err.errno in WRITE_ERRNOS else "access"
-                raise OutputWriteError(
-                    f"cannot {verb} {err.filename or layout.phase_dir(plan.phase)}: {err.strerror or err}. The last "
-                    f"intact checkpoint is {latest[-1] if latest else 'none (the phase will start over)'}; fix the "
-                    "disk (space, permissions, a read-only mount, a missing file) and rerun with --resume auto"
-                ) from None
-            if result.summary is not None:
-                print(format_summary(result.summary), flush=True)
-            if result.stopped_at_step is not None:
-                print(f"replica {parallel.rank}: stopped after step {result.stopped_at_step} of phase {plan.phase} "
-                      f"({stop.reason()})", flush=True)
-                if parallel.master:
-                    print(stop.after_stop(result.stopped_at_step, plan.phase, resume_command), flush=True)
-                break
-    parallel.collectives.close()
+    try:
+        return run_phase(config, plan.phase, parallel=parallel, device=device, resume_from=plan.resume_from,
+                         stop_requested=stop.requested, accepted_changes=plan.accepted_changes)
+    except OSError as err:
+        latest = complete_checkpoints(layout.checkpoints(plan.phase))
+        verb = "write" if err.errno in WRITE_ERRNOS else "access"
+        raise OutputWriteError(
+            f"cannot {verb} {err.filename or layout.phase_dir(plan.phase)}: {err.strerror or err}. The last "
+            f"intact checkpoint is {latest[-1] if latest else 'none (the phase will start over)'}; fix the "
+            "disk (space, permissions, a read-only mount, a missing file) and rerun with --resume auto"
+        ) from None
 
 
 def format_summary(summary: dict) -> str:
@@ -237,7 +259,8 @@ def train(argv: list[str] | None) -> int:
     started = time.time()  # a session budget (train.max_wall_time) counts from here
     args = parse_args(argv)
     phases = [1, 2] if args.phase == "all" else [int(args.phase)]
-    config = load_config(args.config, args.overrides)
+    config_path, overrides = choose_config(args.config, args.overrides)
+    config = load_config(config_path, overrides)
     pin_model(config)
     preflight_checks(config, phases)
     plans = plan_phases(config, phases, args.resume, args.force)
@@ -245,21 +268,11 @@ def train(argv: list[str] | None) -> int:
     budget = WallClockBudget(parse_duration(config.train.max_wall_time) if config.train.max_wall_time else None,
                              started, label=config.train.max_wall_time or "")
     if plans:
-        resume_command = shlex.join([sys.executable, "finetuning_pipeline/main.py", "--config", args.config,
+        # The command as given: without --config it chooses the same config again.
+        resume_command = shlex.join([sys.executable, os.path.relpath(Path(__file__).resolve()),
+                                     *(["--config", args.config] if args.config else []),
                                      "--phase", args.phase, "--resume", "auto", *args.overrides])
-        on_cpu = os.environ.get("PJRT_DEVICE", "CPU") == "CPU"
-        if torchrun_world() > 1 and not on_cpu:
-            raise ConfigError("torchrun starts replicas on a CPU only (PJRT_DEVICE=CPU); on a TPU run plain python: "
-                              "torch_xla.launch starts one process per chip")
-        if config.parallel.mode == "fsdp" or on_cpu:
-            # fsdp: this process drives every chip of its host (SPMD). XLA:CPU: this process is
-            # one replica (torch_xla.launch would spawn one, and refuses when this process
-            # already initialised the runtime, as tests do); torchrun may have started others.
-            run_replica(0, config, plans, resume_command, budget)
-        else:
-            import torch_xla
-
-            torch_xla.launch(run_replica, args=(config, plans, resume_command, budget))
+        start_replicas(config, (config, plans, resume_command, budget))
     if launch_rank() == 0:
         from finetuning_pipeline.metrics_log import plot_losses
 
@@ -267,6 +280,44 @@ def train(argv: list[str] | None) -> int:
         if plot is not None:
             print(f"loss plot: {plot}")
     return 0
+
+
+def start_replicas(config: RunConfig, args: tuple) -> None:
+    """run_replica on every replica of this host, started as parallel.launcher says (launch.py)."""
+    from finetuning_pipeline.launch import apply_single_chip, launch_replicas, resolve_launcher
+    from finetuning_pipeline.parallel import use_compile_cache
+    from utils.xla_runtime import device_kind
+
+    kind = device_kind()
+    if torchrun_world() > 1 and kind != "CPU":
+        raise ConfigError("torchrun starts replicas on a CPU only (PJRT_DEVICE=CPU); on a TPU run plain python: "
+                          "it starts one process per chip")
+    launcher = resolve_launcher(config.parallel.launcher, config.parallel.mode, kind, torchrun_world())
+    if config.parallel.single_chip:
+        apply_single_chip(kind)
+    if launcher == "tpu":
+        launch_replicas(run_replica, args, compile_cache=config.xla.compile_cache_dir, mode=config.parallel.mode)
+    else:
+        use_compile_cache(config.xla.compile_cache_dir, config.parallel.mode, int(os.environ.get("LOCAL_RANK", "0")))
+        run_replica(*args)
+
+
+def choose_config(given: str | None, overrides: list[str]) -> tuple[Path, list[str]]:
+    """The config file and the overrides to load it with: --config; else $TPU_LORA_CONFIG; else
+    the embedded default, whose relative paths are anchored at the repository (ahead of the
+    user's overrides, which keep their meaning) and whose tiny model and data are built if
+    missing. Says which config it chose when none was named."""
+    if given:
+        return Path(given), overrides
+    if os.environ.get(CONFIG_ENV):
+        print(f"config: {os.environ[CONFIG_ENV]} (from ${CONFIG_ENV})", flush=True)
+        return Path(os.environ[CONFIG_ENV]), overrides
+    from finetuning_pipeline.demo_inputs import DEMO_CONFIG, REPO, anchored_paths, ensure_demo_inputs
+
+    print(f"config: {DEMO_CONFIG} (the embedded default: no --config given and ${CONFIG_ENV} unset)", flush=True)
+    anchored = anchored_paths(DEMO_CONFIG, REPO)
+    ensure_demo_inputs(load_config(DEMO_CONFIG, anchored + overrides))
+    return DEMO_CONFIG, anchored + overrides
 
 
 if __name__ == "__main__":

@@ -14,9 +14,10 @@ The LoRA parameters, their gradients and the optimizer state are replicated: the
 (under 1% of a 7B model at r 16), a replicated update needs no collective, and a replicated
 tensor is whole on every host, so saving gathers the real trained values by construction.
 
-Processes started by `torchrun` on a CPU (the test suite's way to run several replicas) use
-the same code; their device sums go through the host (see collectives.py), and under fsdp each
-process's mesh spans its own virtual CPU devices.
+Replicas started by the TPU host's launcher on a CPU (launch.py: CPU_NUM_DEVICES threads in one
+process) or by `torchrun` (several processes) use the same code; their device sums go through
+the host (see collectives.py), and under fsdp each process's mesh spans its own virtual CPU
+devices.
 
 Every process calls the same functions in the same order; `Parallel` holds what differs.
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from finetuning_pipeline.collectives import Collectives, init_host_group, torchrun_world
+from finetuning_pipeline.collectives import Collectives, replica_group, torchrun_world
 
 MODES = ("dp", "fsdp")
 DATA_AXIS, FSDP_AXIS = "data", "fsdp"
@@ -114,7 +115,7 @@ class Parallel:
             xs.mark_sharding(tensor, self.mesh, replicated(tensor))
 
     def input_sharding(self):
-        """For MpDeviceLoader: each host's batch is its slice of the global batch, split on the
+        """For the data loader: each host's batch is its slice of the global batch, split on the
         batch dimension across the mesh (None under dp: a batch goes to one chip)."""
         if self.mesh is None:
             return None
@@ -129,43 +130,36 @@ class Parallel:
         return described
 
 
-def start(mode: str, mesh: tuple[int, int] = (1, -1), local_index: int = 0, compile_cache_dir: str = "",
-          host_timeout_s: float = 1800) -> tuple[Parallel, torch.device]:
-    """Initialise the runtime for `mode` in this process and return (Parallel, device).
+def start(mode: str, mesh: tuple[int, int] = (1, -1), host_timeout_s: float = 1800) -> tuple[Parallel, torch.device]:
+    """Initialise the runtime for `mode` on this replica and return (Parallel, device).
     mesh: (data, fsdp) axis sizes under fsdp, -1 for "the remaining chips".
-    Under fsdp this must run before any XLA tensor exists (SPMD is a process-wide switch);
-    so must the compilation cache (one directory per local process: they may not share one)."""
+    Under fsdp this must run before any XLA tensor exists (SPMD is a process-wide switch); so
+    must use_compile_cache, once per process, before (launch.py)."""
     import os
 
     os.environ.setdefault("PJRT_DEVICE", "CPU")
-    import torch_xla
     import torch_xla.runtime as xr
 
-    if compile_cache_dir:
-        cache = Path(compile_cache_dir).expanduser() / (
-            f"torch_xla-{torch_xla.__version__}-{os.environ['PJRT_DEVICE'].lower()}-{mode}-{local_index}")
-        xr.initialize_cache(str(cache), readonly=False)
     if mode == "fsdp":
         xr.use_spmd()
-    from utils.xla_runtime import init_xla_device
+    from utils.xla_runtime import device_kind, init_xla_device
 
     device = init_xla_device()  # before any backward in this process
     if torchrun_world() > 1:
         # Processes started by torchrun on a CPU: each is its own XLA world of one; they talk
         # through gloo on the host (torchrun's MASTER_ADDR/PORT), device sums included.
-        import torch.distributed as dist
-
-        init_host_group(timeout_s=host_timeout_s)
-        collectives = Collectives(dist.get_rank(), dist.get_world_size(), device_reduction="host")
+        rank, world = int(os.environ["RANK"]), torchrun_world()
+        collectives = Collectives(rank, world, "host", *replica_group("env://", rank, world, host_timeout_s))
     elif mode == "dp":
-        world = xr.world_size()
-        if world > 1:
-            init_host_group("xla://", host_timeout_s)  # host votes and barriers; gradients go through XLA
-        collectives = Collectives(xr.global_ordinal(), world, device_reduction="xla")
+        # One replica per device: the launcher's threads (launch.py), one or two per process.
+        # XLA:CPU cannot all-reduce across threads, so there the device sums go through gloo.
+        rank, world = xr.global_ordinal(), xr.world_size()
+        group = replica_group("xla://", rank, world, host_timeout_s) if world > 1 else (None, None)
+        collectives = Collectives(rank, world, "xla" if device_kind() != "CPU" else "host", *group)
     else:
-        if xr.process_count() > 1:
-            init_host_group("xla://", host_timeout_s)
-        collectives = Collectives(xr.process_index(), xr.process_count(), device_reduction="none")
+        rank, world = xr.process_index(), xr.process_count()
+        group = replica_group("xla://", rank, world, host_timeout_s) if world > 1 else (None, None)
+        collectives = Collectives(rank, world, "none", *group)
     if mode == "dp":
         return Parallel("dp", collectives), device
     import numpy as np
@@ -178,6 +172,23 @@ def start(mode: str, mesh: tuple[int, int] = (1, -1), local_index: int = 0, comp
     spmd_mesh = xs.Mesh(np.arange(chips), (data, fsdp), (DATA_AXIS, FSDP_AXIS))
     return Parallel("fsdp", collectives, chips_per_process=xr.addressable_runtime_device_count(),
                     mesh=spmd_mesh), device
+
+
+def use_compile_cache(setting: str, mode: str, local_process: int) -> None:
+    """Turn on XLA's persistent compilation cache for this process (xla.compile_cache_dir), in
+    a directory of its own: processes of one host may not share one. Once per process, before
+    its first computation: the replica threads of a process share its cache."""
+    import os
+
+    directory = compile_cache_dir(setting)
+    if not directory:
+        return
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    xr.initialize_cache(str(Path(directory).expanduser() / (
+        f"torch_xla-{torch_xla.__version__}-{os.environ.get('PJRT_DEVICE', 'CPU').lower()}-{mode}-{local_process}")),
+        readonly=False)
 
 
 def mesh_shape(chips: int, data: int, fsdp: int) -> tuple[int, int]:

@@ -5,6 +5,13 @@ replicas vote on their flags (a host collective, no device sync: collectives.py)
 replica was signalled, all of them stop after the same step, checkpoint it together, and exit
 0; the same command then resumes. A preempted VM signals every process; a stray `kill` of one
 worker stops the whole run the same way instead of leaving the others waiting for it.
+
+Python runs signal handlers on a process's main thread only, and only the main thread can
+install them. A TPU host runs its replicas on worker threads (launch.py, as torch_xla.launch
+does), so the handlers are installed per process, by whoever owns its main thread: the
+launcher in each worker process before it starts the replica threads, or `StopOnSignal` when
+the replica itself runs on the main thread (one process, torchrun, fsdp). Every replica of the
+process reads the same flag.
 """
 
 from __future__ import annotations
@@ -13,24 +20,66 @@ import signal
 import threading
 import time
 
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-class StopOnSignal:
-    """This process's own reasons to stop: within the `with` block, SIGTERM/SIGINT set `event`
-    instead of killing the process, and `budget` (train.max_wall_time) may run out. A second
+
+class ProcessSignals:
+    """This process's stop flag: SIGTERM/SIGINT set it instead of killing the process. A second
     signal is not special: use SIGKILL to stop at once (the next start resumes from the last
     complete checkpoint)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, budget: "WallClockBudget | None" = None) -> None:
+    def __init__(self) -> None:
         self.event = threading.Event()
         self.received: str | None = None
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        """On the main thread: catch the stop signals until `restore()`."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("stop signal handlers can only be installed on a process's main thread; start the "
+                               "replicas with finetuning_pipeline.launch, which installs them per process")
+        self.event.clear()
+        self.received = None
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+        self.event.set()
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+# One per process: every replica thread of a process shares it (and its signals).
+PROCESS_SIGNALS = ProcessSignals()
+
+
+class StopOnSignal:
+    """One replica's reasons to stop: within the `with` block, a stop signal to its process
+    (PROCESS_SIGNALS), or `budget` (train.max_wall_time) running out. On the main thread it
+    installs the process's handlers itself; on a worker thread they must be installed already
+    (launch.py does), or it refuses to start: a replica that cannot be stopped cleanly would
+    lose everything since its last checkpoint at a preemption."""
+
+    def __init__(self, budget: "WallClockBudget | None" = None, signals: ProcessSignals = PROCESS_SIGNALS) -> None:
+        self.signals = signals
         self.budget = budget
-        self.previous = {}
+        self._owner = False
 
     def requested(self) -> bool:
         """Asked once per step (StopVote)."""
-        return self.event.is_set() or (self.budget is not None and self.budget.exhausted())
+        return self.signals.event.is_set() or (self.budget is not None and self.budget.exhausted())
+
+    @property
+    def received(self) -> str | None:
+        return self.signals.received
 
     def reason(self) -> str:
         if self.received:
@@ -48,17 +97,18 @@ class StopOnSignal:
 
     def __enter__(self) -> "StopOnSignal":
         if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self.previous[sig] = signal.signal(sig, self.handle)
+            self.signals.install()
+            self._owner = True
+        elif not self.signals.installed:
+            raise RuntimeError("this replica runs on a worker thread and its process catches no stop signal: a "
+                               "preemption would kill it without a checkpoint. Start replicas with "
+                               "finetuning_pipeline.launch (it installs the handlers on each process's main thread)")
         return self
 
-    def handle(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
-        self.event.set()
-
     def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+        if self._owner:
+            self.signals.restore()
+            self._owner = False
 
 
 class StopVote:

@@ -1,10 +1,13 @@
-"""Several replicas on a CPU: the real trainer as N processes talking through gloo on the
-loopback (collectives.py), the way a v5e-8 runs 8 and a pod runs many.
+"""Several replicas on a CPU: the real trainer as N replicas talking through gloo on the
+loopback (collectives.py), started the way a TPU host starts them (parallel.launcher=tpu: a
+launching process, a worker process, a replica thread per device; CPU_NUM_DEVICES=2 is the TPU
+v2/v3 shape) or as N torchrun processes, the way a pod's hosts run side by side.
 
-XLA:CPU has no collectives across processes, so here the device sums go through the host;
-everything else (the data split, stop votes, the collective checkpoint, failure handling)
-is the code a TPU runs. Each failure these tests inject is one a one-replica run cannot show:
-a stop signal that reaches some replicas only, a master whose disk fails, a replica that dies.
+XLA:CPU has no collectives across processes or threads, so here the device sums go through
+the host; everything else (the launcher, signals, the data split, stop votes, the collective
+checkpoint, failure handling) is the code a TPU runs. Each failure these tests inject is one a
+one-replica run cannot show: a stop signal that reaches some replicas or processes only, a
+master whose disk fails, a replica that dies, hosts that do not share their output_dir.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import torch
 
 from finetuning_pipeline import main
 from finetuning_pipeline.checkpointing import complete_checkpoints
-from trainer_helpers import (Replicas, adapter_tensors, assert_same_run, metric_records, prepare_demo_data,
-                             publish_to_hub_cache, train_losses, wait_for_step, write_run_config)
+from trainer_helpers import (LaunchedRun, Replicas, adapter_tensors, assert_same_run, metric_records,
+                             prepare_demo_data, publish_to_hub_cache, train_losses, wait_for_step, write_run_config)
 
 STEPS = 24
 # 2 replicas x micro-batch 2 x 2 micro-batches: a global batch of 8 sequences. LoRA dropout on:
@@ -64,8 +67,13 @@ def wait_for_replicas(replicas: Replicas, out: Path, step: int) -> int:
 
 
 def run_replicas(n: int, config: Path, log_dir: Path, *args: str, env: dict | None = None,
-                 script: str = "finetuning_pipeline/main.py") -> Replicas:
-    return Replicas(n, ["--config", str(config), "--phase", "1", *args], log_dir, env, script)
+                 script: str = "finetuning_pipeline/main.py", rank_args=lambda rank: []) -> Replicas:
+    return Replicas(n, ["--config", str(config), "--phase", "1", *args], log_dir, env, script, rank_args)
+
+
+def launched(config: Path, log: Path, *args: str, devices: int = 2) -> LaunchedRun:
+    """Phase 1 started the TPU host's way: one worker process with `devices` replica threads."""
+    return LaunchedRun(["--config", str(config), "--phase", "1", *args], log, devices)
 
 
 @pytest.fixture(scope="module")
@@ -188,35 +196,58 @@ def test_resume_on_another_number_of_chips_with_the_same_global_batch(torchrun_a
 
 
 # -- stop requests --------------------------------------------------------------------------
+def stopped_after(output: str, rank: int) -> int:
+    """The step replica `rank` says it stopped after."""
+    line = next(line for line in output.splitlines() if line.startswith(f"replica {rank}: stopped"))
+    return int(line.split("after step ")[1].split()[0])
+
+
 def stop_lines(replicas: Replicas) -> list[int]:
-    """The step each replica says it stopped after."""
-    steps = []
-    for rank in range(len(replicas.procs)):
-        line = next(line for line in replicas.output(rank).splitlines() if line.startswith(f"replica {rank}: stopped"))
-        steps.append(int(line.split("after step ")[1].split()[0]))
-    return steps
+    """The step each replica process says it stopped after."""
+    return [stopped_after(replicas.output(rank), rank) for rank in range(len(replicas.procs))]
 
 
-def test_sigterm_to_every_replica_checkpoints_one_step_and_resumes_exactly(tiny_model_dir, data, reference, tmp_path):
-    """A preempted VM: every process gets SIGTERM."""
+def test_a_preempted_tpu_host_checkpoints_one_step_on_every_replica_and_resumes_exactly(tiny_model_dir, data,
+                                                                                        reference, tmp_path):
+    """A preempted VM signals every process: the launching one and its worker, whose two
+    replicas run on worker threads (the TPU v2/v3 shape; torch_xla.launch would have caught no
+    signal there). Both stop after the same step, one checkpoint, exit 0; the same command
+    resumes, and the run equals the two-process torchrun run bitwise (threads of one process
+    build the same LoRA init and draw their own dropout masks, as processes do)."""
     config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 0})  # only the stop writes one
-    replicas = run_replicas(2, config, tmp_path / "logs")
-    seen = wait_for_replicas(replicas, out_of(config), 3)
-    for proc in replicas.procs:
-        proc.send_signal(signal.SIGTERM)
-    assert replicas.wait(HANG) == [0, 0], replicas.outputs()
+    run = launched(config, tmp_path / "run.log")
+    seen = wait_for_replicas(run, out_of(config), 3)
+    for pid in (run.proc.pid, run.worker()):
+        os.kill(pid, signal.SIGTERM)
+    assert run.wait(HANG) == [0], run.output()
     stopped = checkpoint_steps(out_of(config))
     # The signal went out once step `seen` was logged; the replicas vote after every step, so
     # they stop after the step running then or the next (one more for the test's polling lag).
     assert len(stopped) == 1 and seen <= stopped[0] <= seen + 3 and stopped[0] < STEPS, (seen, stopped)
-    assert stop_lines(replicas) == [stopped[0]] * 2
-    assert "resume with:" in replicas.output(0)
+    assert [stopped_after(run.output(), rank) for rank in (0, 1)] == [stopped[0]] * 2
+    assert "resume with:" in run.output() and "(SIGTERM)" in run.output()
     assert not (out_of(config) / "phase1" / "summary.json").exists()
 
-    resumed = run_replicas(2, config, tmp_path / "logs-resumed")
-    assert resumed.wait(HANG) == [0, 0], resumed.outputs()
-    assert json.loads((out_of(config) / "phase1" / "summary.json").read_text())["resumed_from_step"] == stopped[0]
+    resumed = launched(config, tmp_path / "resumed.log")
+    assert resumed.wait(HANG) == [0], resumed.output()
+    summary = json.loads((out_of(config) / "phase1" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == stopped[0] and summary["parallel"]["processes"] == 2
+    assert summary["compiles_after_warmup"] == 0
     assert_same_run(out_of(config), reference)
+
+
+def test_a_signal_to_the_launching_process_alone_stops_its_replicas_with_a_checkpoint(tiny_model_dir, data, tmp_path):
+    """Ctrl-C, or `kill PID` of the command a user started, on a v5e/v6e host's shape (a worker
+    process per chip, its one replica on a worker thread): the launcher passes the signal on
+    instead of dying first and leaving its workers behind."""
+    config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 0}, lora={"dropout": 0.0})
+    run = launched(config, tmp_path / "run.log", devices=1)
+    wait_for_replicas(run, out_of(config), 2)
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(HANG) == [0], run.output()
+    stopped = checkpoint_steps(out_of(config))
+    assert len(stopped) == 1 and stopped[0] < STEPS and stopped_after(run.output(), 0) == stopped[0]
+    assert "(SIGINT)" in run.output() and "Traceback" not in run.output()
 
 
 def test_scanned_layers_on_two_replicas_stop_resume_and_take_the_layer_loops_steps(tiny_model_dir, data, reference,
@@ -282,6 +313,20 @@ def test_a_checkpoint_write_failing_on_the_master_stops_every_replica_with_exit_
     assert "Traceback" not in replicas.outputs()
 
 
+def test_a_checkpoint_write_failing_on_the_master_thread_stops_both_replica_threads_with_exit_3(tiny_model_dir, data,
+                                                                                               tmp_path):
+    """The same failure on a TPU v2/v3 host's shape: the replicas are threads of one process, so
+    a failed one must take its host group down itself (nothing closes its sockets otherwise) and
+    the launcher must report the master's error, not its peer's."""
+    config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 2})
+    blocked = out_of(config) / "phase1" / "checkpoints"
+    blocked.parent.mkdir(parents=True)
+    blocked.write_text("a file where the checkpoints directory goes: every save fails on the master\n")
+    run = launched(config, tmp_path / "run.log")
+    assert run.wait(HANG) == [3], run.output()
+    assert "could not write checkpoint step 2" in run.output() and "Traceback" not in run.output()
+
+
 def test_an_adapter_write_failing_on_the_master_stops_every_replica_with_exit_3(tiny_model_dir, data, tmp_path):
     config = config_for(tmp_path, tiny_model_dir, data, train={"max_steps": 4}, checkpoint={"every": 2})
     full_disk = ("def full(model, directory, *args, **kwargs):\n"
@@ -300,15 +345,27 @@ def test_an_adapter_write_failing_on_the_master_stops_every_replica_with_exit_3(
     assert adapter_tensors(out_of(config), 1) and json.loads((adapter.parent / "summary.json").read_text())["steps"] == 4
 
 
-def test_a_killed_replica_stops_the_others_and_the_run_resumes(tiny_model_dir, data, reference, tmp_path):
+@pytest.mark.parametrize("started_by", ["torchrun", "the TPU launcher"])
+def test_a_killed_replica_stops_the_others_and_the_run_resumes(tiny_model_dir, data, reference, tmp_path, started_by):
+    """SIGKILL (no handler runs): one of torchrun's processes, or the launcher's worker process
+    (out of memory on a TPU host): the others stop at once, and the run resumes exactly."""
     config = config_for(tmp_path, tiny_model_dir, data)
-    replicas = run_replicas(2, config, tmp_path / "logs")
+    if started_by == "torchrun":
+        replicas = run_replicas(2, config, tmp_path / "logs")
+    else:
+        replicas = launched(config, tmp_path / "run.log")
     wait_for_replicas(replicas, out_of(config), random.Random().randint(5, 14))
     victim = random.Random().randint(0, 1)
     started = time.time()
-    replicas.procs[victim].kill()  # SIGKILL: no handler runs
+    if started_by == "torchrun":
+        replicas.procs[victim].kill()
+    else:
+        os.kill(replicas.worker(), signal.SIGKILL)
     codes = replicas.wait(60)
-    assert codes[1 - victim] != 0, replicas.outputs()
+    if started_by == "torchrun":
+        assert codes[1 - victim] != 0, replicas.outputs()
+    else:
+        assert codes == [3] and "a replica process died" in replicas.output(), replicas.output()
     assert time.time() - started < 60
     checkpoints = checkpoint_steps(out_of(config))
     assert checkpoints
@@ -318,6 +375,30 @@ def test_a_killed_replica_stops_the_others_and_the_run_resumes(tiny_model_dir, d
     summary = json.loads((out_of(config) / "phase1" / "summary.json").read_text())
     assert summary["resumed_from_step"] == checkpoints[-1]
     assert_same_run(out_of(config), reference)
+
+
+# -- hosts of a pod ---------------------------------------------------------------------------
+def test_hosts_without_one_shared_output_dir_or_plan_stop_before_the_first_step(tiny_model_dir, data, tmp_path):
+    """A pod whose hosts each write to their own disk: the master would checkpoint on its own,
+    the others would start at step 0 after a preemption and find no phase-1 adapter. Refused on
+    every host before a model is loaded, naming the shared storage to provide; so are hosts
+    that were given different commands."""
+    config = config_for(tmp_path, tiny_model_dir, data)
+    own_disks = run_replicas(2, config, tmp_path / "logs",
+                             rank_args=lambda rank: [f"output_dir={tmp_path / f'host{rank}'}"])
+    assert own_disks.wait(HANG) == [2, 2], own_disks.outputs()
+    for rank in (0, 1):
+        assert "is not one directory shared by every host: replica 1 on" in own_disks.output(rank)
+        assert "README: \"TPU pod\"" in own_disks.output(rank)
+        assert not (tmp_path / f"host{rank}" / "phase1").exists()
+    assert not list((tmp_path / "host0").glob(".shared-check-*"))  # the master's probe file is gone
+
+    other_plans = run_replicas(2, config, tmp_path / "logs-plans", rank_args=lambda rank: ["--phase", "all"] * rank)
+    assert other_plans.wait(HANG) == [2, 2], other_plans.outputs()
+    for rank in (0, 1):
+        assert "the replicas do not agree on what to run (replica 0 on" in other_plans.output(rank)
+        assert "replica 1 on" in other_plans.output(rank) and "phase 2 from step 0" in other_plans.output(rank)
+    assert not (out_of(config) / "phase1" / "metrics.jsonl").exists()
 
 
 # -- fsdp with several hosts: one SPMD process per host, two virtual chips each -------------------

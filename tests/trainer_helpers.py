@@ -75,7 +75,7 @@ class Replicas:
     kill and read every replica on its own. (`torchrun` itself is used where that is not needed.)"""
 
     def __init__(self, n: int, args: list[str], log_dir: Path, env: dict | None = None,
-                 script: str = "finetuning_pipeline/main.py") -> None:
+                 script: str = "finetuning_pipeline/main.py", rank_args=lambda rank: []) -> None:
         import os
         import subprocess
         import sys
@@ -90,7 +90,7 @@ class Replicas:
                            "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                            "TORCHELASTIC_RUN_ID": "tests", **(env or {})}
             with open(self.logs[rank], "w") as log:
-                self.procs.append(subprocess.Popen([sys.executable, script, *args],
+                self.procs.append(subprocess.Popen([sys.executable, script, *args, *rank_args(rank)],
                                                    stdout=log, stderr=subprocess.STDOUT, env=replica_env))
 
     def wait(self, timeout: float) -> list[int]:
@@ -119,6 +119,71 @@ class Replicas:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+class LaunchedRun:
+    """`python finetuning_pipeline/main.py ... parallel.launcher=tpu` on a CPU: started the way a
+    TPU host starts its replicas (launch.py), one launching process and one worker process with
+    `devices` replica threads (2: the TPU v2/v3 shape). Quacks like Replicas (procs, wait,
+    output, outputs), so the helpers below take either."""
+
+    def __init__(self, args: list[str], log: Path, devices: int, env: dict | None = None) -> None:
+        import os
+        import subprocess
+        import sys
+
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        run_env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                   "CPU_NUM_DEVICES": str(devices), "MASTER_PORT": str(free_port()), **(env or {})}
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "finetuning_pipeline/main.py", *args, "parallel.launcher=tpu"],
+                stdout=out, stderr=subprocess.STDOUT, env=run_env)
+        self.procs = [self.proc]
+
+    def worker(self, timeout: float = 60) -> int:
+        """The pid of the worker process the launcher spawned (not multiprocessing's resource tracker)."""
+        import time
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for pid in child_pids(self.proc.pid):
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+                    return pid
+            time.sleep(0.05)
+        raise AssertionError(f"no worker process after {timeout} s:\n{self.output()}")
+
+    def wait(self, timeout: float) -> list[int]:
+        import subprocess
+
+        try:
+            return [self.proc.wait(timeout=timeout)]
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"the launched run still runs after {timeout} s:\n{self.output()}") from None
+
+    def output(self, rank: int = 0) -> str:
+        return self.log.read_text()
+
+    def outputs(self) -> str:
+        return self.output()
+
+
+def child_pids(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # (state, ppid, ...) after the name
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
 
 
 # -- reading a run's outputs (the trainer's, the resume and the multi-replica tests) -----------
