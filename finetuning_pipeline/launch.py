@@ -15,7 +15,8 @@ replica without a checkpoint; it has no hook on the main thread. This launcher i
 torch_xla 2.9's `run_multiprocess` (same process count, start method, topology set-up and
 threads) with the stop handlers and the compile cache set up on each worker process's main
 thread first. The parent forwards SIGTERM/SIGINT to its workers, so `kill PARENT` stops the run
-the way a preemption does (every replica checkpoints the same step, exit 0).
+the way a preemption does (every replica checkpoints the same step, exit 0); a worker whose
+parent died without a word (SIGKILL) stops the same way rather than train on as an orphan.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import functools
 import multiprocessing
 import os
 import signal
+import sys
 import threading
+import time
 from concurrent.futures.process import BrokenProcessPool
 
 from finetuning_pipeline.errors import ConfigError, ReplicaLost
@@ -103,7 +106,9 @@ def _worker_process(local: int, *, processes: int, replica, args: tuple, compile
     from finetuning_pipeline.parallel import use_compile_cache
     from finetuning_pipeline.stop_signal import PROCESS_SIGNALS
 
+    launcher = os.getppid()
     PROCESS_SIGNALS.install()
+    watch_launcher(launcher, PROCESS_SIGNALS)
     use_compile_cache(compile_cache, mode, local)
     failures: dict[int, BaseException] = {}
 
@@ -116,13 +121,38 @@ def _worker_process(local: int, *, processes: int, replica, args: tuple, compile
 
     try:
         pjrt._run_thread_per_device(local, processes, run_replica_thread, pjrt.initialize_multiprocess)
-    except BaseException:
+    except BaseException as err:
         # torch_xla raises the failure of the lowest device; when that one only saw a peer go
         # away (ReplicaLost), the peer's own error is the one to report.
         causes = [err for _, err in sorted(failures.items()) if not isinstance(err, ReplicaLost)]
+        exit_if_orphaned(launcher, f"error: {causes[0] if causes else err}", 3)
         if causes:
             raise causes[0] from None
         raise
+    exit_if_orphaned(launcher, None, 0)
+
+
+def exit_if_orphaned(launcher: int, message: str | None, code: int) -> None:
+    """With its launcher gone there is nobody to report to, and the pool's worker loop would
+    wait forever for a next task (it holds its task queue's write end itself: no EOF comes)."""
+    if os.getppid() == launcher:
+        return
+    if message:
+        print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def watch_launcher(launcher: int, signals, every_s: float = 1.0) -> None:
+    """When the launching process dies without passing a signal on (SIGKILL, the out-of-memory
+    killer), this worker is re-parented: its replicas then stop as on SIGTERM, checkpoint and
+    exit, instead of training on unwatched and holding the chips from the next run."""
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(every_s)
+        signals.request("its launching process's exit")
+
+    threading.Thread(target=watch, name="watch-launcher", daemon=True).start()
 
 
 @contextlib.contextmanager

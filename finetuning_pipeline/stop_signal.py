@@ -44,7 +44,11 @@ class ProcessSignals:
             self._previous[sig] = signal.signal(sig, self.handle)
 
     def handle(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
+        self.request(signal.Signals(signum).name)
+
+    def request(self, reason: str) -> None:
+        """Stop as a signal would (the launcher's watch of its parent: launch.py)."""
+        self.received = reason
         self.event.set()
 
     @property

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,8 @@ from safetensors.torch import load_file
 
 from finetuning_pipeline import main
 from finetuning_pipeline.checkpointing import complete_checkpoints, verify_checkpoint
-from trainer_helpers import adapter_tensors, assert_same_run, prepare_demo_data, wait_for_step, write_run_config
+from trainer_helpers import (adapter_tensors, assert_same_run, child_pids, prepare_demo_data, process_alive,
+                             wait_for_step, write_run_config)
 
 STEPS = 10
 # LoRA dropout on: a resumed run must also draw the dropout masks the uninterrupted one drew.
@@ -43,11 +45,26 @@ def config_for(tmp_path, tiny_model_dir, data, **sections):
 
 
 def start(config: Path) -> subprocess.Popen:
+    """The run as a TPU host starts it (parallel.launcher=tpu): this launching process and a
+    worker process whose one replica runs on a worker thread, the shape of each chip of a v5e."""
     return subprocess.Popen(
-        [sys.executable, "finetuning_pipeline/main.py", "--config", str(config), "--phase", "1"],
+        [sys.executable, "finetuning_pipeline/main.py", "--config", str(config), "--phase", "1",
+         "parallel.launcher=tpu"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PJRT_DEVICE": "CPU", "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PJRT_DEVICE": "CPU", "PYTHONUNBUFFERED": "1", "CPU_NUM_DEVICES": "1"},
     )
+
+
+def worker_of(proc: subprocess.Popen, timeout: float = 60) -> int:
+    """The launcher's worker process (the one that trains)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for pid in child_pids(proc.pid):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes() if Path(f"/proc/{pid}").exists() else b""
+            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+                return pid
+        time.sleep(0.05)
+    raise AssertionError("the launcher started no worker process")
 
 
 def wait_for_step_of(proc: subprocess.Popen, out: Path, step: int) -> None:
@@ -69,8 +86,9 @@ def test_sigkill_at_a_random_step_then_resume_equals_the_uninterrupted_run(tiny_
     config = config_for(tmp_path, tiny_model_dir, data)
     proc = start(config)
     wait_for_step_of(proc, tmp_path / "out", kill_at)
-    proc.kill()  # SIGKILL: no handler, no last checkpoint
-    proc.wait()
+    os.kill(worker_of(proc), signal.SIGKILL)  # the process that trains: no handler, no last checkpoint
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 3 and "a replica process died" in output, output
     checkpoints = complete_checkpoints(tmp_path / "out" / "phase1" / "checkpoints")
     assert checkpoints, f"killed at step {kill_at} before any checkpoint"
     assert main.main(["--config", str(config), "--phase", "1"]) == 0  # --resume auto
@@ -98,6 +116,33 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tiny_model_dir, data, 
     summary = json.loads((tmp_path / "out" / "phase1" / "summary.json").read_text())
     assert summary["resumed_from_step"] == stopped_at
     assert_same_run(tmp_path / "out", reference)
+
+
+def test_a_killed_launcher_leaves_no_orphan_its_worker_checkpoints_and_stops(tiny_model_dir, data, tmp_path):
+    """SIGKILL (or the OOM killer) of the command a user started, not of its worker: the worker
+    would train on unwatched and keep the chips from the next run; it stops with a checkpoint
+    instead (it looks for its launcher every second: a long run, so the kill lands mid-run),
+    and the same command resumes from it."""
+    steps = 300
+    config = config_for(tmp_path, tiny_model_dir, data, train={"max_steps": steps}, checkpoint={"every": 0})
+    proc = start(config)
+    wait_for_step_of(proc, tmp_path / "out", 3)
+    worker = worker_of(proc)
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 120
+    while process_alive(worker) and time.time() < deadline:
+        time.sleep(0.1)
+    output = proc.stdout.read()
+    assert not process_alive(worker), output
+    checkpoints = complete_checkpoints(tmp_path / "out" / "phase1" / "checkpoints")
+    assert len(checkpoints) == 1, output
+    stopped = int(checkpoints[0].name.split("_")[1])
+    assert 3 <= stopped < steps
+    assert f"stopped on its launching process's exit after a checkpoint at step {stopped} of phase 1" in output
+    assert main.main(["--config", str(config), "--phase", "1"]) == 0
+    summary = json.loads((tmp_path / "out" / "phase1" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == stopped and summary["steps"] == steps
 
 
 def test_nan_steps_are_skipped_on_device_and_counted(tiny_model_dir, data, tmp_path, monkeypatch):

@@ -174,6 +174,15 @@ class LaunchedRun:
         return self.output()
 
 
+def process_alive(pid: int) -> bool:
+    """Running (a zombie that nobody reaped yet has exited)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
 def child_pids(pid: int) -> list[int]:
     children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
