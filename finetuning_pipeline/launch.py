@@ -89,12 +89,21 @@ def launch_replicas(replica, args: tuple, *, compile_cache: str, mode: str) -> N
         task = functools.partial(_worker_process, processes=processes, replica=replica, args=args,
                                  compile_cache=compile_cache, mode=mode)
         futures = [pool.submit(task, local) for local in range(processes)]
-        try:
-            for future in futures:
-                future.result()
-        except BrokenProcessPool:
-            raise ReplicaLost("a replica process died (killed, or out of memory) and the others were stopped; the "
-                              "run resumes from its last complete checkpoint with --resume auto") from None
+        concurrent.futures.wait(futures)  # a failed replica closes its host group: the others end too
+    failures = [future.exception() for future in futures if future.exception() is not None]
+    if failures:
+        raise first_cause(failures) from None
+
+
+def first_cause(failures: list[BaseException]) -> BaseException:
+    """The error to report of several replicas' (in rank order): not one that only saw a peer
+    go away (ReplicaLost) when the peer's own error is there; a dead worker process
+    (BrokenProcessPool: its replicas raised nothing) as a ReplicaLost."""
+    if any(isinstance(err, BrokenProcessPool) for err in failures):
+        return ReplicaLost("a replica process died (killed, or out of memory) and the others were stopped; the "
+                           "run resumes from its last complete checkpoint with --resume auto")
+    causes = [err for err in failures if not isinstance(err, ReplicaLost)]
+    return (causes or failures)[0]
 
 
 def _worker_process(local: int, *, processes: int, replica, args: tuple, compile_cache: str, mode: str) -> None:
@@ -122,13 +131,10 @@ def _worker_process(local: int, *, processes: int, replica, args: tuple, compile
     try:
         pjrt._run_thread_per_device(local, processes, run_replica_thread, pjrt.initialize_multiprocess)
     except BaseException as err:
-        # torch_xla raises the failure of the lowest device; when that one only saw a peer go
-        # away (ReplicaLost), the peer's own error is the one to report.
-        causes = [err for _, err in sorted(failures.items()) if not isinstance(err, ReplicaLost)]
-        exit_if_orphaned(launcher, f"error: {causes[0] if causes else err}", 3)
-        if causes:
-            raise causes[0] from None
-        raise
+        # torch_xla raises the failure of the lowest device, maybe one that only saw its peer go.
+        cause = first_cause([failure for _, failure in sorted(failures.items())] or [err])
+        exit_if_orphaned(launcher, f"error: {cause}", 3)
+        raise cause from None
     exit_if_orphaned(launcher, None, 0)
 
 

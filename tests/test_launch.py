@@ -48,6 +48,21 @@ def test_launcher_settings_that_cannot_work_are_config_errors(tmp_path):
         load_config(config, ["parallel.single_chip=true", "parallel.mode=fsdp"])
 
 
+def test_the_error_reported_is_the_cause_not_a_peer_that_saw_it():
+    """Of several replicas' errors (threads of a process, or worker processes), the one that is
+    not merely 'another replica stopped answering'; a dead worker process as ReplicaLost."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    from finetuning_pipeline.errors import CheckpointWriteError, ReplicaLost
+
+    cause = CheckpointWriteError("could not write checkpoint step 2")
+    assert launch.first_cause([ReplicaLost("replica 0: another replica stopped answering"), cause]) is cause
+    lost = ReplicaLost("replica 1: another replica stopped answering")
+    assert launch.first_cause([lost]) is lost
+    died = launch.first_cause([BrokenProcessPool("terminated abruptly"), lost])
+    assert isinstance(died, ReplicaLost) and "a replica process died" in str(died)
+
+
 def in_worker_thread(fn):
     """fn() on a thread that is not the main thread, as torch_xla's launcher runs a replica."""
     outcome = {}
