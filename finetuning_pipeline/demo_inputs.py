@@ -58,18 +58,21 @@ def build(what: str, force: bool = False) -> int:
     return prepare.main([*(["--force"] if force else []), *args])
 
 
-def ensure_demo_inputs(config) -> None:
-    """Build the demo inputs `config` uses and that are missing (paths overridden to
-    somewhere else are the user's own, left alone)."""
+def ensure_demo_inputs(config, phases: list[int]) -> None:
+    """Build the demo inputs this run reads and that are missing: the base, and the data of
+    the phases it runs, prepared with that base's tokenizer (so only on the demo's own base).
+    Paths overridden to somewhere else are the user's own, left alone."""
     from finetuning_pipeline.errors import ConfigError
 
     paths = demo_paths()
-    needed = {"base": Path(config.model.path) == paths["base"] and not (paths["base"] / "config.json").is_file()}
-    for phase in ("phase1", "phase2"):
-        ours = Path(getattr(config, phase).data) == paths[phase]
-        needed[phase] = ours and not (paths[phase] / "manifest.json").is_file()
+    ours = Path(config.model.path) == paths["base"]
+    needed = {"base": ours and not (paths["base"] / "config.json").is_file()}
+    for phase in phases:
+        key = f"phase{phase}"
+        needed[key] = (ours and Path(getattr(config, key).data) == paths[key]
+                       and not (paths[key] / "manifest.json").is_file())
     for what in ("base", "phase1", "phase2"):
-        if needed[what]:
+        if needed.get(what):
             print(f"building the embedded default's {what} ({paths[what]}): missing", flush=True)
             if build(what) != 0:
                 raise ConfigError(f"could not build the embedded default's {what} in {paths[what]} (see above); "

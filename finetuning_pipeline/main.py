@@ -259,7 +259,7 @@ def train(argv: list[str] | None) -> int:
     started = time.time()  # a session budget (train.max_wall_time) counts from here
     args = parse_args(argv)
     phases = [1, 2] if args.phase == "all" else [int(args.phase)]
-    config_path, overrides = choose_config(args.config, args.overrides)
+    config_path, overrides = choose_config(args.config, args.overrides, phases)
     config = load_config(config_path, overrides)
     pin_model(config)
     preflight_checks(config, phases)
@@ -302,11 +302,11 @@ def start_replicas(config: RunConfig, args: tuple) -> None:
         run_replica(*args)
 
 
-def choose_config(given: str | None, overrides: list[str]) -> tuple[Path, list[str]]:
+def choose_config(given: str | None, overrides: list[str], phases: list[int] = (1, 2)) -> tuple[Path, list[str]]:
     """The config file and the overrides to load it with: --config; else $TPU_LORA_CONFIG; else
     the embedded default, whose relative paths are anchored at the repository (ahead of the
-    user's overrides, which keep their meaning) and whose tiny model and data are built if
-    missing. Says which config it chose when none was named."""
+    user's overrides, which keep their meaning) and whose tiny model and the data of `phases`
+    are built if missing. Says which config it chose when none was named."""
     if given:
         return Path(given), overrides
     if os.environ.get(CONFIG_ENV):
@@ -316,7 +316,7 @@ def choose_config(given: str | None, overrides: list[str]) -> tuple[Path, list[s
 
     print(f"config: {DEMO_CONFIG} (the embedded default: no --config given and ${CONFIG_ENV} unset)", flush=True)
     anchored = anchored_paths(DEMO_CONFIG, REPO)
-    ensure_demo_inputs(load_config(DEMO_CONFIG, anchored + overrides))
+    ensure_demo_inputs(load_config(DEMO_CONFIG, anchored + overrides), list(phases))
     return DEMO_CONFIG, anchored + overrides
 
 
