@@ -67,7 +67,7 @@ class Collectives:
     device tensors are summed across them (see the module docstring)."""
 
     def __init__(self, rank: int = 0, world: int = 1, device_reduction: str = "none", group=None,
-                 store=None) -> None:
+                 stores=None) -> None:
         if device_reduction not in DEVICE_REDUCTIONS:
             raise ValueError(f"device_reduction must be one of {DEVICE_REDUCTIONS}, got {device_reduction!r}")
         if world > 1 and group is None:
@@ -75,7 +75,7 @@ class Collectives:
         self.rank = rank
         self.world = world
         self.device_reduction = device_reduction if world > 1 else "none"
-        self.group, self._store = group, store
+        self.group, self._stores = group, stores  # the stores must outlive the group
 
     # -- host decisions -----------------------------------------------------------------------
     def _host_max(self, value: int) -> int:
@@ -143,7 +143,7 @@ class Collectives:
                 self.barrier()
         finally:
             self.group.shutdown()
-            self.group = self._store = None
+            self.group = self._stores = None
 
     # -- device sums --------------------------------------------------------------------------
     def sum_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from finetuning_pipeline import main
 from finetuning_pipeline.checkpointing import complete_checkpoints, verify_checkpoint
-from trainer_helpers import (adapter_tensors, assert_same_run, child_pids, prepare_demo_data, process_alive,
+from trainer_helpers import (adapter_tensors, assert_same_run, launcher_worker, prepare_demo_data, process_alive,
                              wait_for_step, write_run_config)
 
 STEPS = 10
@@ -55,18 +55,6 @@ def start(config: Path) -> subprocess.Popen:
     )
 
 
-def worker_of(proc: subprocess.Popen, timeout: float = 60) -> int:
-    """The launcher's worker process (the one that trains)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        for pid in child_pids(proc.pid):
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes() if Path(f"/proc/{pid}").exists() else b""
-            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-                return pid
-        time.sleep(0.05)
-    raise AssertionError("the launcher started no worker process")
-
-
 def wait_for_step_of(proc: subprocess.Popen, out: Path, step: int) -> None:
     wait_for_step([proc], out, step, timeout=240, output=lambda: proc.stdout.read())
 
@@ -86,7 +74,7 @@ def test_sigkill_at_a_random_step_then_resume_equals_the_uninterrupted_run(tiny_
     config = config_for(tmp_path, tiny_model_dir, data)
     proc = start(config)
     wait_for_step_of(proc, tmp_path / "out", kill_at)
-    os.kill(worker_of(proc), signal.SIGKILL)  # the process that trains: no handler, no last checkpoint
+    os.kill(launcher_worker(proc.pid), signal.SIGKILL)  # the process that trains: no handler, no last checkpoint
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 3 and "a replica process died" in output, output
     checkpoints = complete_checkpoints(tmp_path / "out" / "phase1" / "checkpoints")
@@ -127,7 +115,7 @@ def test_a_killed_launcher_leaves_no_orphan_its_worker_checkpoints_and_stops(tin
     config = config_for(tmp_path, tiny_model_dir, data, train={"max_steps": steps}, checkpoint={"every": 0})
     proc = start(config)
     wait_for_step_of(proc, tmp_path / "out", 3)
-    worker = worker_of(proc)
+    worker = launcher_worker(proc.pid)
     proc.kill()
     proc.wait()
     deadline = time.time() + 120

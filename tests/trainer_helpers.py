@@ -143,20 +143,7 @@ class LaunchedRun:
         self.procs = [self.proc]
 
     def worker(self, timeout: float = 60) -> int:
-        """The pid of the worker process the launcher spawned (not multiprocessing's resource tracker)."""
-        import time
-
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            for pid in child_pids(self.proc.pid):
-                try:
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                except OSError:
-                    continue
-                if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-                    return pid
-            time.sleep(0.05)
-        raise AssertionError(f"no worker process after {timeout} s:\n{self.output()}")
+        return launcher_worker(self.proc.pid, timeout, self.output)
 
     def wait(self, timeout: float) -> list[int]:
         import subprocess
@@ -172,6 +159,23 @@ class LaunchedRun:
 
     def outputs(self) -> str:
         return self.output()
+
+
+def launcher_worker(launcher: int, timeout: float = 60, output=lambda: "") -> int:
+    """The pid of the worker process a launcher spawned (not multiprocessing's resource tracker)."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for pid in child_pids(launcher):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+                return pid
+        time.sleep(0.05)
+    raise AssertionError(f"no worker process after {timeout} s:\n{output()}")
 
 
 def process_alive(pid: int) -> bool:
