@@ -25,11 +25,13 @@ DEMO_ANSWER := Județul Brașov se află în Transilvania.
 # The demo config's phases need the demo's base model and prepared data; other configs bring their own.
 PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 
-.PHONY: help setup test tiny-model demo-data demo phase1 phase2 preflight bench bench-train bench-host bench-prepare bench-memory clean
+.PHONY: help setup test test-fast lint tiny-model demo-data demo phase1 phase2 preflight bench bench-train bench-host bench-prepare bench-memory clean
 
 help:
 	@echo "make setup       create .venv with the pinned stack (torch 2.9.0 + torch_xla 2.9.0) and test tools"
 	@echo "make test        run the test suite on CPU (PJRT_DEVICE=CPU); sets up .venv first if needed"
+	@echo "make test-fast   the unit tests only (no end-to-end runs: pytest -m 'not slow'), for the inner loop"
+	@echo "make lint        ruff: imports, unused code, line length (configured in pyproject.toml; CI runs it)"
 	@echo "make demo        the whole curriculum on the tiny model, on XLA:CPU: base model -> prepare ->"
 	@echo "                 phase 1 -> phase 2 -> merged export -> a generated answer -> loss.png (outputs/demo)"
 	@echo "make phase1      phase 1 of CONFIG (default: the demo config); extra overrides in ARGS=\"k=v ...\""
@@ -55,20 +57,26 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	PJRT_DEVICE=CPU $(BIN)/python -m pytest
 
-tiny-model: $(STAMP)
-	$(BIN)/python -m finetuning_pipeline.tiny_model --out $(DEMO)/base --force
+test-fast: $(STAMP)
+	PJRT_DEVICE=CPU $(BIN)/python -m pytest -m "not slow"
 
-# The recipe of each input lives in finetuning_pipeline/demo_inputs.py (main.py without --config
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+tiny-model: $(STAMP)
+	$(BIN)/python -m finetuning_pipeline.demo.tiny_model --out $(DEMO)/base --force
+
+# The recipe of each input lives in finetuning_pipeline/demo/inputs.py (main.py without --config
 # builds what is missing with it too); these rules rebuild what is out of date.
 $(DEMO_BASE): $(STAMP) $(SAMPLES)/domain_text.jsonl $(SAMPLES)/chat_qa.jsonl $(SAMPLES)/alpaca.jsonl \
-		finetuning_pipeline/tiny_model.py finetuning_pipeline/tiny_pretraining.py
-	$(BIN)/python -m finetuning_pipeline.demo_inputs base --force
+		finetuning_pipeline/demo/tiny_model.py finetuning_pipeline/demo/tiny_pretraining.py
+	$(BIN)/python -m finetuning_pipeline.demo.inputs base --force
 
 $(DEMO)/data/phase1/manifest.json: $(DEMO_BASE) $(SAMPLES)/domain_text.jsonl
-	$(BIN)/python -m finetuning_pipeline.demo_inputs phase1 --force
+	$(BIN)/python -m finetuning_pipeline.demo.inputs phase1 --force
 
 $(DEMO)/data/phase2/manifest.json: $(DEMO_BASE) $(SAMPLES)/chat_qa.jsonl $(SAMPLES)/alpaca.jsonl
-	$(BIN)/python -m finetuning_pipeline.demo_inputs phase2 --force
+	$(BIN)/python -m finetuning_pipeline.demo.inputs phase2 --force
 
 demo-data: $(DEMO_DATA)
 

@@ -3,7 +3,8 @@ gradient accumulation, for the trainer's default step (captured, the decoder lay
 train.capture_step, train.scan_layers), the captured step over the layer loop, and the step
 traced every time (the trainer before both).
 
-    python -m benchmarks.host_bench [--layers 32] [--grad-accum 1,8] [--steps 10] [--modes scanned,layer_loop,traced_every_step]
+    python -m benchmarks.host_bench [--layers 32] [--grad-accum 1,8] [--steps 10]
+        [--modes scanned,layer_loop,traced_every_step]
 
 Model: Mistral architecture 64 wide (hidden 64, 4 query heads and 2 KV heads of 16, MLP 128,
 vocabulary 1024), LoRA r 16 on all 7 targets, AdamW, fp32, one micro-batch of 1 x 64 tokens per
@@ -49,27 +50,51 @@ def measure(layers: int, grad_accum: int, mode: str, steps: int) -> dict:
     import torch_xla.core.xla_model as xm
     from transformers import MistralConfig, MistralForCausalLM
 
-    from finetuning_pipeline.adamw import MaskedAdamW
-    from finetuning_pipeline.config import load_config
-    from finetuning_pipeline.parallel import Parallel
-    from finetuning_pipeline.scan_choice import scan_layers
-    from finetuning_pipeline.trainer import Stepper
+    from finetuning_pipeline.model.scan_choice import scan_layers
+    from finetuning_pipeline.run.parallel import Parallel
+    from finetuning_pipeline.run_config import load_config
+    from finetuning_pipeline.train.adamw import MaskedAdamW
+    from finetuning_pipeline.train.stepper import Stepper
     from lora_logic import inject_lora, lora_parameters
     from utils.xla_counters import read_counters
     from utils.xla_runtime import init_xla_device
 
     capture, scan = MODES[mode]
     device = init_xla_device()
-    config = load_config(None, ["model.path=unused", "model.dtype=float32", f"lora.r={RANK}", f"lora.alpha={ALPHA}",
-                                f"train.grad_accum={grad_accum}", "train.micro_batch=1",
-                                f"train.max_steps={steps + WARMUP_STEPS}", f"train.capture_step={str(capture).lower()}"])
+    config = load_config(
+        None,
+        [
+            "model.path=unused",
+            "model.dtype=float32",
+            f"lora.r={RANK}",
+            f"lora.alpha={ALPHA}",
+            f"train.grad_accum={grad_accum}",
+            "train.micro_batch=1",
+            f"train.max_steps={steps + WARMUP_STEPS}",
+            f"train.capture_step={str(capture).lower()}",
+        ],
+    )
     torch.manual_seed(0)
     model = MistralForCausalLM(MistralConfig(num_hidden_layers=layers, **MODEL))
     inject_lora(model, config.lora_config())
-    scan_layers(model, scan, remat=False, spmd=False)  # as the trainer does: on the host, after injection
+    scan_layers(
+        model, scan, activation_checkpointing=False, spmd=False
+    )  # as the trainer does: on the host, after injection
     model.to(device).train()
     optimizer = MaskedAdamW(lora_parameters(model), lr=1e-3)
-    stepper = Stepper(model, optimizer, config, 1, Parallel("dp"), device, start_step=0, packed=False)
+    stepper = Stepper(
+        model,
+        optimizer,
+        config.train,
+        phase=1,
+        lr=config.lr(1),
+        max_steps=config.max_steps(1),
+        activation_checkpointing=False,
+        parallel=Parallel("dp"),
+        device=device,
+        start_step=0,
+        packed=False,
+    )
     generator = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(steps + WARMUP_STEPS):
@@ -128,18 +153,27 @@ def main(argv: list[str] | None = None) -> None:
     modes = args.modes.split(",")
     if not set(modes) <= set(MODES):
         parser.error(f"--modes: {sorted(set(modes) - set(MODES))} unknown; choose from {', '.join(MODES)}")
-    section = {"layers": args.layers, "model": {**MODEL, "seq_len": SEQ_LEN, "micro_batch": 1, "lora_r": RANK,
-                                                "lora_targets": 7, "dtype": "float32"},
-               "grad_accum": {}}
+    section = {
+        "layers": args.layers,
+        "model": {**MODEL, "seq_len": SEQ_LEN, "micro_batch": 1, "lora_r": RANK, "lora_targets": 7, "dtype": "float32"},
+        "grad_accum": {},
+    }
     for accum in [int(v) for v in args.grad_accum.split(",")]:
         for mode in modes:
             # The default step's figures are the section's own; the others under their mode.
-            where = section["grad_accum"] if mode == "scanned" else section.setdefault(mode, {"grad_accum": {}})["grad_accum"]
+            where = (
+                section["grad_accum"]
+                if mode == "scanned"
+                else section.setdefault(mode, {"grad_accum": {}})["grad_accum"]
+            )
             where[str(accum)] = figures = in_subprocess(args.layers, accum, mode, args.steps)
-            print(f"{args.layers} layers, grad_accum {accum:>2}, {mode:17}: host {figures['host_ms_per_step']:8.1f} ms/step"
-                  f"  compile {figures['compile_s']:6.1f} s  graphs {figures['graphs']} "
-                  f"({figures['compiles_after_warmup']} after warm-up)  host syncs/step {figures['host_syncs_per_step']}",
-                  flush=True)
+            print(
+                f"{args.layers} layers, grad_accum {accum:>2}, {mode:17}: "
+                f"host {figures['host_ms_per_step']:8.1f} ms/step"
+                f"  compile {figures['compile_s']:6.1f} s  graphs {figures['graphs']} "
+                f"({figures['compiles_after_warmup']} after warm-up)  host syncs/step {figures['host_syncs_per_step']}",
+                flush=True,
+            )
     update_results(Path(args.out), "host", section)
     print(f"wrote the host section of {args.out}")
 

@@ -63,9 +63,9 @@ def measure_ours(chunk: str) -> dict:
     import torch_xla
     from transformers import AutoModelForCausalLM
 
-    from finetuning_pipeline.adamw import MaskedAdamW
-    from finetuning_pipeline.chunked_loss import resolve_chunk_tokens
-    from finetuning_pipeline.step import train_step
+    from finetuning_pipeline.model.chunked_loss import resolve_chunk_tokens
+    from finetuning_pipeline.train.adamw import MaskedAdamW
+    from finetuning_pipeline.train.step import train_step
     from lora_logic import LoraConfig, inject_lora, lora_parameters
     from utils.xla_runtime import init_xla_device
 
@@ -84,7 +84,12 @@ def measure_ours(chunk: str) -> dict:
         results = train_step(model, optimizer, [batch], max_grad_norm=1.0, packed=False, loss_chunk=loss_chunk)
         torch_xla.sync()
     loss = results["loss"].cpu().item()
-    return {"peak_rss_mib": round(rss_mib()), "before_step_mib": round(before), "loss": loss, "loss_chunk_tokens": loss_chunk}
+    return {
+        "peak_rss_mib": round(rss_mib()),
+        "before_step_mib": round(before),
+        "loss": loss,
+        "loss_chunk_tokens": loss_chunk,
+    }
 
 
 def measure_peer(out_dir: str) -> dict:

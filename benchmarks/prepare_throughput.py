@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the input sizes (default 1)")
     parser.add_argument("--out", default="outputs/bench/bench_prepare.json")
     args = parser.parse_args(argv)
-    from finetuning_pipeline.tiny_model import write_tiny_model
+    from finetuning_pipeline.demo.tiny_model import write_tiny_model
 
     results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
             results["runs"].append(run)
             print(
                 f"phase {run['phase']}  seq_len {seq_len:>6}  {run['input_mb']:7.1f} MB  {run['tokens']:>12,} tokens  "
-                f"{run['tokens_per_sec']:>9,} tokens/s  peak RSS {run['peak_rss_mb']:>5} MB  fill {run['fill_ratio']:.3f}"
+                f"{run['tokens_per_sec']:>9,} tokens/s  peak RSS {run['peak_rss_mb']:>5} MB  "
+                f"fill {run['fill_ratio']:.3f}"
             )
             inputs.unlink()
     atomic_write_json(args.out, results)

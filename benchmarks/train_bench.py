@@ -16,7 +16,7 @@ peft LoRA of the same rank, targets and scaling, on the same token blocks), a fr
 forward+backward of the same model (the floor a LoRA step cannot beat), and the host's XLA
 matmul throughput (for `mfu_host`). Results: outputs/bench/bench.json and a table on stdout.
 
-FLOPs of a LoRA step, per token: `finetuning_pipeline.plan.flops_per_token` (4N for the frozen
+FLOPs of a LoRA step, per token: `finetuning_pipeline.planning.tpu_plan.flops_per_token` (4N for the frozen
 base, not 6N, plus attention and the LoRA branch; its docstring has the derivation).
 """
 
@@ -47,7 +47,7 @@ WARMUP_STEPS = 3  # steps excluded from the steady-state figures (compiles happe
 
 # -- building the inputs ---------------------------------------------------------------------
 def build_model(shape: dict, root: Path) -> Path:
-    from finetuning_pipeline.tiny_model import write_tiny_model
+    from finetuning_pipeline.demo.tiny_model import write_tiny_model
 
     tiny = write_tiny_model(root / "tiny")
     if shape["model"] == "tiny":
@@ -79,7 +79,7 @@ def prepare_data(model_dir: Path, seq_len: int, out: Path) -> Path:
 def step_flops_per_token(model_dir: Path, seq_len: int) -> float:
     from transformers import AutoConfig
 
-    from finetuning_pipeline.plan import ModelShape, flops_per_token
+    from finetuning_pipeline.planning.tpu_plan import ModelShape, flops_per_token
 
     shape = ModelShape.from_config(AutoConfig.from_pretrained(model_dir))
     return flops_per_token(shape, seq_len, RANK, TARGETS)
@@ -105,7 +105,7 @@ def measure_ours(model_dir: str, data: str, micro_batch: int, steps: int, out_di
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config))
     from finetuning_pipeline import main
-    from finetuning_pipeline.run_layout import RunLayout
+    from finetuning_pipeline.run.run_layout import RunLayout
 
     if main.main(["--config", str(path), "--phase", "1", "--resume", "never", "--force"]) != 0:
         raise SystemExit("our trainer failed")
@@ -123,8 +123,8 @@ def measure_ours(model_dir: str, data: str, micro_batch: int, steps: int, out_di
 def measure_peer(model_dir: str, data: str, micro_batch: int, steps: int, out_dir: str) -> dict:
     import numpy as np
     import torch
-    from peft import LoraConfig, get_peft_model
     import torch_xla.core.xla_model as xm
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from utils.xla_counters import read_counters
@@ -132,8 +132,13 @@ def measure_peer(model_dir: str, data: str, micro_batch: int, steps: int, out_di
     ids = np.load(Path(data) / "train" / "input_ids.npy")
     labels = np.load(Path(data) / "train" / "labels.npy")
     repeats = -(-steps * micro_batch // len(ids))
-    rows = [{"input_ids": torch.from_numpy(ids[i % len(ids)]).long(), "labels": torch.from_numpy(labels[i % len(ids)]).long()}
-            for i in range(repeats * len(ids))]
+    rows = [
+        {
+            "input_ids": torch.from_numpy(ids[i % len(ids)]).long(),
+            "labels": torch.from_numpy(labels[i % len(ids)]).long(),
+        }
+        for i in range(repeats * len(ids))
+    ]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.config.use_cache = False
     model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS,
@@ -184,7 +189,7 @@ def measure_frozen(model_dir: str, data: str, micro_batch: int, steps: int, out_
     import torch_xla.core.xla_model as xm
     from transformers import AutoModelForCausalLM
 
-    from finetuning_pipeline.attention_masks import attention_masks
+    from finetuning_pipeline.model.attention_masks import attention_masks
     from utils.xla_runtime import init_xla_device
 
     device = init_xla_device()
@@ -307,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     peer = not args.no_peer
     if peer:
         try:
-            import peft  # noqa: F401
+            import peft  # noqa: F401 - only whether it is installed
         except ImportError:
             print("peft is not installed: skipping the peer (pip install peft, or --no-peer)")
             peer = False

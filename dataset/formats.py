@@ -91,7 +91,9 @@ def check_turn_order(messages: list[dict]) -> None:
                 "(an optional first system turn, then user and assistant alternating)",
             )
     if roles[-1] != "assistant":
-        raise InvalidRecord("not_ending_with_assistant", f"conversation ends with a {roles[-1]!r} turn, not an assistant turn")
+        raise InvalidRecord(
+            "not_ending_with_assistant", f"conversation ends with a {roles[-1]!r} turn, not an assistant turn"
+        )
 
 
 def alpaca_to_messages(record: dict) -> list[dict]:

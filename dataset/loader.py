@@ -32,8 +32,13 @@ def open_prepared(directory: str | Path, *, fingerprint: str | None = None, seq_
     seq_len (`setting` names where that seq_len is configured)."""
     manifest = read_manifest(directory)
     if fingerprint is not None:
-        check_manifest(manifest, fingerprint=fingerprint, seq_len=manifest.get("seq_len") if seq_len is None else seq_len,
-                       source=str(Path(directory) / "manifest.json"), setting=setting)
+        check_manifest(
+            manifest,
+            fingerprint=fingerprint,
+            seq_len=manifest.get("seq_len") if seq_len is None else seq_len,
+            source=str(Path(directory) / "manifest.json"),
+            setting=setting,
+        )
     return manifest
 
 
@@ -107,7 +112,8 @@ class ShardLoader:
         for key in ("rows", "seed", "shuffle"):
             if state.get(key) != getattr(self, key):
                 raise DataError(
-                    f"loader state was saved with {key}={state.get(key)!r} but this loader has {key}={getattr(self, key)!r}; "
+                    f"loader state was saved with {key}={state.get(key)!r} but this loader has "
+                    f"{key}={getattr(self, key)!r}; "
                     "resume with the same prepared data and seed"
                 )
         self.position = int(state["position"])

@@ -110,5 +110,7 @@ class BestFitPacker:
         pad = self.seq_len - block.used
         ids = np.concatenate(block.ids + [np.full(pad, self.pad_id, dtype=np.int32)])
         labels = np.concatenate(block.labels + [np.full(pad, IGNORE_INDEX, dtype=np.int32)])
-        positions = np.concatenate([np.arange(len(x), dtype=np.int32) for x in block.ids] + [np.arange(pad, dtype=np.int32)])
+        positions = np.concatenate(
+            [np.arange(len(x), dtype=np.int32) for x in block.ids] + [np.arange(pad, dtype=np.int32)]
+        )
         return (ids, labels, positions), block.used

@@ -115,7 +115,8 @@ class PrepareOptions:
             raise DataError(f"phase: must be 1 or 2, got {self.phase!r}")
         if self.format in PHASE_OF_FORMAT and self.phase not in (None, PHASE_OF_FORMAT[self.format]):
             raise DataError(
-                f"phase: format {self.format} is phase {PHASE_OF_FORMAT[self.format]} data, but phase {self.phase} was asked for"
+                f"phase: format {self.format} is phase {PHASE_OF_FORMAT[self.format]} data, but phase {self.phase} "
+                "was asked for"
             )
         if not isinstance(self.eval_fraction, (int, float)) or not 0 <= self.eval_fraction < 1:
             raise DataError(f"eval_fraction: must be in [0, 1), got {self.eval_fraction!r}")
@@ -464,7 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="map an input column to ours, e.g. --column text=content")
     parser.add_argument("--split", help="split of an hf dataset (default train)")
     parser.add_argument("--hf-name", dest="hf_name", help="config name of an hf hub dataset")
-    parser.add_argument("--max-errors", dest="max_errors", type=int, help="problems reported before stopping (default 10)")
+    parser.add_argument(
+        "--max-errors", dest="max_errors", type=int, help="problems reported before stopping (default 10)"
+    )
     parser.add_argument("--batch-size", dest="batch_size", type=int, help="records per tokenizer batch (default 1024)")
     parser.add_argument("--max-record-chars", dest="max_record_chars", type=int,
                         help="longest record accepted, in characters (default 4,000,000; memory ~100 bytes each)")

@@ -26,7 +26,9 @@ class SourceFile:
         if not self.path.exists():
             raise DataError(f"{self.path}: no such file (check --input)")
         if not self.path.is_file():
-            raise DataError(f"{self.path}: not a regular file (--input takes files; use --format hf for a dataset directory)")
+            raise DataError(
+                f"{self.path}: not a regular file (--input takes files; use --format hf for a dataset directory)"
+            )
         self._hash = hashlib.sha256()
         self.bytes_read = 0
 
@@ -64,7 +66,12 @@ def iter_jsonl(source: SourceFile) -> Iterator[tuple[int, object]]:
         try:
             record = json.loads(text)
         except json.JSONDecodeError as err:
-            yield number, RecordIssue(str(source.path), number, "malformed_json", f"malformed JSON: {err.msg} at column {err.colno}")
+            yield (
+                number,
+                RecordIssue(
+                    str(source.path), number, "malformed_json", f"malformed JSON: {err.msg} at column {err.colno}"
+                ),
+            )
             continue
         if not isinstance(record, dict):
             yield number, RecordIssue(str(source.path), number, "not_an_object",

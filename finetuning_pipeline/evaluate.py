@@ -23,8 +23,8 @@ from dataset.loader import open_prepared
 from dataset.manifest import is_packed, tokenizer_fingerprint
 from dataset.shards import open_split
 from finetuning_pipeline.errors import run_command
-from finetuning_pipeline.evaluation import describe_eval, evaluate_loss
-from finetuning_pipeline.model_loading import load_model
+from finetuning_pipeline.model.loading import load_model
+from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss
 from utils.cli_types import non_negative_int, positive_int
 from utils.hub_models import resolve_model
 from utils.tokenizer_loading import load_tokenizer
@@ -73,7 +73,9 @@ def evaluate(argv: list[str] | None) -> int:
     parser.add_argument("--data", required=True, help="a directory written by `python -m dataset.prepare`")
     parser.add_argument("--split", default="eval", choices=("eval", "train"))
     parser.add_argument("--micro-batch", type=positive_int, default=4, help="sequences per batch (default 4)")
-    parser.add_argument("--samples", type=non_negative_int, default=3, help="chat samples to generate (phase-2 data only)")
+    parser.add_argument(
+        "--samples", type=non_negative_int, default=3, help="chat samples to generate (phase-2 data only)"
+    )
     parser.add_argument("--max-new-tokens", type=positive_int, default=48)
     parser.add_argument("--device", choices=("cpu", "xla"), default="cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -89,16 +91,28 @@ def evaluate(argv: list[str] | None) -> int:
     else:
         device = torch.device("cpu")
     model.to(device)
-    result = evaluate_loss(model, args.data, micro_batch=args.micro_batch, pad_id=manifest["tokenizer"]["pad_id"],
-                           packed=is_packed(manifest), device=device, split=args.split)
+    result = evaluate_loss(
+        model,
+        args.data,
+        micro_batch=args.micro_batch,
+        pad_id=manifest["tokenizer"]["pad_id"],
+        packed=is_packed(manifest),
+        device=device,
+        split=args.split,
+    )
     if manifest["phase"] == 2 and args.samples > 0:
-        result["samples"] = chat_samples(model.to("cpu"), tokenizer, args.data, args.split, args.samples, args.max_new_tokens)
+        result["samples"] = chat_samples(
+            model.to("cpu"), tokenizer, args.data, args.split, args.samples, args.max_new_tokens
+        )
     if args.json:
         print(json.dumps(result, ensure_ascii=False, indent=2))
         return 0
     print(f"{args.split}: {describe_eval(result)}")
     for sample in result.get("samples", []):
-        print(f"\n--- prompt ---\n{sample['prompt']}\n--- reference ---\n{sample['reference']}\n--- generated ---\n{sample['generated']}")
+        print(
+            f"\n--- prompt ---\n{sample['prompt']}\n--- reference ---\n{sample['reference']}"
+            f"\n--- generated ---\n{sample['generated']}"
+        )
     return 0
 
 

@@ -14,42 +14,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
-import torch
 
 from finetuning_pipeline.errors import run_command
-from finetuning_pipeline.model_loading import DTYPES as MODEL_DTYPES
-from finetuning_pipeline.model_loading import load_model
-from utils.output_guard import claim_output, mark_written_by, staged_directory
+from finetuning_pipeline.model.merged_export import DTYPES, export_merged
 from utils.hub_models import resolve_model
-from utils.tokenizer_loading import load_tokenizer
-
-DTYPES = {"auto": None, **MODEL_DTYPES}
-COMMAND = "finetuning_pipeline.export"
-
-
-def export_merged(base: str, adapters: list[str], out: str, dtype: str = "auto", tokenizer: str | None = None,
-                  force: bool = False) -> Path:
-    """Merge `adapters` (in order) into `base` and save to `out`; returns `out`. An existing
-    `out` is replaced only with force, and only when an earlier export wrote it; `out` may not
-    overlap the base, an adapter or the tokenizer."""
-    out_path = Path(out)
-    inputs = {"--base": base, "--tokenizer": tokenizer, **{f"--adapter {a}": a for a in adapters}}
-    claim_output(out_path, force=force, command=COMMAND, inputs=inputs)
-    loaded_tokenizer = load_tokenizer(tokenizer or base, "--tokenizer" if tokenizer else "--base")
-    # Merge in fp32 (each W0 + s B A is rounded once, into the output dtype, at save time).
-    model, _ = load_model(base, adapters, torch.float32)
-    model.config.use_cache = True  # the exported model is for inference
-    saved_dtype = DTYPES[dtype] or getattr(model.config, "dtype", None) or torch.float32
-    if isinstance(saved_dtype, str):
-        saved_dtype = getattr(torch, saved_dtype)
-    model.to(saved_dtype)
-    with staged_directory(out_path) as staging:
-        model.save_pretrained(staging)
-        loaded_tokenizer.save_pretrained(staging)
-        mark_written_by(staging, COMMAND)
-    return out_path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
 def export_command(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="the base: a Hugging Face model directory or a Hub id")
-    parser.add_argument("--adapter", action="append", required=True, help="adapter directory (repeat to stack, in order)")
+    parser.add_argument(
+        "--adapter", action="append", required=True, help="adapter directory (repeat to stack, in order)"
+    )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto", help="saved dtype (default: the base's)")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: --base)")

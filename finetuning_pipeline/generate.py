@@ -14,7 +14,7 @@ import sys
 import torch
 
 from finetuning_pipeline.errors import run_command
-from finetuning_pipeline.model_loading import load_model
+from finetuning_pipeline.model.loading import load_model
 from utils.cli_types import non_negative_float, positive_int
 from utils.hub_models import resolve_model
 from utils.tokenizer_loading import load_tokenizer
@@ -53,7 +53,17 @@ def generate_command(argv: list[str] | None) -> int:
     parser.add_argument("--max-new-tokens", type=positive_int, default=64)
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 (default): greedy")
     args = parser.parse_args(argv)
-    print(generate(resolve_model(args.model).local_dir, args.prompt, args.adapter, args.max_new_tokens, args.plain, args.temperature, args.system))
+    print(
+        generate(
+            resolve_model(args.model).local_dir,
+            args.prompt,
+            args.adapter,
+            args.max_new_tokens,
+            args.plain,
+            args.temperature,
+            args.system,
+        )
+    )
     return 0
 
 

@@ -11,7 +11,7 @@ checkpoints/, metrics.jsonl, summary.json; the run writes output_dir/loss.png.
 Without --config, the config named by $TPU_LORA_CONFIG, else the embedded default (the demo's,
 with its paths under the repository wherever the command is started from; its tiny model and
 data are built first if missing). On a TPU the replicas are started the TPU host's way
-(launch.py: a process per chip, a replica thread per device); `parallel.launcher=tpu` takes
+(run/launch.py: a process per chip, a replica thread per device); `parallel.launcher=tpu` takes
 that same path on a CPU. On a CPU the world is otherwise one replica, run in this process, or
 N replicas started by `PJRT_DEVICE=CPU torchrun --standalone --nproc-per-node N
 finetuning_pipeline/main.py ...` (they talk through gloo on the loopback: collectives.py).
@@ -34,14 +34,15 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: python finetuning_pipeline/main.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetuning_pipeline.checkpointing import complete_checkpoints  # noqa: E402
-from finetuning_pipeline.collectives import launch_rank, torchrun_world  # noqa: E402
-from finetuning_pipeline.config import RunConfig, load_config  # noqa: E402
-from finetuning_pipeline.errors import ConfigError, OutputWriteError, run_command  # noqa: E402
-from finetuning_pipeline.resume_plan import PhasePlan, check_resumable, plan_phases  # noqa: E402
-from finetuning_pipeline.run_layout import OutputLock, RunLayout  # noqa: E402
-from finetuning_pipeline.stop_signal import WallClockBudget, parse_duration  # noqa: E402
-from utils.hub_models import model_dir, resolve_model  # noqa: E402
+from finetuning_pipeline.errors import ConfigError, OutputWriteError, run_command
+from finetuning_pipeline.run.checkpointing import complete_checkpoints
+from finetuning_pipeline.run.collectives import launch_rank, torchrun_world
+from finetuning_pipeline.run.input_checks import check_inputs, pin_model
+from finetuning_pipeline.run.resume_plan import PhasePlan, check_resumable, plan_phases
+from finetuning_pipeline.run.run_layout import OutputLock, RunLayout
+from finetuning_pipeline.run.stop_signal import WallClockBudget
+from finetuning_pipeline.run_config import RunConfig, load_config
+from utils.durations import parse_duration
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -72,96 +73,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def preflight_checks(config: RunConfig, phases: list[int]) -> None:
-    """Everything that can fail before a device is touched; raises ConfigError / DataError /
-    HubModelError."""
-    from transformers import AutoConfig
-
-    from dataset.loader import open_prepared
-    from dataset.manifest import tokenizer_fingerprint
-    from finetuning_pipeline.attention_masks import mask_windows
-    from finetuning_pipeline.chunked_loss import resolve_chunk_tokens
-    from finetuning_pipeline.kernel_attention import choose_attention
-    from finetuning_pipeline.model_loading import check_lora_targets
-    from utils.tokenizer_loading import load_tokenizer
-    from utils.xla_runtime import device_kind
-
-    files = Path(model_dir(config.model.path, config.model.revision))  # a Hub id: its snapshot, pinned by pin_model
-    if not (files / "config.json").is_file():
-        raise ConfigError(f"model.path: {files} has no config.json (a local Hugging Face model directory or a "
-                          "Hub id is expected)")
-    model_config = AutoConfig.from_pretrained(files)
-    try:
-        resolve_chunk_tokens(config.train.loss_chunk_tokens, model_config)
-        mask_windows(model_config)
-        choose_attention(config.model.attention, model_config, on_tpu=device_kind() == "TPU",
-                         spmd_mesh=config.parallel.mode == "fsdp")
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    tokenizer = load_tokenizer(config.model.tokenizer or files,
-                               "model.tokenizer" if config.model.tokenizer else "model.path")
-    fingerprint = tokenizer_fingerprint(tokenizer)
-    max_positions = getattr(model_config, "max_position_embeddings", None)
-    for phase in phases:
-        key = f"phase{phase}.data"
-        data = config.phase(phase).data
-        if not data:
-            raise ConfigError(f"{key}: not set (a directory written by `python -m dataset.prepare`)")
-        if not Path(data).is_dir():
-            raise ConfigError(f"{key}: {data} does not exist; run `python -m dataset.prepare ... --out {data}` first")
-        manifest = open_prepared(data, fingerprint=fingerprint, seq_len=config.phase(phase).seq_len,
-                                 setting=f"phase{phase}.seq_len")
-        if manifest["phase"] != phase:
-            raise ConfigError(f"{key}: {data} was prepared as phase {manifest['phase']} data, not phase {phase}")
-        if max_positions is not None and manifest["seq_len"] > max_positions:
-            raise ConfigError(
-                f"{key}: seq_len {manifest['seq_len']} exceeds the model's max_position_embeddings {max_positions}"
-            )
-        if manifest["counts"]["train"] < 1:
-            raise ConfigError(f"{key}: {data} has no training blocks")
-    if 1 in phases or (2 in phases and config.phase2.init != "continue"):
-        try:  # phase 2 `continue` trains the phase-1 adapter, with its own targets
-            check_lora_targets(model_config, config.lora_config())
-        except ValueError as err:
-            raise ConfigError(f"lora.target_modules: {err}") from None
-    if 2 in phases and 1 not in phases and config.phase2.init != "fresh":
-        adapter = RunLayout(config.output_dir).adapter(1)
-        if not (adapter / "adapter_config.json").is_file():
-            raise ConfigError(f"phase2.init={config.phase2.init} needs the phase-1 adapter ({adapter}); "
-                              "run phase 1 first, or set phase2.init=fresh")
-    if config.logging.wandb.project:
-        from finetuning_pipeline.wandb_log import check_wandb_available
-
-        try:
-            check_wandb_available()
-        except ImportError as err:
-            raise ConfigError(str(err)) from None
-    inputs = {"model.path": str(files), "model.tokenizer": config.model.tokenizer,
-              "phase1.data": config.phase1.data, "phase2.data": config.phase2.data}
-    RunLayout(config.output_dir).check_apart_from(inputs)
-    probe_output_dir(config.output_dir)
-
-
-def pin_model(config: RunConfig) -> None:
-    """A Hub id in model.path is downloaded now, once, and pinned to the commit it resolves to
-    (config.model.revision): every replica loads those files, and the checkpoints and the
-    summary record the commit, so a resume cannot silently train on other weights. A Hub id
-    that cannot be resolved is a HubModelError (exit 2, errors.py)."""
-    config.model.revision = resolve_model(config.model.path, config.model.revision).commit
-
-
-def probe_output_dir(output_dir: str) -> None:
-    """Fail now, not at the first checkpoint, if the outputs cannot be written."""
-    path = Path(output_dir)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-probe-{os.getpid()}"
-        probe.write_bytes(b"ok")
-        probe.unlink()
-    except OSError as err:
-        raise ConfigError(f"output_dir: cannot write to {path} ({err.strerror}); choose another output_dir") from None
-
-
 @contextlib.contextmanager
 def output_dir_lock(layout: RunLayout, parallel):
     """The master holds output_dir's lock for the run; every replica learns whether it got it."""
@@ -190,9 +101,9 @@ def run_replica(config: RunConfig, plans: list[PhasePlan], resume_command: str, 
     """Entry point of each replica (one per chip under dp, one per host under fsdp), on the
     main thread of its process or on a launcher's worker thread. Every replica runs the same
     phases and stops after the same one."""
-    from finetuning_pipeline.host_agreement import check_hosts_agree
-    from finetuning_pipeline.parallel import start
-    from finetuning_pipeline.stop_signal import StopOnSignal
+    from finetuning_pipeline.run.host_agreement import check_hosts_agree
+    from finetuning_pipeline.run.parallel import start
+    from finetuning_pipeline.run.stop_signal import StopOnSignal
 
     parallel, device = start(config.parallel.mode, (config.parallel.mesh.data, config.parallel.mesh.fsdp),
                              config.parallel.host_timeout_s)
@@ -221,7 +132,7 @@ def run_replica(config: RunConfig, plans: list[PhasePlan], resume_command: str, 
 def run_one_phase(config: RunConfig, plan: PhasePlan, parallel, device, stop, layout: RunLayout):
     """run_phase, with a file-system error named for the user (metrics, TensorBoard, adapter,
     summary, data shards; checkpoints vote on theirs)."""
-    from finetuning_pipeline.trainer import run_phase
+    from finetuning_pipeline.train.phase_loop import run_phase
 
     try:
         return run_phase(config, plan.phase, parallel=parallel, device=device, resume_from=plan.resume_from,
@@ -245,7 +156,8 @@ def format_summary(summary: dict) -> str:
         evaluation = (f"eval loss {summary['eval_loss_before']:.4f} -> {summary['eval_loss_after']:.4f} (perplexity "
                       f"{summary['perplexity_before']:.1f} -> {summary['perplexity_after']:.1f})")
     return (
-        f"phase {summary['phase']}: {summary['steps']} steps, {evaluation}, {summary['tokens_per_sec'] or 0:,.0f} tokens/s, "
+        f"phase {summary['phase']}: {summary['steps']} steps, {evaluation}, "
+        f"{summary['tokens_per_sec'] or 0:,.0f} tokens/s, "
         f"compiles {summary['compiles_total']} ({summary['compiles_after_warmup']} after warm-up), "
         f"host syncs/step {summary['host_syncs_per_step']}"
     )
@@ -262,7 +174,7 @@ def train(argv: list[str] | None) -> int:
     config_path, overrides = choose_config(args.config, args.overrides, phases)
     config = load_config(config_path, overrides)
     pin_model(config)
-    preflight_checks(config, phases)
+    check_inputs(config, phases)
     plans = plan_phases(config, phases, args.resume, args.force)
     check_resumable(config, plans, args.accept_changes)
     budget = WallClockBudget(parse_duration(config.train.max_wall_time) if config.train.max_wall_time else None,
@@ -274,7 +186,7 @@ def train(argv: list[str] | None) -> int:
                                      "--phase", args.phase, "--resume", "auto", *args.overrides])
         start_replicas(config, (config, plans, resume_command, budget))
     if launch_rank() == 0:
-        from finetuning_pipeline.metrics_log import plot_losses
+        from finetuning_pipeline.monitor.metrics_log import plot_losses
 
         plot = plot_losses(config.output_dir)
         if plot is not None:
@@ -283,9 +195,9 @@ def train(argv: list[str] | None) -> int:
 
 
 def start_replicas(config: RunConfig, args: tuple) -> None:
-    """run_replica on every replica of this host, started as parallel.launcher says (launch.py)."""
-    from finetuning_pipeline.launch import apply_single_chip, launch_replicas, resolve_launcher
-    from finetuning_pipeline.parallel import use_compile_cache
+    """run_replica on every replica of this host, started as parallel.launcher says (run/launch.py)."""
+    from finetuning_pipeline.run.launch import apply_single_chip, launch_replicas, resolve_launcher
+    from finetuning_pipeline.run.parallel import use_compile_cache
     from utils.xla_runtime import device_kind
 
     kind = device_kind()
@@ -312,7 +224,7 @@ def choose_config(given: str | None, overrides: list[str], phases: list[int] = (
     if os.environ.get(CONFIG_ENV):
         print(f"config: {os.environ[CONFIG_ENV]} (from ${CONFIG_ENV})", flush=True)
         return Path(os.environ[CONFIG_ENV]), overrides
-    from finetuning_pipeline.demo_inputs import DEMO_CONFIG, REPO, anchored_paths, ensure_demo_inputs
+    from finetuning_pipeline.demo.inputs import DEMO_CONFIG, REPO, anchored_paths, ensure_demo_inputs
 
     print(f"config: {DEMO_CONFIG} (the embedded default: no --config given and ${CONFIG_ENV} unset)", flush=True)
     anchored = anchored_paths(DEMO_CONFIG, REPO)

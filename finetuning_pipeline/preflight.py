@@ -10,7 +10,7 @@
 2. Plan, for tpu.type and parallel.mode: HBM per chip against its capacity, FLOPs per step,
    step time and tokens/s at tpu.assumed_mfu, compile time (tpu.compile_s_per_layer), wall time
    and TPU-hours per phase (compiles included), and when it
-   does not fit, the overrides that make it fit (finetuning_pipeline/plan.py has the model).
+   does not fit, the overrides that make it fit (finetuning_pipeline/planning/tpu_plan.py has the model).
 3. Rehearsal (skip with --no-rehearsal): the real trainer on XLA:CPU with a shrunken model of
    the same architecture (2 layers, hidden 64) under the same LoRA, parallel mode and
    checkpointing settings: a few steps of each phase with the recompile guard on, a
@@ -24,38 +24,32 @@ the plan fits; 1 a check failed or the plan does not fit; 2 a bad config.
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import math
 import os
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dataset.errors import DataError  # noqa: E402
-from dataset.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
-from finetuning_pipeline.config import ConfigError, RunConfig, load_config  # noqa: E402
-from finetuning_pipeline.chunked_loss import resolve_chunk_tokens  # noqa: E402
-from finetuning_pipeline.kernel_attention import choose_attention  # noqa: E402
-from finetuning_pipeline.model_loading import check_lora_targets  # noqa: E402
-from finetuning_pipeline.parallel import mesh_shape  # noqa: E402
-from finetuning_pipeline.plan import ModelShape, PlanInputs, mode_advice, plan, suggestions  # noqa: E402
-from finetuning_pipeline.run_layout import RunLayout  # noqa: E402
-from finetuning_pipeline.scan_choice import scan_decision  # noqa: E402
-from finetuning_pipeline.stop_signal import parse_duration  # noqa: E402
-from finetuning_pipeline.tpu_chips import parse_tpu_type  # noqa: E402
-from utils.atomic_io import atomic_write_json  # noqa: E402
-from utils.hub_models import HubModelError, hub_cache, is_hub_id, model_dir, offline  # noqa: E402
+from dataset.errors import DataError
+from dataset.manifest import MANIFEST_NAME, read_manifest
+from finetuning_pipeline.model.chunked_loss import resolve_chunk_tokens
+from finetuning_pipeline.model.kernel_attention import choose_attention
+from finetuning_pipeline.model.loading import check_lora_targets
+from finetuning_pipeline.model.scan_choice import scan_decision
+from finetuning_pipeline.planning.rehearsal import rehearse
+from finetuning_pipeline.planning.tpu_chips import parse_tpu_type
+from finetuning_pipeline.planning.tpu_plan import ModelShape, PlanInputs, mode_advice, plan, suggestions
+from finetuning_pipeline.run.parallel import mesh_shape
+from finetuning_pipeline.run.run_layout import RunLayout
+from finetuning_pipeline.run_config import ConfigError, RunConfig, load_config
+from utils.atomic_io import atomic_write_json
+from utils.durations import parse_duration
+from utils.hub_models import HubModelError, hub_cache, is_hub_id, model_dir, offline
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"
 ROOT = Path(__file__).resolve().parent.parent
-REHEARSAL_STEPS = 4
-REHEARSAL_CHIPS = 4  # virtual XLA:CPU devices of an fsdp rehearsal
 
 
 def architecture_source(model_path: str, revision: str | None = None) -> Path:
@@ -121,7 +115,7 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
             raise ConfigError(f"{err} (tpu.type={config.tpu.type})") from None
     return PlanInputs(mode=mode or config.parallel.mode, dtype=config.model.dtype, micro_batch=config.train.micro_batch,
                       grad_accum=config.train.grad_accum, seq_len=seq_len_of(config, phase),
-                      checkpointing=config.model.gradient_checkpointing, lora_r=config.lora.r,
+                      checkpointing=config.model.activation_checkpointing, lora_r=config.lora.r,
                       lora_targets=list(config.lora.target_modules), lora_dropout=config.lora.dropout,
                       assumed_mfu=config.tpu.assumed_mfu, steps=config.max_steps(phase), fsdp_axis=fsdp_axis,
                       loss_chunk=loss_chunk, attention=attention, compile_s_per_layer=config.tpu.compile_s_per_layer,
@@ -179,141 +173,11 @@ def make_plan(config: RunConfig, model_config) -> dict:
 
 
 # -- the rehearsal ---------------------------------------------------------------------------
-def shrunken_config(model_config, vocab_size: int):
-    """The same architecture, 2 layers of width 64, same GQA grouping, for a CPU rehearsal."""
-    small = copy.deepcopy(model_config)
-    heads = 4
-    kv = max(1, heads * getattr(model_config, "num_key_value_heads", model_config.num_attention_heads)
-             // model_config.num_attention_heads)
-    small.num_hidden_layers, small.hidden_size, small.intermediate_size = 2, 64, 128
-    small.num_attention_heads, small.num_key_value_heads, small.head_dim = heads, kv, 16
-    small.vocab_size = vocab_size
-    if getattr(small, "layer_types", None):  # one layer of each attention kind (hybrid models)
-        small.layer_types = (sorted(set(model_config.layer_types)) * 2)[:2]
-    if hasattr(small, "query_pre_attn_scalar"):
-        small.query_pre_attn_scalar = 16
-    return small
-
-
-def run_trainer(config_path: Path, args: list[str], mode: str, log: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONUNBUFFERED": "1"}
-    if mode == "fsdp":
-        env["CPU_NUM_DEVICES"] = str(REHEARSAL_CHIPS)
-    proc = subprocess.run([sys.executable, str(ROOT / "finetuning_pipeline" / "main.py"), "--config", str(config_path),
-                           *args], capture_output=True, text=True, env=env, cwd=ROOT)
-    with log.open("a") as f:
-        f.write(f"$ main.py --config {config_path} {' '.join(args)}\n{proc.stdout}{proc.stderr}\n")
-    return proc
-
-
-def rehearsal_data(config: RunConfig, phases: list[int], root: Path, data_ready: bool) -> tuple[dict, Path, str]:
-    """(phase -> data dir, tokenizer dir, description): the prepared data when it checked out,
-    else the bundled samples under the demo's tokenizer."""
-    if data_ready:
-        tokenizer = Path(config.model.tokenizer or model_dir(config.model.path, config.model.revision))
-        return {p: Path(config.phase(p).data) for p in phases}, tokenizer, "prepared data (phaseN.data)"
-    from dataset import prepare
-    from dataset.samples import ALPACA, CHAT_QA, DOMAIN_TEXT
-    from finetuning_pipeline.tiny_model import write_tiny_model
-
-    tokenizer = write_tiny_model(root / "tokenizer")
-    inputs = {1: [DOMAIN_TEXT], 2: [CHAT_QA, ALPACA]}
-    data = {}
-    for phase in phases:
-        data[phase] = root / f"data{phase}"
-        args = ["--tokenizer", str(tokenizer), "--seq-len", "128", "--out", str(data[phase]), "--quiet"]
-        for path in inputs[phase]:
-            args += ["--input", str(path)]
-        if prepare.main(args) != 0:
-            raise RuntimeError("preparing the bundled samples failed")
-    return data, tokenizer, "bundled samples at seq_len 128 (phaseN.data is not prepared yet)"
-
-
-def rehearse(config: RunConfig, model_config, root: Path, data_ready: bool) -> dict:
-    """Train, checkpoint, resume and export a shrunken model through the real entry points."""
-    import yaml
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    phases = phases_of(config)
-    started = time.perf_counter()
-    data, tokenizer_dir, data_note = rehearsal_data(config, phases, root, data_ready)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    vocab = model_config.vocab_size if data_ready else len(tokenizer)
-    model = AutoModelForCausalLM.from_config(shrunken_config(model_config, vocab))
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-
-    run = config.to_dict()
-    run["output_dir"] = str(root / "run")
-    run["model"].update(path=str(root / "model"), tokenizer=None, dtype="float32")
-    # The 2-layer model runs its layers the way the real one will (scanned or not: unset would
-    # decide by its own depth).
-    run["train"].update(max_steps=REHEARSAL_STEPS, micro_batch=1, grad_accum=min(config.train.grad_accum, 2),
-                        warmup_steps=2, warmup_compiles_steps=1, recompile_policy="error",
-                        scan_layers=layers_scanned(config, model_config))
-    run["eval"].update(every=0, max_batches=1, micro_batch=None)
-    run["checkpoint"].update(every=2, keep=REHEARSAL_STEPS)
-    run["logging"].update(every=1, progress_bar=False, tensorboard=False)
-    # The rehearsal's CPU devices are fewer than the slice's chips: keep the mesh's kind only
-    # (pure data parallelism, or the base sharded over every chip).
-    run["parallel"]["mesh"] = {"data": -1, "fsdp": 1} if config.parallel.mesh.fsdp == 1 else {"data": 1, "fsdp": -1}
-    for phase in (1, 2):
-        run[f"phase{phase}"].update(data=str(data[phase]) if phase in data else "", max_steps=None, seq_len=None)
-    config_path = root / "rehearsal.yaml"
-    config_path.write_text(yaml.safe_dump(run))
-    log = root / "rehearsal.log"
-    mode = config.parallel.mode
-    steps = {"data": data_note, "architecture": type(model).__name__, "log": str(log)}
-
-    proc = run_trainer(config_path, ["--resume", "never", "--force"], mode, log)
-    if proc.returncode != 0:
-        return {**steps, "passed": False, "failed_at": "training", "detail": (proc.stdout + proc.stderr)[-3000:]}
-    out = RunLayout(root / "run")
-    summaries = {p: json.loads(out.summary(p).read_text()) for p in phases}
-    steps["phases"] = {f"phase{p}": {k: s[k] for k in ("steps", "compiles_total", "compiles_after_warmup",
-                                                         "host_syncs_per_step", "eval_loss_before", "eval_loss_after",
-                                                         "scanned_layers")}
-                       for p, s in summaries.items()}
-
-    first = phases[0]
-    adapter_file = out.adapter(first) / "adapter_model.safetensors"
-    uninterrupted = load_file(adapter_file)
-    checkpoint = out.checkpoints(first) / "step_00000002"
-    proc = run_trainer(config_path, ["--phase", str(first), "--resume", str(checkpoint)], mode, log)
-    if proc.returncode != 0:
-        return {**steps, "passed": False, "failed_at": "resume", "detail": (proc.stdout + proc.stderr)[-3000:]}
-    resumed = load_file(adapter_file)
-    identical = uninterrupted.keys() == resumed.keys() and all((uninterrupted[k] == resumed[k]).all() for k in resumed)
-    steps["resume_bitwise_identical"] = bool(identical)
-    if not identical:
-        return {**steps, "passed": False, "failed_at": "resume", "detail": "the resumed adapter differs"}
-
-    from finetuning_pipeline.export import export_merged
-
-    adapters = [str(out.adapter(1))] if 1 in phases else []
-    if 2 in phases and (config.phase2.init == "merge" or not adapters):
-        adapters.append(str(out.adapter(2)))
-    elif 2 in phases:
-        adapters = [str(out.adapter(2))]  # continue: phase 2's adapter carries phase 1's training
-    merged = export_merged(str(root / "model"), adapters, str(root / "merged"))
-    AutoModelForCausalLM.from_pretrained(merged)  # plain transformers, no project code
-    steps["export"] = str(merged)
-    recompiles = sum(s["compiles_after_warmup"] for s in summaries.values())
-    steps["passed"] = recompiles == 0
-    if recompiles:
-        steps["failed_at"], steps["detail"] = "recompile guard", f"{recompiles} compiles after warm-up"
-    steps["seconds"] = round(time.perf_counter() - started, 1)
-    return steps
-
-
 # -- the command -----------------------------------------------------------------------------
 def check_data(config: RunConfig) -> dict:
     """The trainer's own start-up checks (shards against the tokenizer, seq_len, phases), when
     the model's tokenizer and the data are on disk."""
-    from finetuning_pipeline.main import preflight_checks
+    from finetuning_pipeline.run.input_checks import check_inputs
 
     phases = phases_of(config)
     try:
@@ -326,7 +190,7 @@ def check_data(config: RunConfig) -> dict:
         return {"status": "skipped", "detail": f"not on disk yet: {', '.join(missing)}; run preflight again once "
                 "the model is downloaded and the data prepared"}
     try:
-        preflight_checks(config, phases)
+        check_inputs(config, phases)
     except (ConfigError, DataError, HubModelError) as err:
         return {"status": "failed", "detail": str(err)}
     return {"status": "passed", "detail": f"tokenizer fingerprint and seq_len match for phases {phases}"}
@@ -339,14 +203,16 @@ def format_report(report: dict) -> str:
         lines.append(f"  {check['status']:>7}  {name}: {check.get('detail', '')}")
     for name, phase in p["phases"].items():
         b = phase["hbm_breakdown_gib"]
+        scanned = phase["inputs"]["scanned_layers"]
+        compile_setting = "layers scanned: tpu.compile_s_scanned" if scanned else "tpu.compile_s_per_layer"
         lines.append(
             f"  {name}: HBM {phase['hbm_per_chip_gib']:.1f} of {phase['hbm_capacity_gib']:.1f} GiB per chip "
             f"({'fits' if phase['fits'] else 'DOES NOT FIT'}; weights {b['weights']}, LoRA+optimizer "
             f"{b['lora_and_optimizer']}, activations {b['activations']}, logits {b['logits']}), "
             f"{phase['step_time_s']:.2f} s/step, {phase['tokens_per_sec']:,.0f} tokens/s at MFU {p['assumed_mfu']}, "
-            f"compile ~{phase['compile_s']:.0f} s a session ("
-            f"{'layers scanned: tpu.compile_s_scanned' if phase['inputs']['scanned_layers'] else 'tpu.compile_s_per_layer'}), "
-            f"{phase['tpu_hours']:.2f} TPU-hours with compiles ({phase['chip_hours']:.1f} chip-hours)")
+            f"compile ~{phase['compile_s']:.0f} s a session ({compile_setting}), "
+            f"{phase['tpu_hours']:.2f} TPU-hours with compiles ({phase['chip_hours']:.1f} chip-hours)"
+        )
         for fix in phase.get("to_fit", [])[:3]:
             overrides = " ".join(f"{k}={v}" for k, v in fix["overrides"].items())
             lines.append(f"      to fit: {overrides}  ({fix['hbm_per_chip_gib']} GiB, {fix['step_time_s']} s/step)")
@@ -392,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     elif checks["lora_targets"]["status"] == "failed" or checks["data"]["status"] == "failed":
         checks["rehearsal"] = {"status": "skipped", "detail": "a check above failed"}
     else:
-        result = rehearse(config, model_config, output_dir / "preflight_rehearsal", checks["data"]["status"] == "passed")
+        result = rehearse(config, model_config, output_dir / "preflight_rehearsal",
+                          checks["data"]["status"] == "passed", phases=phases_of(config),
+                          scan_layers=layers_scanned(config, model_config))
         checks["rehearsal"] = {"status": "passed" if result["passed"] else "failed",
                                "detail": f"{result.get('architecture')}: {result.get('data')}; "
                                + ("train, checkpoint, bitwise resume, export: ok" if result["passed"]

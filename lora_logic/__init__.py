@@ -1,34 +1,31 @@
 """A hand-written LoRA for Hugging Face causal LMs: y = W0 x + (alpha/r) B A x.
 
 No PEFT dependency; adapters are written in PEFT's layout so PEFT and vLLM load them.
+
+Each name is imported from its module when first used, so `lora_logic.config` (the LoraConfig
+the run config's schema is built on) can be read without importing torch.
 """
 
-from lora_logic.adapter_io import load_adapter, read_adapter_config, save_adapter
-from lora_logic.config import DEFAULT_TARGET_MODULES, LoraConfig, lora_scaling
-from lora_logic.inject import (inject_lora, lora_modules, lora_parameters, lora_state_dict, matches_target,
-                               per_layer_lora, stacked_lora)
-from lora_logic.layer import LoRALinear
-from lora_logic.layer_scan import ScannedLayers, scan_decoder_layers
-from lora_logic.merge import merge_and_unload, merge_lora, unmerge_lora
+import importlib
 
-__all__ = [
-    "DEFAULT_TARGET_MODULES",
-    "LoRALinear",
-    "LoraConfig",
-    "ScannedLayers",
-    "inject_lora",
-    "load_adapter",
-    "lora_modules",
-    "lora_parameters",
-    "lora_scaling",
-    "lora_state_dict",
-    "matches_target",
-    "merge_and_unload",
-    "merge_lora",
-    "per_layer_lora",
-    "read_adapter_config",
-    "save_adapter",
-    "scan_decoder_layers",
-    "stacked_lora",
-    "unmerge_lora",
-]
+_MODULE_OF = {
+    "load_adapter": "adapter_io", "read_adapter_config": "adapter_io", "save_adapter": "adapter_io",
+    "DEFAULT_TARGET_MODULES": "config", "LoraConfig": "config", "lora_scaling": "config",
+    "inject_lora": "inject", "lora_modules": "inject", "lora_parameters": "inject", "lora_state_dict": "inject",
+    "matches_target": "inject",
+    "LoRALinear": "layer",
+    "ScannedLayers": "layer_scan", "per_layer_lora": "layer_scan", "scan_decoder_layers": "layer_scan",
+    "stacked_lora": "layer_scan",
+    "merge_and_unload": "merge", "merge_lora": "merge", "unmerge_lora": "merge",
+}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'lora_logic' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"lora_logic.{_MODULE_OF[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

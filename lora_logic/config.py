@@ -46,7 +46,11 @@ class LoraConfig:
             raise ValueError(f"lora.r must be a positive integer, got {self.r!r}")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
             raise ValueError(f"lora.alpha must be a positive number, got {self.alpha!r}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+        if (
+            isinstance(self.dropout, bool)
+            or not isinstance(self.dropout, (int, float))
+            or not 0.0 <= self.dropout < 1.0
+        ):
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
         if isinstance(self.target_modules, str):
             # A lone string is a common YAML slip ("target_modules: q_proj"); accept it as one name.

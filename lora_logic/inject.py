@@ -100,38 +100,3 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         elif isinstance(module, ScannedLayers):
             state.update(module.lora_state_dict(name))
     return state
-
-
-def _lora_groups(model: nn.Module) -> Iterator[tuple[int, int | None]]:
-    """(tensors in lora_parameters, layers stacked in each or None) per LoRA owner, in order."""
-    for _, module in model.named_modules():
-        if isinstance(module, LoRALinear):
-            yield 2, None
-        elif isinstance(module, ScannedLayers):
-            yield len(module.lora_names), module.count
-
-
-def per_layer_lora(model: nn.Module, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Tensors laid out as `lora_parameters(model)` (an optimizer's moments) -> one per LoRA
-    weight of the unscanned model, in `lora_state_dict` order: each stack of scanned layers
-    split into its layers. What a checkpoint stores, so it resumes with the layers scanned or not."""
-    out, start = [], 0
-    for width, layers in _lora_groups(model):
-        group, start = tensors[start:start + width], start + width
-        out += group if layers is None else [stack[layer] for layer in range(layers) for stack in group]
-    if start != len(tensors):
-        raise ValueError(f"{len(tensors)} tensors for the model's {start} LoRA parameters")
-    return out
-
-
-def stacked_lora(model: nn.Module, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The inverse of `per_layer_lora`: one tensor per LoRA weight of the unscanned model ->
-    laid out as `lora_parameters(model)`, scanned layers' weights stacked."""
-    out, start = [], 0
-    for width, layers in _lora_groups(model):
-        count = width * (layers or 1)
-        group, start = tensors[start:start + count], start + count
-        out += group if layers is None else [torch.stack(group[i::width]) for i in range(width)]
-    if start != len(tensors):
-        raise ValueError(f"{len(tensors)} tensors for the model's {start} LoRA weights")
-    return out

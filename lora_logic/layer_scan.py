@@ -22,6 +22,8 @@ setting). LoRA dropout keeps one mask per layer: each layer's salt is stacked wi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -34,11 +36,13 @@ _PER_LAYER_ATTRIBUTES = {"layer_idx", "salt"}
 _UNSCANNED = "run this model's layers unscanned (train.scan_layers=false; without scan_decoder_layers)"
 
 
-def scan_decoder_layers(model: nn.Module, remat: bool = False) -> "ScannedLayers":
+def scan_decoder_layers(model: nn.Module, activation_checkpointing: bool = False) -> "ScannedLayers":
     """Replace the decoder layers of a Hugging Face causal LM (`model.get_decoder().layers`) by
-    a `ScannedLayers`, in place; returns it. remat: recompute each layer's activations in the
+    a `ScannedLayers`, in place; returns it. activation_checkpointing: recompute each layer's activations in the
     backward (activation checkpointing, inside the loop) instead of keeping them."""
-    scanned = ScannedLayers(_decoder_layers(model), remat=remat)  # (which checks them)
+    scanned = ScannedLayers(
+        _decoder_layers(model), activation_checkpointing=activation_checkpointing
+    )  # (which checks them)
     model.get_decoder().layers = scanned
     return scanned
 
@@ -61,12 +65,12 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
 class ScannedLayers(nn.Module):
     """The stacked weights of identical layers, and the stand-ins the model's loop calls."""
 
-    def __init__(self, layers: nn.ModuleList, remat: bool = False) -> None:
+    def __init__(self, layers: nn.ModuleList, activation_checkpointing: bool = False) -> None:
         super().__init__()
         check_identical(layers)
         template = layers[0]
         self.count = len(layers)
-        self.remat = remat
+        self.activation_checkpointing = activation_checkpointing
         # Template name -> registered name (module attribute names cannot hold dots).
         self.keys = {name: "stacked:" + name.replace(".", ":")
                      for name, _ in list(template.named_parameters()) + list(template.named_buffers())}
@@ -86,7 +90,7 @@ class ScannedLayers(nn.Module):
             salts = [layer.get_submodule(name).salt for layer in layers]
             self.register_buffer(key, torch.tensor(salts, dtype=torch.int32), persistent=False)
         if getattr(template, "gradient_checkpointing", False):
-            template.gradient_checkpointing = False  # the loop recomputes instead (remat)
+            template.gradient_checkpointing = False  # the loop recomputes instead
         # Kept out of the module tree (its tensors would be listed twice): the template only
         # provides the code and settings; every tensor it uses comes from the stacks.
         self._template = [template.to("meta")]
@@ -125,7 +129,9 @@ class ScannedLayers(nn.Module):
         "<prefix>.<layer>.self_attn.q_proj.lora_A.weight": copies on the host, each stack moved
         there once (a device slice per tensor would be a graph to compile per tensor)."""
         stacks = {name: self.get_parameter(self.keys[name]).detach().to("cpu") for name in self.lora_names}
-        return {f"{prefix}.{layer}.{name}": stacks[name][layer] for layer in range(self.count) for name in self.lora_names}
+        return {
+            f"{prefix}.{layer}.{name}": stacks[name][layer] for layer in range(self.count) for name in self.lora_names
+        }
 
     def _record(self, index: int, args: tuple, kwargs: dict):
         passed = args[0] if args else kwargs.get("hidden_states")
@@ -167,7 +173,7 @@ class ScannedLayers(nn.Module):
                                 "only layers that return their hidden states can be scanned")
             return out, None
 
-        partition = min_cut_rematerialization_partition if self.remat else default_partition
+        partition = min_cut_rematerialization_partition if self.activation_checkpointing else default_partition
         saved = [(m.seed, m.salt) for m in self.seeded_dropouts()]
         try:
             out, _ = scan(layer, hidden, (weights, inputs, dropout), partition_fn=partition)
@@ -190,7 +196,8 @@ class ScannedLayers(nn.Module):
                 "salts": {name: getattr(self, key) for name, key in self.salt_keys.items()}}
 
     def extra_repr(self) -> str:
-        return f"layers={self.count}, template={type(self.template).__name__}, remat={self.remat}"
+        return (f"layers={self.count}, template={type(self.template).__name__}, "
+                f"activation_checkpointing={self.activation_checkpointing}")
 
 
 class _LayerCall:
@@ -228,7 +235,9 @@ def _per_layer_arguments(calls: list, count: int):
                 raise ValueError(f"ScannedLayers: argument {slot} of the layers differs in shape; {_UNSCANNED}")
             slots.append(slot)
         elif not all(v is first or v == first for v in values):
-            raise ValueError(f"ScannedLayers: argument {slot} differs from layer to layer ({first!r}, ...); {_UNSCANNED}")
+            raise ValueError(
+                f"ScannedLayers: argument {slot} differs from layer to layer ({first!r}, ...); {_UNSCANNED}"
+            )
 
     def arguments(slices: list[torch.Tensor]):
         rebuilt = list(leaves)  # the static values as they are, the tensors from this layer's slices
@@ -266,3 +275,39 @@ def _structure(layer: nn.Module) -> dict:
     for name, tensor in list(layer.named_parameters()) + list(layer.named_buffers()):
         found[f"{name}: tensor"] = (tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
     return found
+
+
+# -- the layout of LoRA tensors with scanned layers: per layer (checkpoints) or stacked (the optimizer)
+def _lora_groups(model: nn.Module) -> Iterator[tuple[int, int | None]]:
+    """(tensors in lora_parameters, layers stacked in each or None) per LoRA owner, in order."""
+    for _, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            yield 2, None
+        elif isinstance(module, ScannedLayers):
+            yield len(module.lora_names), module.count
+
+
+def per_layer_lora(model: nn.Module, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors laid out as `lora_parameters(model)` (an optimizer's moments) -> one per LoRA
+    weight of the unscanned model, in `lora_state_dict` order: each stack of scanned layers
+    split into its layers. What a checkpoint stores, so it resumes with the layers scanned or not."""
+    out, start = [], 0
+    for width, layers in _lora_groups(model):
+        group, start = tensors[start:start + width], start + width
+        out += group if layers is None else [stack[layer] for layer in range(layers) for stack in group]
+    if start != len(tensors):
+        raise ValueError(f"{len(tensors)} tensors for the model's {start} LoRA parameters")
+    return out
+
+
+def stacked_lora(model: nn.Module, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The inverse of `per_layer_lora`: one tensor per LoRA weight of the unscanned model ->
+    laid out as `lora_parameters(model)`, scanned layers' weights stacked."""
+    out, start = [], 0
+    for width, layers in _lora_groups(model):
+        count = width * (layers or 1)
+        group, start = tensors[start:start + count], start + count
+        out += group if layers is None else [torch.stack(group[i::width]) for i in range(width)]
+    if start != len(tensors):
+        raise ValueError(f"{len(tensors)} tensors for the model's {start} LoRA weights")
+    return out

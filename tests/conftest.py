@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # Before anything imports torch_xla: run the real XLA path on the host CPU.
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -26,6 +27,7 @@ from utils.xla_runtime import init_xla_device
 # Before any test runs a backward (see init_xla_device for why).
 init_xla_device()
 
+REPO = Path(__file__).resolve().parent.parent  # the repository root
 VOCAB = 128
 SHAPE = dict(
     vocab_size=VOCAB,
@@ -70,6 +72,26 @@ def seed() -> int:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The demo's tiny Mistral + tokenizer, built once per test session."""
-    from finetuning_pipeline.tiny_model import write_tiny_model
+    from finetuning_pipeline.demo.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "base", seed=0)
+
+
+@pytest.fixture(scope="session")
+def data(tiny_model_dir, tmp_path_factory):
+    """The bundled corpora prepared for both phases on the tiny model's tokenizer, once per test
+    session: the trainer's tests read it and never write it (each run writes its own output_dir)."""
+    from trainer_helpers import prepare_demo_data
+
+    return prepare_demo_data(tiny_model_dir, tmp_path_factory.mktemp("data"))
+
+
+E2E = Path(__file__).resolve().parent / "e2e"
+
+
+def pytest_collection_modifyitems(config, items):
+    """tests/e2e/ holds the end-to-end runs (the commands as users run them, through the
+    trainer): all of them are slow, and `make test-fast` leaves them out."""
+    for item in items:
+        if item.path.is_relative_to(E2E):
+            item.add_marker(pytest.mark.slow)

@@ -1,9 +1,14 @@
-"""Shared by the trainer tests: prepared tiny datasets and small run configs."""
+"""Shared by the trainer tests: prepared tiny datasets, small run configs, runs in processes of
+their own, and a loss poisoned on chosen steps."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from pathlib import Path
 
+import torch
 import yaml
 
 from dataset import prepare
@@ -47,6 +52,16 @@ def write_run_config(path: Path, model_dir: Path, data: dict[int, Path], output_
     return path
 
 
+def train_in_fresh_process(config: Path, *args: str, env: dict | None = None):
+    """main.py in a process of its own (a CompletedProcess): its XLA graph cache starts empty, so
+    what it reports about compiles cannot depend on graphs another test compiled in this one."""
+    import subprocess
+
+    return subprocess.run([sys.executable, "finetuning_pipeline/main.py", "--config", str(config), *args],
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "PJRT_DEVICE": "CPU",
+                                                                            **(env or {})})
+
+
 def publish_to_hub_cache(cache: Path, repo_id: str, commit: str, files: Path, *refs: str) -> Path:
     """Put `files` in a Hugging Face cache laid out as the Hub writes it, as `repo_id` at
     `commit` (models--ORG--NAME/snapshots/COMMIT), and point each ref (refs/REF) at it."""
@@ -76,9 +91,7 @@ class Replicas:
 
     def __init__(self, n: int, args: list[str], log_dir: Path, env: dict | None = None,
                  script: str = "finetuning_pipeline/main.py", rank_args=lambda rank: []) -> None:
-        import os
         import subprocess
-        import sys
 
         port = free_port()
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -128,9 +141,7 @@ class LaunchedRun:
     output, outputs), so the helpers below take either."""
 
     def __init__(self, args: list[str], log: Path, devices: int, env: dict | None = None) -> None:
-        import os
         import subprocess
-        import sys
 
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log = log
@@ -245,3 +256,47 @@ def wait_for_step(procs: list, out: Path, step: int, timeout: float, output=lamb
     for p in procs:
         p.kill()
     raise AssertionError(f"step {step} not reached in {timeout} s:\n{output()}")
+
+
+def poison_nan_in_steps(monkeypatch, steps: set[int], grad_accum: int, seed: int = 0, phase: int = 1) -> None:
+    """Make the loss NaN in the given (1-based) steps of one replica, with no new graph, in a
+    step traced once as in one traced every step: the loss is poisoned where the micro-batch's
+    first random draw (made before its dropout masks) is one of the draws those steps' seeds
+    give (the trainer seeds each micro-batch, trainer.micro_batch_seeds), so the decision is
+    data on the device."""
+    import torch_xla.core.xla_model as xm
+
+    import finetuning_pipeline.train.step as step_module
+    from finetuning_pipeline.train.stepper import micro_batch_seeds
+    from utils.xla_runtime import init_xla_device
+
+    device = init_xla_device()
+    draws = []
+    for step in steps:
+        for micro_seed in micro_batch_seeds(seed, phase, 0, step - 1, grad_accum):
+            xm.set_rng_state(micro_seed, device=device)
+            draws.append(torch.rand(1, device=device))
+    poisoned_draws = torch.cat(draws).cpu()
+    real = step_module.causal_lm_loss_sum
+
+    def poisoned(model, batch, packed=True, loss_chunk=0):
+        if not torch.is_grad_enabled():  # evaluation
+            return real(model, batch, packed, loss_chunk)
+        draw = torch.rand(1, device=batch["input_ids"].device)  # first, before any dropout draws
+        loss_sum, count = real(model, batch, packed, loss_chunk)
+        hit = (draw == poisoned_draws.to(loss_sum.device)).any()
+        factor = torch.where(hit, torch.tensor([float("nan")]).to(loss_sum.device),
+                             torch.tensor([1.0]).to(loss_sum.device))
+        return (loss_sum * factor).reshape(()), count
+
+    monkeypatch.setattr(step_module, "causal_lm_loss_sum", poisoned)
+
+
+def run_preflight(tmp_path: Path, config: Path, *overrides: str, rehearse: bool = False) -> tuple[int, dict]:
+    """`python -m finetuning_pipeline.preflight` in this process: its exit code and preflight.json."""
+    args = ["--config", str(config), f"output_dir={tmp_path / 'out'}", *overrides]
+    from finetuning_pipeline import preflight
+
+    code = preflight.main(args if rehearse else ["--no-rehearsal", *args])
+    report_path = tmp_path / "out" / "preflight.json"
+    return code, json.loads(report_path.read_text()) if report_path.exists() else {}

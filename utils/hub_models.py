@@ -65,8 +65,12 @@ def resolve_model(path: str, revision: str | None = None, *, cache_only: bool = 
                                 "not a Hub id; remove model.revision")
         return ModelSource(path, path)
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     try:
         local_dir = snapshot_download(path, revision=revision, allow_patterns=MODEL_FILES, cache_dir=hub_cache(),
@@ -78,15 +82,22 @@ def resolve_model(path: str, revision: str | None = None, *, cache_only: bool = 
             f"model.path: {path} is not a local directory, and as a Hub id (revision {revision or 'main'}) it is "
             f"not in {where} and {why}; download it once "
             f"where there is a network with: {download_command(path, revision)}  (set HF_HUB_CACHE to the same "
-            "cache here), or set model.path to a local model directory") from None
+            "cache here), or set model.path to a local model directory"
+        ) from None
     except RevisionNotFoundError:
-        raise HubModelError(f"model.revision: {revision!r} is not a branch, tag or commit of {path} on the Hub") from None
+        raise HubModelError(
+            f"model.revision: {revision!r} is not a branch, tag or commit of {path} on the Hub"
+        ) from None
     except GatedRepoError:
-        raise HubModelError(f"model.path: {path} is gated on the Hub; accept its licence on its page and log in "
-                            "(`hf auth login`, or HF_TOKEN)") from None
+        raise HubModelError(
+            f"model.path: {path} is gated on the Hub; accept its licence on its page and log in "
+            "(`hf auth login`, or HF_TOKEN)"
+        ) from None
     except RepositoryNotFoundError:
-        raise HubModelError(f"model.path: {path} is neither a local directory nor a Hub model you can read (a typo? "
-                            "a private model needs `hf auth login` or HF_TOKEN)") from None
+        raise HubModelError(
+            f"model.path: {path} is neither a local directory nor a Hub model you can read (a typo? "
+            "a private model needs `hf auth login` or HF_TOKEN)"
+        ) from None
     return ModelSource(path, local_dir, Path(local_dir).name)
 
 

@@ -1,6 +1,6 @@
 """Read a YAML file that must hold a mapping, with an error naming the file for every way it
 can fail to: missing, a directory, not UTF-8, unreadable, invalid YAML, or another type.
-Shared by the run config (finetuning_pipeline/config.py) and prepare's --config."""
+Shared by the run config (finetuning_pipeline/run_config/schema.py) and prepare's --config."""
 
 from __future__ import annotations
 

@@ -39,10 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output JSONL file")
     parser.add_argument("--force", action="store_true", help="replace an existing --out file")
     parser.add_argument("--limit", type=int, default=None, help="stop after this many conversations written")
-    parser.add_argument("--dataset", default=DEFAULT_DATASET, help=f"hub name or local path (default {DEFAULT_DATASET})")
+    parser.add_argument(
+        "--dataset", default=DEFAULT_DATASET, help=f"hub name or local path (default {DEFAULT_DATASET})"
+    )
     parser.add_argument("--split", default="train")
     args = parser.parse_args(argv)
-    rows = lambda: (row for _, row in iter_hf_records(args.dataset, args.split))  # noqa: E731
+    rows = lambda: (row for _, row in iter_hf_records(args.dataset, args.split))
     return run_export(rows, ultrachat_to_record, args.out, args.limit, source=args.dataset, force=args.force)
 
 

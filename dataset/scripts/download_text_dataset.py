@@ -38,13 +38,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output JSONL file")
     parser.add_argument("--force", action="store_true", help="replace an existing --out file")
     parser.add_argument("--limit", type=int, default=None, help="stop after this many articles written")
-    parser.add_argument("--dataset", default=DEFAULT_DATASET, help=f"hub name or local path (default {DEFAULT_DATASET})")
+    parser.add_argument(
+        "--dataset", default=DEFAULT_DATASET, help=f"hub name or local path (default {DEFAULT_DATASET})"
+    )
     parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"hub config (default {DEFAULT_CONFIG})")
     parser.add_argument("--split", default="train")
     parser.add_argument("--min-chars", type=int, default=200, help="skip articles shorter than this (default 200)")
     args = parser.parse_args(argv)
-    rows = lambda: (row for _, row in iter_hf_records(args.dataset, args.split, args.config))  # noqa: E731
-    return run_export(rows, lambda row: wikipedia_to_record(row, args.min_chars), args.out, args.limit, source=args.dataset, force=args.force)
+    rows = lambda: (row for _, row in iter_hf_records(args.dataset, args.split, args.config))
+    return run_export(
+        rows,
+        lambda row: wikipedia_to_record(row, args.min_chars),
+        args.out,
+        args.limit,
+        source=args.dataset,
+        force=args.force,
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,93 @@
+"""The embedded default's inputs: the tiny base model and the bundled corpora, prepared.
+
+    python -m finetuning_pipeline.demo.inputs base|phase1|phase2 [--force]
+
+One recipe for `make demo` (its file rules call this) and for `python finetuning_pipeline/main.py`
+without --config, which trains the demo config wherever it is started from: its relative
+paths are anchored at the repository, and what is missing is built first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO_CONFIG = REPO / "finetuning_pipeline" / "configs" / "demo.yaml"
+# The demo config's keys that name local paths (relative to the repository).
+PATH_KEYS = ("output_dir", "model.path", "phase1.data", "phase2.data")
+SEQ_LEN = 256
+SAMPLES = REPO / "dataset" / "samples"
+INPUTS = {"phase1": [SAMPLES / "domain_text.jsonl"], "phase2": [SAMPLES / "chat_qa.jsonl", SAMPLES / "alpaca.jsonl"]}
+
+
+def anchored_paths(config_path: Path, root: Path) -> list[str]:
+    """key=value overrides that put the config's relative paths under `root`."""
+    from finetuning_pipeline.run_config import read_config_file
+
+    raw = read_config_file(config_path)
+    overrides = []
+    for key in PATH_KEYS:
+        value = raw
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(value, str) and not Path(value).is_absolute():
+            overrides.append(f"{key}={root / value}")
+    return overrides
+
+
+def demo_paths() -> dict[str, Path]:
+    """Where the demo config keeps its inputs, anchored at the repository."""
+    values = dict(override.split("=", 1) for override in anchored_paths(DEMO_CONFIG, REPO))
+    return {"base": Path(values["model.path"]), "phase1": Path(values["phase1.data"]),
+            "phase2": Path(values["phase2.data"])}
+
+
+def build(what: str, force: bool = False) -> int:
+    """Build one input of the demo ("base", "phase1" or "phase2"); returns the exit status."""
+    from dataset import prepare
+    from finetuning_pipeline.demo import tiny_model
+
+    paths = demo_paths()
+    if what == "base":
+        return tiny_model.main(["--out", str(paths["base"]), *(["--force"] if force else [])])
+    args = ["--quiet", "--tokenizer", str(paths["base"]), "--seq-len", str(SEQ_LEN), "--out", str(paths[what])]
+    for source in INPUTS[what]:
+        args += ["--input", str(source)]
+    return prepare.main([*(["--force"] if force else []), *args])
+
+
+def ensure_demo_inputs(config, phases: list[int]) -> None:
+    """Build the demo inputs this run reads and that are missing: the base, and the data of
+    the phases it runs, prepared with that base's tokenizer (so only on the demo's own base).
+    Paths overridden to somewhere else are the user's own, left alone."""
+    from finetuning_pipeline.errors import ConfigError
+
+    paths = demo_paths()
+    ours = Path(config.model.path) == paths["base"]
+    needed = {"base": ours and not (paths["base"] / "config.json").is_file()}
+    for phase in phases:
+        key = f"phase{phase}"
+        needed[key] = (ours and Path(getattr(config, key).data) == paths[key]
+                       and not (paths[key] / "manifest.json").is_file())
+    for what in ("base", "phase1", "phase2"):
+        if needed.get(what):
+            print(f"building the embedded default's {what} ({paths[what]}): missing", flush=True)
+            if build(what) != 0:
+                raise ConfigError(f"could not build the embedded default's {what} in {paths[what]} (see above); "
+                                  "or pass --config")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m finetuning_pipeline.demo.inputs",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=("base", "phase1", "phase2"),
+                        help="base: the tiny model and tokenizer; phase1/phase2: that phase's prepared data")
+    parser.add_argument("--force", action="store_true", help="replace what an earlier build wrote")
+    args = parser.parse_args(argv)
+    return build(args.what, args.force)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Next-token cross-entropy that never holds the full logits.
+
+The full path builds [tokens, vocab] logits and an fp32 copy: with Gemma's 262,144-token
+vocabulary, 2 x 1024 tokens are 2 GiB per fp32 copy, and the backward keeps several. Here the
+decoder's last hidden states [tokens, hidden] are cut into chunks of tokens; each chunk goes
+through the output projection, the model's own final-logit processing (soft-capping, logit
+scaling) and the loss in fp32, and the backward recomputes each chunk's logits instead of
+storing them (torchtune's chunked-output loss and Levanter's blockwise loss are the references).
+
+Two things make that real on XLA, where one lazy graph holds the whole step:
+- the chunks run in a `While` loop (torch_xla's scan), forward and backward: chunks written
+  as a Python loop are all in one graph, and XLA:CPU then kept every chunk's logits alive at
+  once (measured: the same peak as the full logits, optimization barriers or not);
+- the backward is written by hand (`LinearCrossEntropy`: softmax minus one-hot through the
+  processing's derivative, times the weight), so no activation of a chunk is saved.
+A head that is not a plain frozen `nn.Linear` (a LoRA-wrapped or trainable lm_head) takes
+checkpointed chunks instead: exact, but without the memory bound on XLA.
+
+The final-logit processing is read from the config (`final_logit_softcapping`: Gemma 2/3;
+`logit_scale`: Cohere; `logits_scaling`: Granite). A model type whose forward might do more
+is not chunked by default (`CHUNKED_MODEL_TYPES` lists the ones whose loss and gradients the
+tests prove equal to the full path).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from dataset.encode import IGNORE_INDEX
+
+# Model types whose causal-LM head is `lm_head` followed only by the processing below; each
+# is tested against its full-logits loss (tests/finetuning_pipeline/model/test_model_families.py).
+CHUNKED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
+CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk: 256 tokens at Gemma's 262k vocabulary
+
+
+def auto_chunk_tokens(model_config) -> int:
+    """The default chunk: ~CHUNK_BYTES of fp32 logits, 0 (full logits) where not verified."""
+    if getattr(model_config, "model_type", None) not in CHUNKED_MODEL_TYPES:
+        return 0
+    return max(64, CHUNK_BYTES // (4 * model_config.vocab_size))
+
+
+def processing_constants(model_config) -> tuple:
+    """(scale, divide, softcap) of the model's final-logit processing, None where absent:
+    `logit_scale` multiplies (Cohere), `logits_scaling` divides (Granite),
+    `final_logit_softcapping` soft-caps (Gemma 2/3)."""
+    return (getattr(model_config, "logit_scale", None), getattr(model_config, "logits_scaling", None),
+            getattr(model_config, "final_logit_softcapping", None))
+
+
+def process_logits(raw: torch.Tensor, scale, divide, softcap) -> torch.Tensor:
+    """fp32 logits as the model's forward makes them from lm_head's output."""
+    if scale is not None:
+        raw = raw * scale
+    if divide is not None:
+        raw = raw / divide
+    if softcap is not None:
+        raw = torch.tanh(raw / softcap) * softcap
+    return raw
+
+
+def logits_gradient(logits: torch.Tensor, targets: torch.Tensor, scale, divide, softcap) -> torch.Tensor:
+    """d(sum of cross-entropies)/d(lm_head output) for one chunk, fp32: (softmax - one-hot) on
+    trained rows, 0 on ignored ones, through the processing's derivative."""
+    valid = targets != IGNORE_INDEX
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    grad = torch.softmax(logits, dim=-1)
+    grad = grad - torch.zeros_like(grad).scatter_(1, safe[:, None], 1.0)
+    grad = grad * valid[:, None].to(grad.dtype)
+    if softcap is not None:
+        grad = grad * (1 - (logits / softcap) ** 2)  # d(c tanh(x / c))/dx = 1 - tanh^2
+    if divide is not None:
+        grad = grad / divide
+    if scale is not None:
+        grad = grad * scale
+    return grad
+
+
+@functools.lru_cache(maxsize=None)
+def _bodies(scale, divide, softcap):
+    """The per-chunk forward and backward, one pair of function objects per processing (so
+    torch_xla's scan reuses its traces step after step)."""
+
+    def forward(carry, xs):
+        total, weight = carry
+        hidden, targets = xs  # [chunk, H], [chunk]
+        logits = process_logits((hidden @ weight.t()).float(), scale, divide, softcap)
+        loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        return (total + loss, weight), None
+
+    def backward(carry, xs):
+        weight, upstream = carry
+        hidden, targets = xs
+        logits = process_logits((hidden @ weight.t()).float(), scale, divide, softcap)
+        grad = logits_gradient(logits, targets, scale, divide, softcap) * upstream
+        return (weight, upstream), (grad.to(weight.dtype) @ weight).to(hidden.dtype)  # [chunk, H]
+
+    return forward, backward
+
+
+def _over_chunks(body, carry, xs):
+    """Apply `body` to each chunk (the leading dimension of xs) in order. On XLA a `While`
+    loop (torch_xla's scan): a Python loop puts every chunk into one graph, and XLA:CPU then
+    keeps all their logits at once (measured: as much memory as the full logits)."""
+    if xs[0].device.type == "xla":
+        from utils.xla_scan import scan
+
+        return scan(body, carry, xs, is_fn_pure=True)
+    outputs = []
+    for index in range(xs[0].shape[0]):
+        carry, out = body(carry, tuple(x[index] for x in xs))
+        outputs.append(out)
+    return carry, (torch.stack(outputs) if outputs[0] is not None else None)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """sum_i CE(process(hidden_i W^T), target_i) over chunks of tokens, with a hand-written
+    backward that recomputes each chunk's logits: only one chunk's logits exist at a time,
+    forward or backward. hidden [n_chunks, chunk, H]; weight [V, H] frozen (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, processing):
+        forward_body, _ = _bodies(*processing)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        (total, _), _ = _over_chunks(forward_body, (total, weight), (hidden, targets))
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.processing = processing
+        return total
+
+    @staticmethod
+    def backward(ctx, upstream):
+        hidden, weight, targets = ctx.saved_tensors
+        _, backward_body = _bodies(*ctx.processing)
+        _, grad_hidden = _over_chunks(backward_body, (weight, upstream.to(torch.float32)), (hidden, targets))
+        return grad_hidden, None, None, None
+
+
+def _piece_loss(head, processing, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = process_logits(head(hidden).float(), *processing)  # [n, vocab] fp32, this chunk only
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _checkpointed_chunks(head, processing, flat, targets, chunk_tokens) -> torch.Tensor:
+    """Any other head (a LoRA-wrapped or trainable lm_head): each chunk checkpointed. Exact,
+    but on XLA the chunks share one graph, which does not bound their memory."""
+    piece = functools.partial(_piece_loss, head, processing)
+    recompute = torch.is_grad_enabled() and flat.requires_grad
+    if flat.device.type == "xla":  # its optimization barrier keeps XLA from merging the recompute away
+        from torch_xla.utils.checkpoint import checkpoint
+
+        checkpointed = functools.partial(checkpoint, piece, use_reentrant=True)
+    else:
+        from torch.utils.checkpoint import checkpoint
+
+        checkpointed = functools.partial(checkpoint, piece, use_reentrant=False)
+    losses = [
+        (checkpointed if recompute else piece)(
+            flat[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        )
+        for start in range(0, flat.shape[0], chunk_tokens)
+    ]
+    return torch.stack(losses).sum()
+
+
+def chunked_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, model_config,
+                     chunk_tokens: int) -> torch.Tensor:
+    """Sum of next-token losses over label tokens. hidden: [B, L, H] the decoder's output
+    (after its final norm); labels: [B, L] (-100 where not trained)."""
+    batch, length, width = hidden.shape
+    flat = hidden.reshape(batch * length, width)
+    # Token t predicts token t + 1; the last token of each row predicts nothing.
+    ignore = torch.full((batch, 1), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
+    targets = torch.cat([labels[:, 1:], ignore], dim=1).reshape(-1)
+    processing = processing_constants(model_config)
+    tokens = batch * length
+    if tokens <= chunk_tokens:
+        return _piece_loss(head, processing, flat, targets)
+    plain = type(head) is torch.nn.Linear and head.bias is None and not head.weight.requires_grad
+    if not plain:
+        return _checkpointed_chunks(head, processing, flat, targets, chunk_tokens)
+    padding = -tokens % chunk_tokens  # pad to whole chunks: padded rows are ignored
+    if padding:
+        flat = torch.cat([flat, flat.new_zeros(padding, width)])
+        targets = torch.cat([targets, targets.new_full((padding,), IGNORE_INDEX)])
+    chunks = flat.shape[0] // chunk_tokens
+    return LinearCrossEntropy.apply(flat.reshape(chunks, chunk_tokens, width), head.weight,
+                                    targets.reshape(chunks, chunk_tokens), processing)
+
+
+def resolve_chunk_tokens(setting: int | None, model_config) -> int:
+    """train.loss_chunk_tokens resolved for this model: None -> auto_chunk_tokens; 0 -> full
+    logits; N -> N, refused (ValueError naming the key) for a model type not verified."""
+    if setting is None:
+        return auto_chunk_tokens(model_config)
+    model_type = getattr(model_config, "model_type", None)
+    if setting and model_type not in CHUNKED_MODEL_TYPES:
+        raise ValueError(
+            f"train.loss_chunk_tokens={setting}: the chunked loss is verified for model types "
+            f"{list(CHUNKED_MODEL_TYPES)}, not {model_type!r}; set train.loss_chunk_tokens=0 (full logits)"
+        )
+    return setting

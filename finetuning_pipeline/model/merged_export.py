@@ -1,0 +1,39 @@
+"""Adapters merged into the base and written as a plain Hugging Face model directory: what
+`python -m finetuning_pipeline.export` writes, and preflight's rehearsal checks loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from finetuning_pipeline.model.loading import DTYPES as MODEL_DTYPES
+from finetuning_pipeline.model.loading import load_model
+from utils.output_guard import claim_output, mark_written_by, staged_directory
+from utils.tokenizer_loading import load_tokenizer
+
+DTYPES = {"auto": None, **MODEL_DTYPES}
+COMMAND = "finetuning_pipeline.export"
+
+
+def export_merged(base: str, adapters: list[str], out: str, dtype: str = "auto", tokenizer: str | None = None,
+                  force: bool = False) -> Path:
+    """Merge `adapters` (in order) into `base` and save to `out`; returns `out`. An existing
+    `out` is replaced only with force, and only when an earlier export wrote it; `out` may not
+    overlap the base, an adapter or the tokenizer."""
+    out_path = Path(out)
+    inputs = {"--base": base, "--tokenizer": tokenizer, **{f"--adapter {a}": a for a in adapters}}
+    claim_output(out_path, force=force, command=COMMAND, inputs=inputs)
+    loaded_tokenizer = load_tokenizer(tokenizer or base, "--tokenizer" if tokenizer else "--base")
+    # Merge in fp32 (each W0 + s B A is rounded once, into the output dtype, at save time).
+    model, _ = load_model(base, adapters, torch.float32)
+    model.config.use_cache = True  # the exported model is for inference
+    saved_dtype = DTYPES[dtype] or getattr(model.config, "dtype", None) or torch.float32
+    if isinstance(saved_dtype, str):
+        saved_dtype = getattr(torch, saved_dtype)
+    model.to(saved_dtype)
+    with staged_directory(out_path) as staging:
+        model.save_pretrained(staging)
+        loaded_tokenizer.save_pretrained(staging)
+        mark_written_by(staging, COMMAND)
+    return out_path

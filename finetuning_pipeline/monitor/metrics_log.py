@@ -1,0 +1,164 @@
+"""Metrics of a phase: JSON lines (`phaseN/metrics.jsonl`), TensorBoard scalars, and the
+run's loss plot (`loss.png`). Written by the master replica only.
+
+Records are dicts with "kind" ("train" or "eval") and "step"; training records are written
+from step closures, possibly on torch_xla's closure thread, hence the lock.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+
+class MetricsLog:
+    """Every record to metrics.jsonl, and to TensorBoard and W&B (a wandb_log.WandbLog) when given."""
+
+    def __init__(self, path: str | Path, tensorboard_dir: str | Path | None = None, resume_step: int | None = None,
+                 wandb=None) -> None:
+        self.path = Path(path)
+        self.wandb = wandb
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.lock = threading.Lock()
+        if resume_step is None:
+            self.path.write_text("")
+        else:
+            self.truncate_after(resume_step)
+        self.tb = None
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(tensorboard_dir))
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records of steps after `step`: a resumed run redoes them, and must not log them twice."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        with self.lock:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+            if self.tb is not None:
+                for key, value in record.items():
+                    if key not in ("kind", "step") and isinstance(value, (int, float)):
+                        self.tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+            if self.wandb is not None:
+                self.wandb.write(record)
+
+    def close(self, summary: dict | None = None) -> None:
+        """summary: the finished phase's, for W&B's run summary (None when the phase stopped)."""
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish(summary)
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def plot_losses(output_dir: str | Path) -> Path | None:
+    """Train and eval loss of both phases on one axis (phase 2 steps follow phase 1's)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from finetuning_pipeline.run.run_layout import RunLayout
+
+    layout = RunLayout(output_dir)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    offset = 0
+    plotted = False
+    for phase, color in ((1, "tab:blue"), (2, "tab:orange")):
+        records = read_metrics(layout.metrics(phase))
+        train = [(r["step"] + offset, r["loss"]) for r in records if r["kind"] == "train"]
+        evals = [(r["step"] + offset, r["loss"]) for r in records if r["kind"] == "eval" and r["loss"] is not None]
+        if train:
+            ax.plot(*zip(*train), color=color, alpha=0.8, label=f"phase {phase} train")
+            plotted = True
+        if evals:
+            ax.plot(*zip(*evals), color=color, marker="o", linestyle="--", label=f"phase {phase} eval")
+            plotted = True
+        if records:
+            offset += max(r["step"] for r in records)
+            ax.axvline(offset, color="grey", linewidth=0.5)
+    if not plotted:
+        plt.close(fig)
+        return None
+    ax.set_xlabel("optimizer step (phase 2 continues after phase 1)")
+    ax.set_ylabel("loss (nats per label token)")
+    ax.set_title("Training and eval loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    path = layout.loss_plot
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+class StepLogger:
+    """A phase's training records and progress bar. Every replica calls `log` from the same
+    step closures (so they agree on what they saw); only the master writes.
+
+    tokens/s and ETA are measured between log steps, from the closures' times (a closure runs
+    once its step has executed)."""
+
+    def __init__(self, log: MetricsLog | None, progress, tokens_per_step: int, max_steps: int,
+                 first_loss: float | None = None) -> None:
+        self.log = log
+        self.progress = progress
+        self.tokens_per_step = tokens_per_step
+        self.max_steps = max_steps
+        self.first_loss = first_loss
+        self._last: tuple[float, int] | None = None
+
+    def log_train(self, step: int, values: dict) -> None:
+        """values: host floats of loss, lr, grad_norm, label_tokens, skipped_steps."""
+        import time
+
+        now = time.perf_counter()
+        rate = None
+        if self._last is not None:
+            rate = (step - self._last[1]) * self.tokens_per_step / (now - self._last[0])
+        self._last = (now, step)
+        if self.first_loss is None:
+            self.first_loss = values["loss"]
+        if self.log is None:
+            return
+        record = {"kind": "train", "step": step, "loss": values["loss"], "lr": values["lr"],
+                  "grad_norm": values["grad_norm"], "label_tokens": int(values["label_tokens"]),
+                  "skipped_steps": int(values["skipped_steps"])}
+        if rate:
+            record["tokens_per_sec"] = round(rate, 1)
+            record["eta_s"] = round((self.max_steps - step) * self.tokens_per_step / rate, 1)
+        self.log.write(record)
+        if self.progress is not None:
+            self.progress.set_postfix(
+                loss=f"{values['loss']:.4f}", tok_s=f"{rate:,.0f}" if rate else "-", refresh=False
+            )
+
+    def log_eval(self, step: int, result: dict) -> None:
+        if self.log is not None:
+            self.log.write({"kind": "eval", "step": step, **result})
+
+    def advance(self) -> None:
+        if self.progress is not None:
+            self.progress.update(1)
+
+    def state_dict(self) -> dict:
+        return {"train_loss_first": self.first_loss}
+
+    def close(self, summary: dict | None = None) -> None:
+        if self.progress is not None:
+            self.progress.close()
+        if self.log is not None:
+            self.log.close(summary)

@@ -1,0 +1,153 @@
+"""Preflight's rehearsal: the real trainer on XLA:CPU with a shrunken model of the run's
+architecture (2 layers, hidden 64) under the run's LoRA, parallel mode and checkpointing: a
+few steps of each phase with the recompile guard on, a checkpoint resumed to the same adapter
+bit for bit, and a merged export that loads in plain transformers."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from finetuning_pipeline.run.run_layout import RunLayout
+from finetuning_pipeline.run_config import RunConfig
+from utils.hub_models import model_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+REHEARSAL_STEPS = 4
+REHEARSAL_CHIPS = 4  # virtual XLA:CPU devices of an fsdp rehearsal
+
+
+def shrunken_config(model_config, vocab_size: int):
+    """The same architecture, 2 layers of width 64, same GQA grouping, for a CPU rehearsal."""
+    small = copy.deepcopy(model_config)
+    heads = 4
+    kv = max(1, heads * getattr(model_config, "num_key_value_heads", model_config.num_attention_heads)
+             // model_config.num_attention_heads)
+    small.num_hidden_layers, small.hidden_size, small.intermediate_size = 2, 64, 128
+    small.num_attention_heads, small.num_key_value_heads, small.head_dim = heads, kv, 16
+    small.vocab_size = vocab_size
+    if getattr(small, "layer_types", None):  # one layer of each attention kind (hybrid models)
+        small.layer_types = (sorted(set(model_config.layer_types)) * 2)[:2]
+    if hasattr(small, "query_pre_attn_scalar"):
+        small.query_pre_attn_scalar = 16
+    return small
+
+
+def run_trainer(config_path: Path, args: list[str], mode: str, log: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONUNBUFFERED": "1"}
+    if mode == "fsdp":
+        env["CPU_NUM_DEVICES"] = str(REHEARSAL_CHIPS)
+    proc = subprocess.run([sys.executable, str(ROOT / "finetuning_pipeline" / "main.py"), "--config", str(config_path),
+                           *args], capture_output=True, text=True, env=env, cwd=ROOT)
+    with log.open("a") as f:
+        f.write(f"$ main.py --config {config_path} {' '.join(args)}\n{proc.stdout}{proc.stderr}\n")
+    return proc
+
+
+def rehearsal_data(config: RunConfig, phases: list[int], root: Path, data_ready: bool) -> tuple[dict, Path, str]:
+    """(phase -> data dir, tokenizer dir, description): the prepared data when it checked out,
+    else the bundled samples under the demo's tokenizer."""
+    if data_ready:
+        tokenizer = Path(config.model.tokenizer or model_dir(config.model.path, config.model.revision))
+        return {p: Path(config.phase(p).data) for p in phases}, tokenizer, "prepared data (phaseN.data)"
+    from dataset import prepare
+    from dataset.samples import ALPACA, CHAT_QA, DOMAIN_TEXT
+    from finetuning_pipeline.demo.tiny_model import write_tiny_model
+
+    tokenizer = write_tiny_model(root / "tokenizer")
+    inputs = {1: [DOMAIN_TEXT], 2: [CHAT_QA, ALPACA]}
+    data = {}
+    for phase in phases:
+        data[phase] = root / f"data{phase}"
+        args = ["--tokenizer", str(tokenizer), "--seq-len", "128", "--out", str(data[phase]), "--quiet"]
+        for path in inputs[phase]:
+            args += ["--input", str(path)]
+        if prepare.main(args) != 0:
+            raise RuntimeError("preparing the bundled samples failed")
+    return data, tokenizer, "bundled samples at seq_len 128 (phaseN.data is not prepared yet)"
+
+
+def rehearse(config: RunConfig, model_config, root: Path, data_ready: bool, *, phases: list[int],
+             scan_layers: bool) -> dict:
+    """Train, checkpoint, resume and export a shrunken model through the real entry points.
+    phases: the phases the config runs; scan_layers: whether the real model's layers will be
+    scanned (the 2-layer model takes the same path; unset would decide by its own depth)."""
+    import yaml
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    started = time.perf_counter()
+    data, tokenizer_dir, data_note = rehearsal_data(config, phases, root, data_ready)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    vocab = model_config.vocab_size if data_ready else len(tokenizer)
+    model = AutoModelForCausalLM.from_config(shrunken_config(model_config, vocab))
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+
+    run = config.to_dict()
+    run["output_dir"] = str(root / "run")
+    run["model"].update(path=str(root / "model"), tokenizer=None, dtype="float32")
+    run["train"].update(max_steps=REHEARSAL_STEPS, micro_batch=1, grad_accum=min(config.train.grad_accum, 2),
+                        warmup_steps=2, warmup_compiles_steps=1, recompile_policy="error",
+                        scan_layers=scan_layers)
+    run["eval"].update(every=0, max_batches=1, micro_batch=None)
+    run["checkpoint"].update(every=2, keep=REHEARSAL_STEPS)
+    run["logging"].update(every=1, progress_bar=False, tensorboard=False)
+    # The rehearsal's CPU devices are fewer than the slice's chips: keep the mesh's kind only
+    # (pure data parallelism, or the base sharded over every chip).
+    run["parallel"]["mesh"] = {"data": -1, "fsdp": 1} if config.parallel.mesh.fsdp == 1 else {"data": 1, "fsdp": -1}
+    for phase in (1, 2):
+        run[f"phase{phase}"].update(data=str(data[phase]) if phase in data else "", max_steps=None, seq_len=None)
+    config_path = root / "rehearsal.yaml"
+    config_path.write_text(yaml.safe_dump(run))
+    log = root / "rehearsal.log"
+    mode = config.parallel.mode
+    steps = {"data": data_note, "architecture": type(model).__name__, "log": str(log)}
+
+    proc = run_trainer(config_path, ["--resume", "never", "--force"], mode, log)
+    if proc.returncode != 0:
+        return {**steps, "passed": False, "failed_at": "training", "detail": (proc.stdout + proc.stderr)[-3000:]}
+    out = RunLayout(root / "run")
+    summaries = {p: json.loads(out.summary(p).read_text()) for p in phases}
+    steps["phases"] = {f"phase{p}": {k: s[k] for k in ("steps", "compiles_total", "compiles_after_warmup",
+                                                         "host_syncs_per_step", "eval_loss_before", "eval_loss_after",
+                                                         "scanned_layers")}
+                       for p, s in summaries.items()}
+
+    first = phases[0]
+    adapter_file = out.adapter(first) / "adapter_model.safetensors"
+    uninterrupted = load_file(adapter_file)
+    checkpoint = out.checkpoints(first) / "step_00000002"
+    proc = run_trainer(config_path, ["--phase", str(first), "--resume", str(checkpoint)], mode, log)
+    if proc.returncode != 0:
+        return {**steps, "passed": False, "failed_at": "resume", "detail": (proc.stdout + proc.stderr)[-3000:]}
+    resumed = load_file(adapter_file)
+    identical = uninterrupted.keys() == resumed.keys() and all((uninterrupted[k] == resumed[k]).all() for k in resumed)
+    steps["resume_bitwise_identical"] = bool(identical)
+    if not identical:
+        return {**steps, "passed": False, "failed_at": "resume", "detail": "the resumed adapter differs"}
+
+    from finetuning_pipeline.model.merged_export import export_merged
+
+    adapters = [str(out.adapter(1))] if 1 in phases else []
+    if 2 in phases and (config.phase2.init == "merge" or not adapters):
+        adapters.append(str(out.adapter(2)))
+    elif 2 in phases:
+        adapters = [str(out.adapter(2))]  # continue: phase 2's adapter carries phase 1's training
+    merged = export_merged(str(root / "model"), adapters, str(root / "merged"))
+    AutoModelForCausalLM.from_pretrained(merged)  # plain transformers, no project code
+    steps["export"] = str(merged)
+    recompiles = sum(s["compiles_after_warmup"] for s in summaries.values())
+    steps["passed"] = recompiles == 0
+    if recompiles:
+        steps["failed_at"], steps["detail"] = "recompile guard", f"{recompiles} compiles after warm-up"
+    steps["seconds"] = round(time.perf_counter() - started, 1)
+    return steps

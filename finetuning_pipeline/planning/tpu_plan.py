@@ -1,0 +1,265 @@
+"""Will a run fit the chips, how fast will it go, what will it cost: arithmetic on the model's
+config.json and the run config, no weights and no device.
+
+HBM per device (a chip, or a v3 TensorCore), each term an estimate with its assumptions here:
+- weights: every base parameter in `model.dtype`; under fsdp, matrices are split over all
+  devices, and two decoder layers' worth are whole at once (the all-gathered layer in use
+  and the next one, prefetched);
+- LoRA and optimizer: fp32 master weights, gradients and AdamW's two moments (16 bytes per
+  LoRA parameter), replicated in both modes (see finetuning_pipeline/run/parallel.py);
+- activations of one micro-batch kept for the backward: per layer and token, the hidden-size
+  and MLP-size tensors a decoder layer saves, the attention score and probability matrices
+  (XLA's attention materialises [heads, seq_len] per token), and the LoRA dropout masks when
+  dropout > 0. With activation checkpointing only each layer's input is kept, plus one layer's
+  full set during its recompute;
+- logits: the bf16 logits, their fp32 copy and fp32 gradient (10 bytes per vocabulary entry
+  per token): for 150k-260k vocabularies the largest single tensor of a step. With the
+  chunked loss (train.loss_chunk_tokens, on by default for the verified families) only one
+  chunk's tokens hold logits at a time, and each chunk's output projection runs once more in
+  the backward (2 * hidden * vocab FLOPs per token).
+A plan fits when the total is at most (1 - HEADROOM) of the device's HBM: XLA needs room for
+temporaries, fusion buffers and fragmentation that no formula here sees.
+
+FLOPs per token of a LoRA step: the frozen base costs 2N forward and 2N backward (activation
+gradients only, no weight gradients): 4N with N the matmul parameters (lm_head included,
+embeddings not); attention 12 * layers * seq_len * width (QK^T and AV on the full square the
+masked kernel computes, forward plus twice that backward); the LoRA branch 6 * r * (in + out)
+per adapted layer. Activation checkpointing adds one more forward (2N + 4 * layers * seq_len * width).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from finetuning_pipeline.planning.tpu_chips import GIB, Slice
+
+HEADROOM = 0.10
+LOGIT_BYTES_PER_ENTRY = 2 + 4 + 4
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def count_parameters(model_config) -> int:
+    """Parameters of the architecture, from a model built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs to know of an architecture (from config.json)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    total_params: int  # every parameter, counted on a weightless model (biases, norms, ties included)
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(layers=config.num_hidden_layers, hidden=config.hidden_size, intermediate=config.intermediate_size,
+                   heads=config.num_attention_heads, kv_heads=getattr(config, "num_key_value_heads", None)
+                   or config.num_attention_heads, head_dim=head_dim, vocab=config.vocab_size,
+                   total_params=count_parameters(config))
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer of a decoder layer."""
+        h, i = self.hidden, self.intermediate
+        return {"q_proj": (h, self.q_width), "k_proj": (h, self.kv_width), "v_proj": (h, self.kv_width),
+                "o_proj": (self.q_width, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @property
+    def layer_params(self) -> int:
+        return sum(a * b for a, b in self.projections().values()) + 2 * self.hidden
+
+    @property
+    def matmul_params(self) -> int:
+        return self.layers * sum(a * b for a, b in self.projections().values()) + self.hidden * self.vocab
+
+    def lora_params(self, r: int, targets: list[str]) -> int:
+        return self.layers * sum(r * (a + b) for name, (a, b) in self.projections().items() if name in targets)
+
+
+def flops_per_token(shape: ModelShape, seq_len: int, r: int, targets: list[str], checkpointing: bool = False) -> float:
+    """FLOPs of one trained token of a LoRA step (see the module docstring)."""
+    lora = shape.layers * sum(6 * r * (a + b) for name, (a, b) in shape.projections().items() if name in targets)
+    attention = 12 * shape.layers * seq_len * shape.q_width
+    total = 4 * shape.matmul_params + attention + lora
+    if checkpointing:
+        total += 2 * shape.matmul_params + 4 * shape.layers * seq_len * shape.q_width
+    return float(total)
+
+
+def activation_bytes_per_token_layer(shape: ModelShape, seq_len: int, act_bytes: int, lora_dropout: bool,
+                                     kernel_attention: bool = False) -> float:
+    """Bytes one decoder layer keeps per token for the backward, without checkpointing. A
+    kernel attention (splash/flash) keeps no [heads, seq_len] scores, only its output."""
+    h, i = shape.hidden, shape.intermediate
+    hidden_sized = (
+        4 * h + 2 * shape.q_width + 3 * shape.kv_width + shape.q_width
+    )  # norms, residual, q/k/v (+rope), attn out
+    mlp_sized = 4 * i  # gate, up, act(gate), act(gate) * up
+    attention = 0 if kernel_attention else 2 * shape.heads * seq_len  # scores and probabilities
+    dropout_masks = (5 * h + shape.q_width + i) if lora_dropout else 0  # each target's dropped input
+    return float((hidden_sized + mlp_sized + attention + dropout_masks) * act_bytes)
+
+
+@dataclass
+class PlanInputs:
+    mode: str
+    dtype: str
+    micro_batch: int
+    grad_accum: int
+    seq_len: int
+    checkpointing: bool
+    lora_r: int
+    lora_targets: list[str]
+    lora_dropout: float
+    assumed_mfu: float
+    steps: int  # optimizer steps of the phase
+    fsdp_axis: int = -1  # under fsdp: chips each weight matrix is split over (-1: every chip)
+    loss_chunk: int = 0  # tokens per chunk of the loss (0: the full logits)
+    attention: str = "dense"  # what model.attention resolves to on the planned TPU: dense, splash, flash
+    compile_s_per_layer: float = 0.0  # compile seconds per decoder layer (tpu.compile_s_per_layer)
+    capture_step: bool = True  # train.capture_step: one micro-batch compiled, whatever grad_accum
+    scanned_layers: bool = False  # train.scan_layers as resolved for the model: one layer compiled
+    compile_s_scanned: float = 0.0  # compile seconds of a phase with scanned layers (tpu.compile_s_scanned)
+
+
+def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
+    """The HBM, speed and cost plan of one phase; see the module docstring."""
+    devices = tpu.devices
+    act_bytes = DTYPE_BYTES[inputs.dtype]
+    tokens = inputs.micro_batch * inputs.seq_len  # per device per micro-batch
+    weights_full = shape.total_params * act_bytes
+    if inputs.mode == "fsdp":
+        shards = devices if inputs.fsdp_axis == -1 else inputs.fsdp_axis
+        weights = weights_full / shards + (2 * shape.layer_params * act_bytes if shards > 1 else 0)
+    else:
+        weights = weights_full
+    lora_params = shape.lora_params(inputs.lora_r, inputs.lora_targets)
+    lora_and_optimizer = lora_params * 16
+    per_layer = activation_bytes_per_token_layer(shape, inputs.seq_len, act_bytes, inputs.lora_dropout > 0,
+                                                 inputs.attention != "dense")
+    if inputs.checkpointing:
+        activations = tokens * (shape.layers * shape.hidden * act_bytes + per_layer)
+    else:
+        activations = tokens * shape.layers * per_layer
+    logit_tokens = min(tokens, inputs.loss_chunk) if inputs.loss_chunk else tokens
+    logits = logit_tokens * shape.vocab * LOGIT_BYTES_PER_ENTRY
+    total = weights + lora_and_optimizer + activations + logits
+    capacity = tpu.hbm_bytes_per_device
+    fits = total <= (1 - HEADROOM) * capacity
+
+    global_tokens = tokens * inputs.grad_accum * devices
+    per_token = flops_per_token(shape, inputs.seq_len, inputs.lora_r, inputs.lora_targets, inputs.checkpointing)
+    if inputs.loss_chunk and tokens > inputs.loss_chunk:
+        per_token += 2 * shape.hidden * shape.vocab  # each chunk's projection again in the backward
+    step_flops = per_token * global_tokens
+    step_time = step_flops / (devices * tpu.peak_flops_per_device * inputs.assumed_mfu)
+    # The step's graph holds one micro-batch's layers when captured (micro_batch_loop.py),
+    # grad_accum copies of them when traced every step; scanned, one layer whatever the depth.
+    if inputs.scanned_layers and inputs.mode != "fsdp":  # (scan_choice: not under fsdp yet)
+        compile_s = inputs.compile_s_scanned
+    else:
+        compile_s = inputs.compile_s_per_layer * shape.layers * (1 if inputs.capture_step else inputs.grad_accum)
+    hours = (inputs.steps * step_time + compile_s) / 3600
+    return {
+        "fits": bool(fits),
+        "hbm_per_chip_gib": round(total / GIB, 2),
+        "hbm_capacity_gib": round(capacity / GIB, 2),
+        "hbm_usable_gib": round((1 - HEADROOM) * capacity / GIB, 2),
+        "hbm_breakdown_gib": {
+            "weights": round(weights / GIB, 2),
+            "lora_and_optimizer": round(lora_and_optimizer / GIB, 3),
+            "activations": round(activations / GIB, 2),
+            "logits": round(logits / GIB, 2),
+        },
+        "activations_gib_without_checkpointing": round(tokens * shape.layers * per_layer / GIB, 2),
+        "activations_gib_with_checkpointing": round(
+            tokens * (shape.layers * shape.hidden * act_bytes + per_layer) / GIB, 2
+        ),
+        "flops_per_token": per_token,
+        "flops_per_step": step_flops,
+        "step_time_s": round(step_time, 3),
+        "compile_s": round(compile_s, 1),  # per session of the phase (a warm compile cache: ~0)
+        "tokens_per_sec": round(global_tokens / step_time, 1),
+        "tokens_per_step": global_tokens,
+        "tokens": inputs.steps * global_tokens,
+        "tpu_hours": round(hours, 3),  # hours the slice is held, one compile included
+        "chip_hours": round(hours * tpu.chips, 2),  # what per-chip-hour pricing bills
+        "inputs": {
+            **dataclasses.asdict(inputs),
+            "tpu_type": tpu.type,
+            "chips": tpu.chips,
+            "devices": devices,
+            "hosts": tpu.hosts,
+            "peak_bf16_tflops_per_chip": tpu.generation.bf16_tflops_per_chip,
+            "chip_facts_source": tpu.generation.source,
+            "base_params": shape.total_params,
+            "lora_params": lora_params,
+            "headroom": HEADROOM,
+        },
+    }
+
+
+def suggestions(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> list[dict]:
+    """Changes that make a plan that does not fit fit, each as config overrides, cheapest first:
+    the same run sharded, with checkpointing, with smaller micro-batches (grad_accum raised
+    to keep the global batch), and combinations."""
+    candidates = []
+    modes = [inputs.mode] + (["fsdp"] if inputs.mode == "dp" else [])
+    for mode in modes:
+        for checkpointing in sorted({inputs.checkpointing, True}):
+            micro = inputs.micro_batch
+            while micro >= 1:
+                change = {}
+                if mode != inputs.mode:
+                    change["parallel.mode"] = mode
+                if checkpointing != inputs.checkpointing:
+                    change["model.activation_checkpointing"] = checkpointing
+                if micro != inputs.micro_batch:
+                    change["train.micro_batch"] = micro
+                    change["train.grad_accum"] = math.ceil(inputs.grad_accum * inputs.micro_batch / micro)
+                if change:
+                    if mode != inputs.mode and inputs.fsdp_axis != -1:
+                        change["parallel.mesh.fsdp"] = -1  # shard over every chip
+                    trial = dataclasses.replace(inputs, mode=mode, checkpointing=checkpointing, micro_batch=micro,
+                                                fsdp_axis=-1 if mode != inputs.mode else inputs.fsdp_axis,
+                                                grad_accum=change.get("train.grad_accum", inputs.grad_accum))
+                    result = plan(shape, tpu, trial)
+                    if result["fits"]:
+                        candidates.append({"overrides": change, "hbm_per_chip_gib": result["hbm_per_chip_gib"],
+                                           "step_time_s": result["step_time_s"]})
+                        break  # the largest micro-batch that fits under these settings
+                micro //= 2
+    return sorted(candidates, key=lambda c: (len(c["overrides"]), c["step_time_s"]))
+
+
+def mode_advice(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> str:
+    """Which parallel mode to choose for this model on this slice, and why."""
+    whole = plan(shape, tpu, dataclasses.replace(inputs, mode="dp"))
+    if not whole["fits"]:
+        return ("the model with its activations does not fit one chip: parallel.mode=fsdp shards the frozen base over "
+                "the fsdp axis of the mesh (parallel.mesh.fsdp=-1: every chip)")
+    return ("the model fits one chip: parallel.mode=dp (one process per chip) works; parallel.mode=fsdp with "
+            "parallel.mesh.data=-1 parallel.mesh.fsdp=1 is the same data parallelism in one SPMD process per host "
+            "(one compile per host instead of one per chip, and the mesh torch_xla's splash attention needs)")

@@ -1,0 +1,2 @@
+"""A run's bookkeeping: output layout, input checks, checkpoints, resume plan, stop signals,
+replicas (launch, parallel modes, collectives, the hosts' agreement)."""

@@ -1,0 +1,287 @@
+"""Checkpoints: written atomically, marked complete last, never resumed from half-written.
+
+A checkpoint is `phaseN/checkpoints/step_XXXXXXXX/` with
+  adapter_config.json, adapter_model.safetensors   the LoRA weights (a loadable PEFT adapter)
+  optimizer.pt                                     AdamW state, on CPU (moments per LoRA weight, layers unscanned)
+  trainer_state.json                               step, loader position, phase, config hash
+  rng.pt                                           python, numpy and torch RNG states (XLA: seeded per step)
+  COMPLETE                                         written last: {"step", "files": {name: sha256}}
+It is built in a hidden temporary directory, fsynced, renamed into place, and the parent
+directory fsynced; a crash at any moment leaves either no checkpoint or a complete one.
+Leftovers of an interrupted save (hidden temporaries, directories without COMPLETE) are
+removed on the next start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dataset.manifest import content_digest, read_manifest
+from finetuning_pipeline.run.run_layout import RunLayout
+from lora_logic import LoraConfig, load_adapter, per_layer_lora, save_adapter, stacked_lora
+from utils.atomic_io import fsync_dir
+
+COMPLETE = "COMPLETE"
+PREFIX = "step_"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{PREFIX}{step:08d}"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def is_complete(path: Path) -> bool:
+    return (path / COMPLETE).is_file()
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and is_complete(p)]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def clean_partial_checkpoints(root: str | Path) -> list[str]:
+    """Remove what an interrupted save left behind; returns the names removed."""
+    root = Path(root)
+    removed = []
+    if not root.is_dir():
+        return removed
+    for path in root.iterdir():
+        if path.is_dir() and (path.name.startswith(".") or (path.name.startswith(PREFIX) and not is_complete(path))):
+            shutil.rmtree(path)
+            removed.append(path.name)
+    return removed
+
+
+def to_cpu(obj):
+    """A copy of a (nested) state with every tensor moved to contiguous CPU memory."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu").contiguous()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def rng_state() -> dict:
+    """The host RNGs. The XLA RNG is not saved: the trainer seeds it from the step number at
+    every step (trainer.step_seed), which is what makes dropout resume exactly."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def restore_rng_state(state: dict) -> None:
+    """(Checkpoints written before the per-step seed also hold an "xla" entry: ignored.)"""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(root: str | Path, step: int, *, model, optimizer, lora_config: LoraConfig,
+                    base_model: str, trainer_state: dict, keep: int) -> Path:
+    """Write checkpoint `step` under `root` (master only; call `torch_xla.sync()` first)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_name(step)
+    staging = root / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        save_adapter(model, staging, lora_config, base_model)
+        state = optimizer.state_dict()
+        state.update({key: per_layer_lora(model, state[key]) for key in ("exp_avg", "exp_avg_sq")})
+        torch.save(to_cpu(state), staging / "optimizer.pt")
+        torch.save(rng_state(), staging / "rng.pt")
+        (staging / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2) + "\n")
+        files = {p.name: sha256_file(p) for p in sorted(staging.iterdir())}
+        for name in files:
+            with open(staging / name, "rb") as f:
+                os.fsync(f.fileno())
+        marker = staging / COMPLETE
+        marker.write_text(json.dumps({"step": step, "files": files}, indent=2) + "\n")
+        with open(marker, "rb") as f:
+            os.fsync(f.fileno())
+        fsync_dir(staging)
+        if final.exists():  # a re-run of the same step (e.g. after a resume) replaces it
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    prune_checkpoints(root, keep)
+    return final
+
+
+def resume_keys(config, phase: int, manifest: dict | None = None) -> dict:
+    """What a checkpoint records to refuse a resume that would not continue the same run: the
+    settings that decide the result (RunConfig.exactness_keys) and the content of the phase's
+    prepared data (re-preparing into the same directory between a stop and its resume would
+    otherwise silently continue on another stream), and for a phase 2 built on phase 1's
+    adapter, that adapter's digest (phase 1 trained again makes phase 2 another run).
+    manifest: the phase's, if already read."""
+    keys = config.exactness_keys(phase)
+    manifest = manifest if manifest is not None else read_manifest(config.phase(phase).data)
+    keys[f"phase{phase}.data.content"] = content_digest(manifest)
+    if phase == 2 and config.phase2.init != "fresh":
+        weights = RunLayout(config.output_dir).adapter(1) / "adapter_model.safetensors"
+        keys["phase1.adapter"] = sha256_file(weights) if weights.is_file() else None
+    return keys
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    """Keep the `keep` newest complete checkpoints (never fewer than one)."""
+    for old in complete_checkpoints(root)[: -max(1, keep)]:
+        shutil.rmtree(old)
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """The COMPLETE marker's content, after checking every listed file's sha256 and that
+    trainer_state.json reads; a problem is a ValueError naming the file."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such checkpoint directory")
+    if not is_complete(path):
+        raise ValueError(f"{path}: incomplete checkpoint (no {COMPLETE} marker); it was interrupted while saving")
+    marker = read_json(path / COMPLETE)
+    if not isinstance(marker.get("files"), dict) or "trainer_state.json" not in marker["files"]:
+        raise ValueError(f"{path / COMPLETE}: not a checkpoint marker (no file list with trainer_state.json)")
+    for name, digest in marker["files"].items():
+        if not (path / name).is_file() or sha256_file(path / name) != digest:
+            raise ValueError(f"{path / name}: missing or corrupt (sha256 differs from the {COMPLETE} marker)")
+    read_json(path / "trainer_state.json")
+    return marker
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`; a truncated or garbled file is a ValueError naming it."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: unreadable ({err}); the file is truncated or corrupt") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object; the file is corrupt")
+    return value
+
+
+def newest_intact_checkpoint(root: str | Path, report=print) -> Path | None:
+    """The newest complete checkpoint under `root` whose files verify. Each newer one that
+    does not (a flipped byte, a truncated file) is skipped and `report`ed with the reason;
+    when every one fails, a ValueError lists them: a silent fresh start would lose the run."""
+    failures = []
+    for path in reversed(complete_checkpoints(root)):
+        try:
+            verify_checkpoint(path)
+        except (ValueError, OSError) as err:
+            failures.append(str(err))
+            report(f"warning: skipping checkpoint {path.name}: {err}")
+            continue
+        return path
+    if failures:
+        raise ValueError(f"no intact checkpoint under {root} ({'; '.join(failures)})")
+    return None
+
+
+def load_checkpoint(path: str | Path, *, model) -> dict:
+    """Restore the LoRA weights and RNG states from a complete checkpoint into a model whose
+    layers are not scanned yet (load_optimizer_state follows once the optimizer exists);
+    returns the trainer state (step, loader position, ...)."""
+    path = Path(path)
+    verify_checkpoint(path)
+    load_adapter(model, path)
+    restore_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def load_optimizer_state(path: str | Path, *, model, optimizer) -> None:
+    """The optimizer state of checkpoint `path` (verified by load_checkpoint), whose moments are
+    stored per LoRA weight of the unscanned model: stacked for `model`'s scanned layers."""
+    file = Path(path) / "optimizer.pt"
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    try:
+        state.update({key: stacked_lora(model, state[key]) for key in ("exp_avg", "exp_avg_sq")})
+        optimizer.load_state_dict(state)
+    except ValueError as err:
+        raise ValueError(f"{file} does not fit this model's LoRA: {err}") from None
+
+
+class Checkpointer:
+    """A phase's checkpoints: when to save, saving on every replica together, and what a failed
+    write does to the run.
+
+    Every replica calls `save` at the same step; the master writes, then all of them vote on
+    whether the write succeeded (a host collective), so a full disk on the master stops every
+    replica with the same CheckpointWriteError (exit 3) instead of leaving them waiting for a
+    master that has gone."""
+
+    def __init__(
+        self, root: Path, *, every: int, keep: int, collectives, base_model: str, lora_config: LoraConfig
+    ) -> None:
+        self.root = Path(root)
+        self.every = every
+        self.keep = keep
+        self.collectives = collectives
+        self.base_model = base_model
+        self.lora_config = lora_config
+
+    @property
+    def master(self) -> bool:
+        return self.collectives.rank == 0
+
+    def clean(self) -> None:
+        """Remove what an interrupted save left behind (master), before anything is written."""
+        if self.master:
+            clean_partial_checkpoints(self.root)
+        self.collectives.barrier()
+
+    def due(self, step: int, max_steps: int) -> bool:
+        """The periodic cadence (the end of a phase and a stop always save)."""
+        return bool(self.every) and step % self.every == 0 and step < max_steps
+
+    def latest(self) -> Path | None:
+        found = complete_checkpoints(self.root)
+        return found[-1] if found else None
+
+    def save(self, step: int, *, model, optimizer, trainer_state: dict) -> None:
+        """Every replica, at the same step (after the step's `torch_xla.sync()`)."""
+        import torch_xla
+
+        from finetuning_pipeline.errors import CheckpointWriteError
+
+        torch_xla.sync()
+        error = None
+        if self.master:
+            try:
+                save_checkpoint(self.root, step, model=model, optimizer=optimizer, lora_config=self.lora_config,
+                                base_model=self.base_model, trainer_state=trainer_state, keep=self.keep)
+            except OSError as err:
+                error = err
+        if self.collectives.all(error is None):
+            return
+        latest = self.latest()
+        intact = f"The previous checkpoint {latest} is intact" if latest else "No earlier checkpoint exists"
+        if error is None:
+            raise CheckpointWriteError(f"the master could not write checkpoint step {step} under {self.root} (its "
+                                       f"log says why). {intact}; fix it and rerun with --resume auto")
+        raise CheckpointWriteError(
+            f"could not write checkpoint step {step} under {self.root}: {error.strerror or error}. {intact}; "
+            "free space (or fix permissions) and rerun with --resume auto"
+        )

@@ -1,0 +1,104 @@
+"""What a run's inputs must satisfy before any device is touched: the model (a Hub id pinned to
+its commit), the prepared data against the tokenizer and the model, the LoRA targets, the
+phase-1 adapter phase 2 builds on, and an output directory that can be written. main.py runs
+these checks before training, and preflight before planning."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from finetuning_pipeline.errors import ConfigError
+from finetuning_pipeline.run.run_layout import RunLayout
+from finetuning_pipeline.run_config import RunConfig
+from utils.hub_models import model_dir, resolve_model
+
+
+def check_inputs(config: RunConfig, phases: list[int]) -> None:
+    """Everything that can fail before a device is touched; raises ConfigError / DataError /
+    HubModelError."""
+    from transformers import AutoConfig
+
+    from dataset.loader import open_prepared
+    from dataset.manifest import tokenizer_fingerprint
+    from finetuning_pipeline.model.attention_masks import mask_windows
+    from finetuning_pipeline.model.chunked_loss import resolve_chunk_tokens
+    from finetuning_pipeline.model.kernel_attention import choose_attention
+    from finetuning_pipeline.model.loading import check_lora_targets
+    from utils.tokenizer_loading import load_tokenizer
+    from utils.xla_runtime import device_kind
+
+    files = Path(model_dir(config.model.path, config.model.revision))  # a Hub id: its snapshot, pinned by pin_model
+    if not (files / "config.json").is_file():
+        raise ConfigError(f"model.path: {files} has no config.json (a local Hugging Face model directory or a "
+                          "Hub id is expected)")
+    model_config = AutoConfig.from_pretrained(files)
+    try:
+        resolve_chunk_tokens(config.train.loss_chunk_tokens, model_config)
+        mask_windows(model_config)
+        choose_attention(config.model.attention, model_config, on_tpu=device_kind() == "TPU",
+                         spmd_mesh=config.parallel.mode == "fsdp")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    tokenizer = load_tokenizer(config.model.tokenizer or files,
+                               "model.tokenizer" if config.model.tokenizer else "model.path")
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    max_positions = getattr(model_config, "max_position_embeddings", None)
+    for phase in phases:
+        key = f"phase{phase}.data"
+        data = config.phase(phase).data
+        if not data:
+            raise ConfigError(f"{key}: not set (a directory written by `python -m dataset.prepare`)")
+        if not Path(data).is_dir():
+            raise ConfigError(f"{key}: {data} does not exist; run `python -m dataset.prepare ... --out {data}` first")
+        manifest = open_prepared(data, fingerprint=fingerprint, seq_len=config.phase(phase).seq_len,
+                                 setting=f"phase{phase}.seq_len")
+        if manifest["phase"] != phase:
+            raise ConfigError(f"{key}: {data} was prepared as phase {manifest['phase']} data, not phase {phase}")
+        if max_positions is not None and manifest["seq_len"] > max_positions:
+            raise ConfigError(
+                f"{key}: seq_len {manifest['seq_len']} exceeds the model's max_position_embeddings {max_positions}"
+            )
+        if manifest["counts"]["train"] < 1:
+            raise ConfigError(f"{key}: {data} has no training blocks")
+    if 1 in phases or (2 in phases and config.phase2.init != "continue"):
+        try:  # phase 2 `continue` trains the phase-1 adapter, with its own targets
+            check_lora_targets(model_config, config.lora_config())
+        except ValueError as err:
+            raise ConfigError(f"lora.target_modules: {err}") from None
+    if 2 in phases and 1 not in phases and config.phase2.init != "fresh":
+        adapter = RunLayout(config.output_dir).adapter(1)
+        if not (adapter / "adapter_config.json").is_file():
+            raise ConfigError(f"phase2.init={config.phase2.init} needs the phase-1 adapter ({adapter}); "
+                              "run phase 1 first, or set phase2.init=fresh")
+    if config.logging.wandb.project:
+        from finetuning_pipeline.monitor.wandb_log import check_wandb_available
+
+        try:
+            check_wandb_available()
+        except ImportError as err:
+            raise ConfigError(str(err)) from None
+    inputs = {"model.path": str(files), "model.tokenizer": config.model.tokenizer,
+              "phase1.data": config.phase1.data, "phase2.data": config.phase2.data}
+    RunLayout(config.output_dir).check_apart_from(inputs)
+    probe_output_dir(config.output_dir)
+
+
+def pin_model(config: RunConfig) -> None:
+    """A Hub id in model.path is downloaded now, once, and pinned to the commit it resolves to
+    (config.model.revision): every replica loads those files, and the checkpoints and the
+    summary record the commit, so a resume cannot silently train on other weights. A Hub id
+    that cannot be resolved is a HubModelError (exit 2, errors.py)."""
+    config.model.revision = resolve_model(config.model.path, config.model.revision).commit
+
+
+def probe_output_dir(output_dir: str) -> None:
+    """Fail now, not at the first checkpoint, if the outputs cannot be written."""
+    path = Path(output_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"output_dir: cannot write to {path} ({err.strerror}); choose another output_dir") from None

@@ -1,0 +1,156 @@
+"""Where each phase of a run starts, from `--resume` and what is on disk, and whether that
+start is allowed: the resume policy of `main.py`.
+
+  --resume auto    finished phases are skipped while what they were built on is unchanged
+                   (check_finished_phase); an unfinished one continues from its newest
+                   checkpoint that verifies (a damaged newer one is skipped, and said).
+  --resume never   a fresh start; --force replaces only a run's own phase directories.
+  --resume DIR     that checkpoint.
+A resume under settings that would change the result is refused by name (check_resumable),
+unless only optimisation settings changed and the user passed --accept-changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetuning_pipeline.errors import ConfigError
+from finetuning_pipeline.run.checkpointing import newest_intact_checkpoint, read_json, resume_keys, verify_checkpoint
+from finetuning_pipeline.run.collectives import launch_rank
+from finetuning_pipeline.run.run_layout import RunLayout
+from finetuning_pipeline.run_config import RunConfig
+
+
+@dataclass
+class PhasePlan:
+    phase: int
+    resume_from: Path | None  # a complete checkpoint, or None to start the phase fresh
+    replace: bool = False  # --resume never --force: the master removes the phase's old outputs first
+    accepted_changes: dict | None = None  # --accept-changes: {setting: [saved, now]} at the resume
+
+
+def plan_phases(config: RunConfig, phases: list[int], resume: str, force: bool) -> list[PhasePlan]:
+    """Which phases to run and where each starts, from --resume and what is on disk."""
+    layout = RunLayout(config.output_dir)
+    say = print if launch_rank() == 0 else (lambda *args: None)
+    if resume == "auto":
+        plans = []
+        for phase in phases:
+            if layout.summary(phase).is_file():
+                check_finished_phase(config, phase, say)
+                continue
+            try:
+                newest = newest_intact_checkpoint(layout.checkpoints(phase), report=say)
+            except ValueError as err:
+                raise ConfigError(f"--resume auto: {err}. Start phase {phase} over with --phase {phase} --resume never "
+                                  "--force, or pass --resume CHECKPOINT_DIR") from None
+            plans.append(PhasePlan(phase, newest))
+        return plans
+    if resume == "never":
+        existing = [layout.phase_dir(p) for p in phases if layout.phase_dir(p).exists()]
+        if existing and not force:
+            raise ConfigError(f"--resume never: {existing[0]} already exists; pass --force to replace it, "
+                              "or use --resume auto to continue")
+        for phase in phases:
+            foreign = layout.foreign_entries(phase)
+            if foreign:
+                raise ConfigError(f"--resume never --force: {layout.phase_dir(phase)} holds {foreign[0]}, which no run "
+                                  "wrote; --force replaces only a run's own outputs. Move it away, or choose another "
+                                  "output_dir")
+        return [PhasePlan(p, None, replace=layout.phase_dir(p).exists()) for p in phases]
+    checkpoint = Path(resume)
+    try:
+        verify_checkpoint(checkpoint)
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"--resume: {err}") from None
+    phase = read_json(checkpoint / "trainer_state.json")["phase"]
+    if phase not in phases:
+        raise ConfigError(f"--resume: {checkpoint} is a phase-{phase} checkpoint but --phase selects {phases}")
+    return [PhasePlan(phase, checkpoint)] + [PhasePlan(p, None) for p in phases if p > phase]
+
+
+def check_resumable(config: RunConfig, plans: list[PhasePlan], accept_changes: bool = False) -> None:
+    """Refuse to resume a checkpoint under settings, or on prepared data, that would change
+    the result, naming each change. (Keys a checkpoint does not record, from an older version,
+    are not compared.) With accept_changes, optimisation settings may differ: the plan records
+    them and the run says it is no longer exact."""
+    for plan in plans:
+        if plan.resume_from is None:
+            continue
+        saved = read_json(plan.resume_from / "trainer_state.json").get("exactness", {})
+        current = resume_keys(config, plan.phase)
+        changed = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
+        if changed and accept_changes:
+            fixed = [k for k in changed if k not in TUNABLE_ON_RESUME]
+            if fixed:
+                raise ConfigError(f"--accept-changes: {plan.resume_from} cannot continue under another "
+                                  + ", ".join(f"{k} ({saved[k]!r} -> {current[k]!r})" for k in fixed)
+                                  + ": the checkpoint's weights, data position or random streams belong to the old "
+                                  "one. Restore it, or start over with --resume never --force")
+            plan.accepted_changes = {k: [saved[k], current[k]] for k in changed}
+            if launch_rank() == 0:
+                print(f"phase {plan.phase}: resuming {plan.resume_from} with changed settings ("
+                      + ", ".join(f"{k}: {saved[k]!r} -> {current[k]!r}" for k in changed)
+                      + "); the run is no longer the one an uninterrupted run would give (recorded in the summary)")
+            continue
+        if changed:
+            details = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
+            data_key = f"phase{plan.phase}.data.content"
+            hint = (f" (the prepared data in {config.phase(plan.phase).data} is not what the checkpoint trained on: "
+                    "it was prepared again from other inputs or options)") if data_key in changed else ""
+            if "phase1.adapter" in changed:
+                hint += " (phase 1 was trained again since this phase-2 checkpoint was built on its adapter)"
+            if "model.revision" in changed:
+                hint += (f" (the Hub model's revision is another commit now: set model.revision="
+                         f"{saved.get('model.revision')} to resume on the weights the checkpoint trained)")
+            raise ConfigError(
+                f"--resume: {plan.resume_from} was saved under other settings ({details}){hint}; resuming would not "
+                "give the run you started. Restore them, start over with --resume never --force, or (optimisation "
+                "settings only) continue anyway with --accept-changes"
+            )
+
+
+# What --accept-changes lets differ at a resume: how the optimizer steps, not what it trains
+# (model, LoRA shape, data, seed: the checkpoint's weights and data position would not fit).
+TUNABLE_ON_RESUME = frozenset({
+    "train.lr", "train.warmup_steps", "train.min_lr_ratio", "train.weight_decay", "train.betas", "train.eps",
+    "train.max_grad_norm", "train.max_steps", "train.loss_chunk_tokens",
+    "phase1.lr", "phase2.lr", "phase1.max_steps", "phase2.max_steps",
+})
+# What a phase is built on: when one changed, its finished outputs no longer belong to this config.
+PHASE_INPUTS = ("model.path", "model.revision", "phase1.data.content", "phase2.data.content", "phase1.adapter")
+
+
+def check_finished_phase(config: RunConfig, phase: int, say) -> None:
+    """A finished phase is skipped by --resume auto, unless what it was built on changed since
+    (a re-prepared dataset, another base, phase 1 trained again under phase 2): then it is
+    refused, naming the change. Other changed settings are pointed out, not refused."""
+    layout = RunLayout(config.output_dir)
+    try:
+        saved = read_json(layout.summary(phase)).get("settings") or {}
+    except ValueError as err:
+        raise ConfigError(
+            f"--resume auto: {err}; rerun the phase with --phase {phase} --resume never --force"
+        ) from None
+    current = resume_keys(config, phase)
+    changed = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
+    inputs = [k for k in changed if k in PHASE_INPUTS]
+    if inputs:
+        why = {"phase1.adapter": "phase 1 was trained again since phase 2 was built on its adapter",
+               f"phase{phase}.data.content": f"{config.phase(phase).data} was prepared again from other inputs",
+               "model.path": "the base model is another one",
+               "model.revision": "the base model's Hub revision is another commit"}
+        raise ConfigError(
+            f"phase {phase} ({layout.phase_dir(phase)}) finished on other inputs: "
+            + "; ".join(why.get(k, k) for k in inputs)
+            + f". Train it again on these with --phase {phase} --resume never --force, or restore them"
+        )
+    note = ""
+    if changed:
+        note = (
+            " (it finished under other settings: "
+            + ", ".join(f"{k}: {saved[k]!r} -> {current[k]!r}" for k in changed)
+            + f"; to train it with these, pass --phase {phase} --resume never --force)"
+        )
+    say(f"phase {phase}: already finished ({layout.summary(phase)}); skipping{note}")

@@ -1,0 +1,157 @@
+"""Stopping on request: SIGTERM (a spot VM's preemption notice, `kill`) or SIGINT (Ctrl-C).
+
+A signal only sets a flag in the process that received it. At every step boundary the
+replicas vote on their flags (a host collective, no device sync: collectives.py), so when any
+replica was signalled, all of them stop after the same step, checkpoint it together, and exit
+0; the same command then resumes. A preempted VM signals every process; a stray `kill` of one
+worker stops the whole run the same way instead of leaving the others waiting for it.
+
+Python runs signal handlers on a process's main thread only, and only the main thread can
+install them. A TPU host runs its replicas on worker threads (launch.py, as torch_xla.launch
+does), so the handlers are installed per process, by whoever owns its main thread: the
+launcher in each worker process before it starts the replica threads, or `StopOnSignal` when
+the replica itself runs on the main thread (one process, torchrun, fsdp). Every replica of the
+process reads the same flag.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class ProcessSignals:
+    """This process's stop flag: SIGTERM/SIGINT set it instead of killing the process. A second
+    signal is not special: use SIGKILL to stop at once (the next start resumes from the last
+    complete checkpoint)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.received: str | None = None
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        """On the main thread: catch the stop signals until `restore()`."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("stop signal handlers can only be installed on a process's main thread; start the "
+                               "replicas with finetuning_pipeline.run.launch, which installs them per process")
+        self.event.clear()
+        self.received = None
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        self.request(signal.Signals(signum).name)
+
+    def request(self, reason: str) -> None:
+        """Stop as a signal would (the launcher's watch of its parent: launch.py)."""
+        self.received = reason
+        self.event.set()
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+# One per process: every replica thread of a process shares it (and its signals).
+PROCESS_SIGNALS = ProcessSignals()
+
+
+class StopOnSignal:
+    """One replica's reasons to stop: within the `with` block, a stop signal to its process
+    (PROCESS_SIGNALS), or `budget` (train.max_wall_time) running out. On the main thread it
+    installs the process's handlers itself; on a worker thread they must be installed already
+    (launch.py does), or it refuses to start: a replica that cannot be stopped cleanly would
+    lose everything since its last checkpoint at a preemption."""
+
+    def __init__(self, budget: "WallClockBudget | None" = None, signals: ProcessSignals = PROCESS_SIGNALS) -> None:
+        self.signals = signals
+        self.budget = budget
+        self._owner = False
+
+    def requested(self) -> bool:
+        """Asked once per step (StopVote)."""
+        return self.signals.event.is_set() or (self.budget is not None and self.budget.exhausted())
+
+    @property
+    def received(self) -> str | None:
+        return self.signals.received
+
+    def reason(self) -> str:
+        if self.received:
+            return self.received
+        if self.budget is not None and self.budget.hit:
+            return f"the session budget (train.max_wall_time={self.budget.label})"
+        return "another replica's request"
+
+    def after_stop(self, step: int, phase: int, resume_command: str) -> str:
+        """What the master prints once every replica has stopped and the checkpoint is written."""
+        if not self.received and self.budget is not None and self.budget.hit:
+            return (f"stopped before {self.reason()} ran out, after a checkpoint at step {step} of phase {phase}; "
+                    f"the next session continues with the same command:\n  {resume_command}")
+        return (f"stopped on {self.reason()} after a checkpoint at step {step} of phase {phase}; resume with:\n"
+                f"  {resume_command}")
+
+    def __enter__(self) -> "StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            self.signals.install()
+            self._owner = True
+        elif not self.signals.installed:
+            raise RuntimeError(
+                "this replica runs on a worker thread and its process catches no stop signal: a "
+                "preemption would kill it without a checkpoint. Start replicas with "
+                "finetuning_pipeline.run.launch (it installs the handlers on each process's main thread)"
+            )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._owner:
+            self.signals.restore()
+            self._owner = False
+
+
+class StopVote:
+    """`due()` is True on every replica once any replica's stop flag is set: every step, so a
+    30-second preemption notice is honoured within one step, however long `logging.every` is."""
+
+    def __init__(self, collectives, requested=lambda: False) -> None:
+        self.collectives = collectives
+        self.requested = requested
+
+    def due(self) -> bool:
+        return self.collectives.any(self.requested())
+
+
+class WallClockBudget:
+    """train.max_wall_time: a session that ends without a signal (Kaggle's 9 hours, Colab's
+    less). `exhausted()` is asked once per step; it is True once the time left is less than
+    twice the slowest interval between two asks so far (a step, plus an evaluation or a
+    checkpoint when one fell in between), so the stop's checkpoint is written before the
+    budget runs out. The clock runs from the start of the process."""
+
+    def __init__(self, seconds: float | None, started: float, clock=time.time, label: str = "") -> None:
+        self.seconds = seconds
+        self.label = label  # the budget as configured, for messages
+        self.started = started
+        self.clock = clock
+        self.slowest = 0.0
+        self.hit = False
+        self._last: float | None = None
+
+    def exhausted(self) -> bool:
+        if self.seconds is None:
+            return False
+        now = self.clock()
+        if self._last is not None:
+            self.slowest = max(self.slowest, now - self._last)
+        self._last = now
+        self.hit = self.hit or now - self.started + 2 * self.slowest >= self.seconds
+        return self.hit

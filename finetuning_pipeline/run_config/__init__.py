@@ -1,0 +1,22 @@
+"""The run configuration: its schema (a leaf: no runtime module), the YAML loader with
+key=value overrides, the validation. What the rest of the code imports comes from here."""
+
+from finetuning_pipeline.errors import ConfigError
+from finetuning_pipeline.run_config.load import load_config, read_config_file
+from finetuning_pipeline.run_config.schema import (
+                                                   CheckpointConfig,
+                                                   EvalConfig,
+                                                   LoggingConfig,
+                                                   ModelConfig,
+                                                   ParallelConfig,
+                                                   PhaseConfig,
+                                                   RunConfig,
+                                                   TpuConfig,
+                                                   TrainConfig,
+                                                   WandbConfig,
+                                                   XlaConfig,
+)
+
+__all__ = ["CheckpointConfig", "ConfigError", "EvalConfig", "LoggingConfig", "ModelConfig", "ParallelConfig",
+           "PhaseConfig", "RunConfig", "TpuConfig", "TrainConfig", "WandbConfig", "XlaConfig", "load_config",
+           "read_config_file"]

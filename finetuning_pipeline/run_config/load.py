@@ -1,0 +1,139 @@
+"""Building the RunConfig from YAML and dotted `key=value` overrides, with the key (and the
+file) named in every error. Override values are parsed as YAML scalars, so `train.lr=3e-4`,
+`model.activation_checkpointing=true` and `lora.target_modules=[q_proj,v_proj]` all work."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+from finetuning_pipeline.errors import ConfigError
+from finetuning_pipeline.run_config.schema import RunConfig
+from finetuning_pipeline.run_config.validate import validate
+from utils.yaml_file import read_yaml_mapping
+
+
+def _coerce(value, annotation, key: str):
+    """Check `value` against a field's annotation; ints are accepted where floats are expected."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Literal:  # every choice of every setting is checked here
+        if value not in args:
+            choices = [str(a) for a in args]
+            raise ConfigError(f"{key} must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is float and isinstance(value, str):
+        try:  # PyYAML reads "3e-4" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if annotation in (int, float, str, bool):
+        if not isinstance(value, annotation) or (annotation is int and isinstance(value, bool)):
+            raise ConfigError(f"{key}: expected {annotation.__name__}, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls, data: dict, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown key {prefix}{unknown[0]}; known keys under {prefix or 'the top level'}: {sorted(known)}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        annotation = hints[name]
+        if dataclasses.is_dataclass(annotation):
+            kwargs[name] = _build(annotation, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, annotation, f"{prefix}{name}")
+    try:
+        return cls(**kwargs)
+    except ValueError as err:  # a section's own checks (LoraConfig's) name their keys
+        raise ConfigError(str(err)) from None
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Apply one `dotted.key=value` to the nested dict `data` (value parsed as YAML)."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r}: expected key=value, e.g. train.max_steps=100")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    parts = renamed(key).split(".")
+    node = data
+    cls = RunConfig
+    for depth, part in enumerate(parts):
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in names:
+            where = ".".join(parts[:depth]) or "the top level"
+            raise ConfigError(f"override {key}: unknown key {part!r} under {where}; known: {sorted(names)}")
+        annotation = typing.get_type_hints(cls)[part]
+        if depth == len(parts) - 1:
+            node[part] = value
+        else:
+            if not dataclasses.is_dataclass(annotation):
+                raise ConfigError(f"override {key}: {'.'.join(parts[: depth + 1])} is not a section")
+            node = node.setdefault(part, {})
+            cls = annotation
+
+
+def read_config_file(path: str | Path) -> dict:
+    """The YAML mapping in `path`; every way a file can fail to be one is a ConfigError naming it."""
+    data = read_yaml_mapping(path, ConfigError, "a mapping of sections (model:, train:, ...)")
+    if data is None:
+        raise ConfigError(f"{path}: the config is empty; start from one in finetuning_pipeline/configs/ "
+                          "(at least model.path and phase1.data / phase2.data)")
+    for old in RENAMED:
+        section, name = old.split(".")
+        if isinstance(data.get(section), dict) and name in data[section]:
+            data[section][renamed(old).split(".")[1]] = data[section].pop(name)
+    return data
+
+
+# Keys that were renamed: the old name still works, with a note saying the new one.
+RENAMED = {"model.gradient_checkpointing": "model.activation_checkpointing"}
+
+
+def renamed(key: str) -> str:
+    if key in RENAMED:
+        print(f"note: {key} is now called {RENAMED[key]}; the old name still works", file=sys.stderr)
+        return RENAMED[key]
+    return key
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """The validated RunConfig from a YAML file (or defaults) and dotted overrides."""
+    data = read_config_file(path) if path is not None else {}
+    try:
+        for override in overrides:
+            apply_override(data, override)
+        config = _build(RunConfig, data, "")
+        validate(config)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}" if path else str(err)) from None
+    return config

@@ -1,0 +1,286 @@
+"""The run configuration's schema: one documented dataclass per section, and the choices a
+setting can take as `Literal` types. A leaf: it imports no runtime module (torch, torch_xla,
+the trainer), so reading and checking a config is cheap and safe anywhere; `load.py` builds it
+from YAML and overrides, `validate.py` checks what a type cannot say.
+
+    cfg = load_config("finetuning_pipeline/configs/demo.yaml", ["train.max_steps=20", "lora.r=4"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lora_logic.config import LoraConfig
+
+Dtype = Literal["bfloat16", "float32", "float16"]
+Attention = Literal["auto", "dense", "splash", "flash"]
+RecompilePolicy = Literal["error", "warn"]
+WandbMode = Literal["online", "offline", "disabled"]
+ParallelMode = Literal["dp", "fsdp"]
+Launcher = Literal["auto", "tpu", "process"]
+PhaseInit = Literal["continue", "merge", "fresh"]
+
+
+@dataclass
+class ModelConfig:
+    """path: a local Hugging Face model directory (config.json + weights), or a Hub id
+        (`google/gemma-3-270m`: downloaded once into the Hugging Face cache, safetensors and
+        tokenizer files only; see utils/hub_models.py).
+    revision: a Hub id's branch, tag or commit (default: main). The run pins it to the commit
+        it resolves to: the summary records it, and a resume on another commit is refused.
+    tokenizer: tokenizer directory; defaults to `path`.
+    dtype: weights' dtype on the device: bfloat16 on TPU; float32 for exact CPU tests.
+    activation_checkpointing: recompute each decoder layer's activations in the backward (less
+        HBM, ~30% more compute); `model.gradient_checkpointing`, its old name, is accepted.
+    attention: "auto" (a Pallas kernel on TPU where it covers the model: splash under
+        parallel.mode=fsdp, flash under dp for models without window or soft-cap; dense
+        elsewhere, and the log says why), "dense", "splash" or "flash" (TPU only; refused where
+        the kernel cannot run the model). See finetuning_pipeline/model/kernel_attention.py.
+    """
+
+    path: str = ""
+    revision: str | None = None
+    tokenizer: str | None = None
+    dtype: Dtype = "bfloat16"
+    activation_checkpointing: bool = False
+    attention: Attention = "auto"
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, shared by both phases unless a phase overrides max_steps or lr.
+
+    max_steps: optimizer steps per phase.
+    micro_batch: sequences per replica per forward (the per-chip batch).
+    grad_accum: micro-batches per optimizer step; global batch = micro_batch * grad_accum * replicas.
+    lr: peak learning rate (AdamW, LoRA parameters only).
+    warmup_steps: linear warm-up from lr/warmup_steps (never 0: a zero LR is a separate XLA graph).
+    min_lr_ratio: the cosine decay ends at lr * min_lr_ratio (> 0 for the same reason).
+    weight_decay, betas, eps: AdamW's.
+    max_grad_norm: global gradient-norm clip; 0 disables.
+    max_bad_steps: a step whose loss or gradient norm is NaN/inf is skipped on the device
+        (adapter and optimizer unchanged) and counted; this many in a row stop the run.
+    seed: model init of LoRA weights, dropout and data order.
+    max_wall_time: a session budget such as "8h30m" (Kaggle ends sessions at 9 h, Colab sooner,
+        without a signal): the run checkpoints and exits 0 before it is spent, and the same
+        command continues in the next session. None: no budget.
+    loss_chunk_tokens: tokens per chunk of the output projection and loss, so the full
+        [tokens, vocab] logits never exist (finetuning_pipeline/model/chunked_loss.py). None (default):
+        about 256 MiB of fp32 logits per chunk for the model types the chunked loss is verified
+        on, full logits otherwise; 0: full logits.
+    warmup_compiles_steps: steps after which no new graph may compile (the recompile guard);
+        a phase compiles two graphs (a training step, an eval batch), both before or in step 1.
+    recompile_policy: "error" stops the run at a recompile after warm-up, "warn" logs it.
+    capture_step: trace the step once and replay its compiled graph (step_capture.py), with
+        the micro-batches in one XLA loop (micro_batch_loop.py): host time per step and compile
+        time do not grow with grad_accum. false traces every step (the reference path: the
+        same numbers, for debugging).
+    scan_layers: run the decoder layers as one XLA loop over their weights stacked once
+        (lora_logic/layer_scan.py): one layer is traced and compiled whatever the depth, so
+        compile time does not grow with the number of layers. Unset (the default): scanned
+        where the model allows it (identical layers, no dropout of the model's own,
+        parallel.mode dp) and has 16 layers or more, the layer loop otherwise, and the log
+        says why; true: scanned or an error saying why not (preflight says it too); false:
+        the layer loop. Checkpoints and adapters are the same either way (a run may resume
+        with the other setting).
+    """
+
+    max_steps: int = 100
+    micro_batch: int = 4
+    grad_accum: int = 1
+    lr: float = 2e-4
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    max_bad_steps: int = 10
+    seed: int = 0
+    loss_chunk_tokens: int | None = None
+    max_wall_time: str | None = None
+    warmup_compiles_steps: int = 1
+    recompile_policy: RecompilePolicy = "error"
+    capture_step: bool = True
+    scan_layers: bool | None = None
+
+
+@dataclass
+class EvalConfig:
+    """every: eval every N optimizer steps (and always at the start and end of a phase); 0: only those.
+    micro_batch: eval batch per replica; defaults to train.micro_batch.
+    max_batches: cap on eval batches per replica (None: the whole eval split; 0: no evaluation,
+        reported as "no eval data", never as a loss)."""
+
+    every: int = 0
+    micro_batch: int | None = None
+    max_batches: int | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    """every: save every N optimizer steps (and at the end of each phase); 0: only at the end.
+    keep: how many complete checkpoints to keep per phase (the newest is never deleted)."""
+
+    every: int = 0
+    keep: int = 2
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases (optional: `pip install 'tpu-lora[wandb]'`; see wandb_log.py).
+    project: set it to log each phase as a W&B run there (the same records as metrics.jsonl,
+        the config, the summary); unset (default): no W&B.
+    entity, name: the W&B entity, and the run name's stem (default: output_dir's name).
+    mode: online, offline or disabled; default: W&B's own (WANDB_MODE)."""
+
+    project: str | None = None
+    entity: str | None = None
+    name: str | None = None
+    mode: WandbMode | None = None
+
+
+@dataclass
+class LoggingConfig:
+    """every: log loss, lr, grad norm, tokens/s every N steps (through a step closure, no sync).
+    tensorboard: also write TensorBoard events under output_dir/phaseN/tb.
+    progress_bar: a tqdm bar on the master process.
+    wandb: Weights & Biases, off unless wandb.project is set."""
+
+    every: int = 10
+    tensorboard: bool = True
+    progress_bar: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class MeshConfig:
+    """The SPMD mesh of parallel.mode=fsdp: data x fsdp = every chip of the run; -1 takes the
+    chips the other axis leaves. The frozen base is sharded over `fsdp` (each chip holds 1/fsdp
+    of every matrix) and the batch over both axes. fsdp=-1 (default): shard over every chip,
+    for models that do not fit one chip. data=-1 fsdp=1: pure data parallelism in one SPMD
+    process per host (one compile per host; Pallas splash attention needs this mesh)."""
+
+    data: int = 1
+    fsdp: int = -1
+
+
+@dataclass
+class ParallelConfig:
+    """mode: "dp": one process per chip, each with the whole model, gradients all-reduced (for
+    models that fit one chip's HBM). "fsdp": one SPMD process per host over a (data, fsdp)
+    mesh of every chip (see mesh). Both give the same steps for the same global batch; see
+    finetuning_pipeline/run/parallel.py and the README for which to choose.
+    host_timeout_s: how long a replica waits for the others at a host collective (a stop
+    vote, a checkpoint) before it gives up and exits (a hung peer; a dead one fails at once).
+    launcher: how the replicas are started (finetuning_pipeline/run/launch.py). "auto": the TPU
+    host's way on a TPU (a process per chip, a replica thread per device), this process (or
+    torchrun's processes) on a CPU. "tpu": the TPU host's way on a CPU too, the rehearsal of a
+    TPU run (CPU_NUM_DEVICES=2: two replica threads in one process, as on TPU v2/v3).
+    "process": this process is the one replica.
+    single_chip: train on one chip of a multi-chip host (chip 0), one replica: sets the
+    environment torch_xla and libtpu read (TPU_VISIBLE_CHIPS=0, TPU_PROCESS_BOUNDS=1,1,1,
+    TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1; a value you exported wins). On a CPU: one device."""
+
+    mode: ParallelMode = "dp"
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    host_timeout_s: float = 1800.0
+    launcher: Launcher = "auto"
+    single_chip: bool = False
+
+
+@dataclass
+class XlaConfig:
+    """compile_cache_dir: XLA's persistent compilation cache, so a restarted or resumed run (a
+    preempted spot VM) loads its compiled graphs instead of compiling them again. "auto":
+    ~/.cache/tpu-lora/xla (XDG_CACHE_HOME respected) on TPU, off on XLA:CPU (it cannot load
+    its entries there); "" turns it off; a path turns it on. Each process gets its own
+    subdirectory, keyed by torch_xla version, device type and parallel mode."""
+
+    compile_cache_dir: str = "auto"
+
+
+@dataclass
+class TpuConfig:
+    """What `python -m finetuning_pipeline.preflight` plans for (training itself uses whatever
+    devices it finds).
+    type: the accelerator type as gcloud names it, e.g. v5e-8, v6e-8, v5p-16, v4-32.
+    assumed_mfu: the fraction of peak bf16 FLOP/s the plan assumes a step reaches.
+    compile_s_per_layer: seconds to compile a phase's graphs per decoder layer, which the plan
+        adds to every session (a warm xla.compile_cache_dir loads them instead). The default is
+        what `make bench-host` measured on XLA:CPU for the layer loop (13.1 s for 32 layers); a
+        TPU run's summary reports compile_seconds: divide by the layers and set it here.
+    compile_s_scanned: the same for a run whose decoder layers are scanned (train.scan_layers:
+        one layer compiled whatever the depth), per phase and session; the default is what
+        `make bench-host` measured on XLA:CPU; a TPU run's summary compile_seconds sets it."""
+
+    type: str = "v5e-8"
+    assumed_mfu: float = 0.4
+    compile_s_per_layer: float = 0.41
+    compile_s_scanned: float = 2.8
+
+
+@dataclass
+class PhaseConfig:
+    """data: a directory written by `python -m dataset.prepare` for this phase.
+    seq_len: the sequence length the data is prepared at (optional): checked against the data's
+        manifest, and what preflight plans with before the data exists.
+    max_steps, lr: override train.max_steps / train.lr for this phase.
+    init (phase 2 only): "continue" trains the phase-1 adapter further; "merge" merges it into
+    the base weights and starts a fresh adapter; "fresh" starts a fresh adapter on the
+    untouched base (instruction tuning only)."""
+
+    data: str = ""
+    seq_len: int | None = None
+    max_steps: int | None = None
+    lr: float | None = None
+    init: PhaseInit = "continue"
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "outputs/run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # lora_logic's own, fields and checks
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    tpu: TpuConfig = field(default_factory=TpuConfig)
+    xla: XlaConfig = field(default_factory=XlaConfig)
+    phase1: PhaseConfig = field(default_factory=PhaseConfig)
+    phase2: PhaseConfig = field(default_factory=PhaseConfig)
+
+    def lora_config(self) -> LoraConfig:
+        return dataclasses.replace(self.lora)  # a copy: the caller may keep it
+
+    def phase(self, number: int) -> PhaseConfig:
+        return self.phase1 if number == 1 else self.phase2
+
+    def max_steps(self, number: int) -> int:
+        return self.phase(number).max_steps or self.train.max_steps
+
+    def lr(self, number: int) -> float:
+        return self.phase(number).lr or self.train.lr
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def exactness_keys(self, phase: int) -> dict:
+        """The settings a resumed phase must share with the run that saved the checkpoint for
+        the result to equal an uninterrupted run's (logging, eval and checkpoint cadence may change).
+        micro_batch and grad_accum may change with the number of chips as long as the global
+        batch stays the same: the trainer checks that product itself."""
+        flat = {"model.path": self.model.path, "model.revision": self.model.revision, "model.dtype": self.model.dtype}
+        flat.update({f"lora.{k}": v for k, v in dataclasses.asdict(self.lora).items()})
+        skip = {"warmup_compiles_steps", "recompile_policy", "max_bad_steps", "micro_batch", "grad_accum",
+                "max_wall_time", "capture_step", "scan_layers"}
+        flat.update({f"train.{k}": v for k, v in dataclasses.asdict(self.train).items() if k not in skip})
+        phase_cfg = dataclasses.asdict(self.phase(phase))
+        if phase == 1:
+            phase_cfg.pop("init")
+        flat.update({f"phase{phase}.{k}": v for k, v in phase_cfg.items()})
+        return flat

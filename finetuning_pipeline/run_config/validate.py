@@ -1,0 +1,107 @@
+"""What a setting's type cannot say: the domain of every number, and the settings that
+depend on each other. Needs no files; `finetuning_pipeline.run.input_checks` checks the
+model, data and outputs a config names."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from finetuning_pipeline.errors import ConfigError
+from finetuning_pipeline.run_config.schema import RunConfig
+from utils.durations import parse_duration
+
+
+def non_finite_settings(node, prefix: str = "") -> list[tuple[str, float]]:
+    """(key, value) of every float setting (in lists too) that is NaN or infinite: a NaN passes
+    every `<` check (a NaN clip norm would switch clipping off), so finiteness comes first."""
+    found = []
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            found += non_finite_settings(value, f"{key}.")
+        elif isinstance(value, list):
+            found += [(f"{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, float) and not math.isfinite(v)]
+        elif isinstance(value, float) and not math.isfinite(value):
+            found.append((key, value))
+    return found
+
+
+def validate(config: RunConfig) -> None:
+    """Checks that need no files (the choices of Literal settings are checked as the config is
+    built, load.py); `run.input_checks` adds the ones that do. Every numeric setting is checked
+    for its domain here, before any device is touched."""
+    for key, value in non_finite_settings(config)[:1]:
+        raise ConfigError(f"{key} must be a finite number, got {value}")
+    if not config.output_dir.strip():
+        raise ConfigError("output_dir: empty; set a directory for the run's outputs (e.g. outputs/run1): an empty "
+                          "one would write into the current directory")
+    if not config.model.path.strip():
+        raise ConfigError("model.path: not set; set it to a local Hugging Face model directory (config.json, weights "
+                          "and tokenizer files) or a Hub id such as google/gemma-3-270m")
+    t = config.train
+    positive = {
+        "train.max_steps": t.max_steps, "train.micro_batch": t.micro_batch, "train.grad_accum": t.grad_accum,
+        "train.warmup_steps": t.warmup_steps, "checkpoint.keep": config.checkpoint.keep,
+        "logging.every": config.logging.every, "train.max_bad_steps": t.max_bad_steps,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    for key, value in {"eval.every": config.eval.every, "checkpoint.every": config.checkpoint.every,
+                       "train.max_grad_norm": t.max_grad_norm, "train.weight_decay": t.weight_decay}.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    if t.max_wall_time is not None:
+        try:
+            if parse_duration(t.max_wall_time) <= 0:
+                raise ValueError(f"train.max_wall_time must be positive, got {t.max_wall_time!r}")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 0:
+        raise ConfigError(f"train.loss_chunk_tokens must be >= 0 (0: full logits), got {t.loss_chunk_tokens}")
+    if t.warmup_compiles_steps < 0:
+        raise ConfigError(f"train.warmup_compiles_steps must be >= 0, got {t.warmup_compiles_steps}")
+    if not 0 <= t.seed < 2**32 - 2:  # numpy's seed range, less the phase number added to it
+        raise ConfigError(f"train.seed must be >= 0 and < {2**32 - 2}, got {t.seed}")
+    if not t.eps > 0:
+        raise ConfigError(f"train.eps must be > 0 (AdamW divides by sqrt(v) + eps), got {t.eps}")
+    if config.eval.micro_batch is not None and config.eval.micro_batch < 1:
+        raise ConfigError(f"eval.micro_batch must be >= 1 (or unset: train.micro_batch), got {config.eval.micro_batch}")
+    if config.eval.max_batches is not None and config.eval.max_batches < 0:
+        raise ConfigError(f"eval.max_batches must be >= 0 (0: no evaluation; unset: the whole eval split), "
+                          f"got {config.eval.max_batches}")
+    if not t.lr > 0:
+        raise ConfigError(f"train.lr must be > 0, got {t.lr}")
+    if not 0 < t.min_lr_ratio <= 1:
+        raise ConfigError(
+            f"train.min_lr_ratio must be in (0, 1] (a zero LR costs an extra XLA graph), got {t.min_lr_ratio}"
+        )
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        raise ConfigError(f"train.betas must be two numbers in [0, 1), got {t.betas}")
+    mesh = config.parallel.mesh
+    for key, value in (("parallel.mesh.data", mesh.data), ("parallel.mesh.fsdp", mesh.fsdp)):
+        if value == 0 or value < -1:
+            raise ConfigError(
+                f"{key} must be a chip count >= 1, or -1 for the chips the other axis leaves; got {value}"
+            )
+    if mesh.data == -1 and mesh.fsdp == -1:
+        raise ConfigError("parallel.mesh: at most one of data and fsdp may be -1")
+    if config.parallel.single_chip and config.parallel.mode != "dp":
+        raise ConfigError("parallel.single_chip: one chip is one replica under parallel.mode=dp; set "
+                          "parallel.mode=dp, or leave single_chip false")
+    if not config.parallel.host_timeout_s > 0:
+        raise ConfigError(f"parallel.host_timeout_s must be > 0, got {config.parallel.host_timeout_s}")
+    if not 0 < config.tpu.assumed_mfu <= 1:
+        raise ConfigError(f"tpu.assumed_mfu must be in (0, 1], got {config.tpu.assumed_mfu}")
+    for key in ("compile_s_per_layer", "compile_s_scanned"):
+        if not getattr(config.tpu, key) >= 0:
+            raise ConfigError(f"tpu.{key} must be >= 0, got {getattr(config.tpu, key)}")
+    for number in (1, 2):
+        phase = config.phase(number)
+        if phase.seq_len is not None and phase.seq_len < 2:
+            raise ConfigError(f"phase{number}.seq_len must be >= 2, got {phase.seq_len}")
+        if phase.max_steps is not None and phase.max_steps < 1:
+            raise ConfigError(f"phase{number}.max_steps must be >= 1, got {phase.max_steps}")
+        if phase.lr is not None and not phase.lr > 0:
+            raise ConfigError(f"phase{number}.lr must be > 0, got {phase.lr}")

@@ -1,0 +1,116 @@
+"""AdamW whose update can be skipped on the device, for the non-finite-loss policy.
+
+Same arithmetic as `torch.optim.AdamW` (decoupled weight decay, bias-corrected moments,
+eps added after the square root), with three differences that matter on XLA:
+- `step(apply)` takes a boolean device tensor: where it is False, parameters, moments and
+  the step count keep their old values (`torch.where`), so a step with a NaN loss changes
+  nothing and no host ever has to look at the loss to decide;
+- all state, the step count included, lives on the device from construction (the moments as
+  two flat vectors), so the first step traces the same graph as every later one (torch's
+  AdamW creates its state lazily, which costs one extra graph, and keeps its step count on
+  the host);
+- `lr` may be a device tensor (the trainer reads it from a schedule table on the device).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from utils.xla_runtime import device_zeros
+
+
+class MaskedAdamW:
+    def __init__(self, params: list[torch.nn.Parameter], lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        self.params = list(params)
+        self.sizes = [p.numel() for p in self.params]
+        self.lr = lr
+        self.beta1, self.beta2 = betas
+        self.eps = eps
+        self.weight_decay = weight_decay
+        device, dtype = self.params[0].device, self.params[0].dtype
+        self.steps = device_zeros(1, torch.float32, device)  # updates applied so far
+        # The moments of all parameters as one flat vector each: the update is then a dozen
+        # operations on two vectors instead of a dozen per parameter (on XLA every operation
+        # is traced on the host each step: 8.6 of a 42 ms step on the small benchmark model).
+        self.exp_avg_flat = device_zeros(sum(self.sizes), dtype, device)
+        self.exp_avg_sq_flat = device_zeros(sum(self.sizes), dtype, device)
+
+    def _unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [chunk.view(p.shape) for chunk, p in zip(torch.split(flat, self.sizes), self.params)]
+
+    @property
+    def exp_avg(self) -> list[torch.Tensor]:
+        return self._unflatten(self.exp_avg_flat)
+
+    @property
+    def exp_avg_sq(self) -> list[torch.Tensor]:
+        return self._unflatten(self.exp_avg_sq_flat)
+
+    def flat_grad(self) -> torch.Tensor:
+        """Every parameter's `.grad`, concatenated in parameter order."""
+        return torch.cat([p.grad.reshape(-1) for p in self.params])
+
+    @torch.no_grad()
+    def step(self, apply: torch.Tensor | None = None, grad: torch.Tensor | None = None) -> None:
+        """One update; skipped wherever `apply` is False. `grad`: the flat gradient (as
+        `flat_grad()` lays it out) when the caller already built it, else the `.grad`s.
+
+        A skipped step multiplies the update by 0; the gradient is first made NaN-free, and
+        the bias correction uses at least one step, so that 0 never meets NaN or inf.
+        """
+        device = self.steps.device
+        if apply is None:
+            apply = torch.ones((), dtype=torch.bool, device=device)
+        g = self.flat_grad() if grad is None else grad
+        gate = apply.to(torch.float32).reshape(())  # 1.0 applies the update, 0.0 keeps all as it is
+        lr = self.lr.reshape(()) if isinstance(self.lr, torch.Tensor) else self.lr
+        steps = self.steps.reshape(()) + gate
+        counted = torch.clamp(steps, min=1.0)
+        bias_correction1 = 1 - self.beta1 ** counted
+        bias_correction2_sqrt = torch.sqrt(1 - self.beta2 ** counted)
+        g = torch.where(apply, g, torch.zeros_like(g))
+        # m += (1 - beta1) * gate * (g - m);  v += (1 - beta2) * gate * (g^2 - v)
+        self.exp_avg_flat.add_((g - self.exp_avg_flat) * (gate * (1 - self.beta1)))
+        self.exp_avg_sq_flat.add_((g * g - self.exp_avg_sq_flat) * (gate * (1 - self.beta2)))
+        # p -= gate * (lr * wd * p + lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps))
+        denom = torch.sqrt(self.exp_avg_sq_flat) / bias_correction2_sqrt + self.eps
+        update = self.exp_avg_flat / denom * (gate * lr / bias_correction1)
+        flat_params = torch.cat([p.reshape(-1) for p in self.params])
+        if self.weight_decay:
+            update = update + flat_params * (gate * lr * self.weight_decay)
+        for param, new in zip(self.params, self._unflatten(flat_params - update)):
+            param.copy_(new)
+        self.steps.copy_(steps.reshape(1))
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [self.steps, self.exp_avg_flat, self.exp_avg_sq_flat]
+
+    def zero_grad(self) -> None:
+        """Drop the gradients (set to None, as torch's optimizers do by default): the next
+        backward creates them inside its graph, so they are neither graph inputs nor outputs."""
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        """On the host, with per-parameter moments (the checkpoint format does not depend on the
+        flat layout). Each flat vector crosses to the host once and is split there: `.cpu()` of
+        each device-side slice would compile a small graph per parameter."""
+        exp_avg, exp_avg_sq = ([t.clone() for t in self._unflatten(flat.cpu())]
+                               for flat in (self.exp_avg_flat, self.exp_avg_sq_flat))
+        return {"steps": self.steps.cpu(), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq,
+                "hyper": {"betas": [self.beta1, self.beta2], "eps": self.eps, "weight_decay": self.weight_decay}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["exp_avg"]) != len(self.params):
+            raise ValueError(
+                f"optimizer state has {len(state['exp_avg'])} tensors, the model {len(self.params)} parameters"
+            )
+        for saved, param in zip(state["exp_avg"] + state["exp_avg_sq"], self.params + self.params):
+            if saved.shape != param.shape:
+                raise ValueError(f"optimizer state shape {tuple(saved.shape)} does not match {tuple(param.shape)}")
+        with torch.no_grad():
+            self.steps.copy_(state["steps"].to(self.steps.device))
+            for target, saved in ((self.exp_avg_flat, state["exp_avg"]), (self.exp_avg_sq_flat, state["exp_avg_sq"])):
+                flat = torch.cat([t.reshape(-1) for t in saved]).to(dtype=target.dtype)
+                target.copy_(flat.to(target.device))

@@ -1,0 +1,74 @@
+"""The evaluation loop, shared by the trainer (every replica, on the XLA device) and the
+`evaluate` command (one process, CPU or XLA): mean next-token loss per label token over a
+prepared split, and its perplexity. The loss is the trainer's (`step.eval_sums`), so the two
+report the same figure for the same model and data.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dataset.loader import iter_eval_batches
+from finetuning_pipeline.model.chunked_loss import auto_chunk_tokens
+from finetuning_pipeline.run.collectives import Collectives
+from finetuning_pipeline.train.step import eval_sums
+from utils.xla_runtime import device_counter, to_host
+
+NO_EVAL_DATA = {"loss": None, "perplexity": None, "label_tokens": 0}
+
+
+def describe_eval(result: dict) -> str:
+    """One line for a log: the loss and perplexity, or that there was nothing to evaluate."""
+    if result["loss"] is None:
+        return "no eval data (the eval split is empty, or eval.max_batches is 0)"
+    return (
+        f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} over {result['label_tokens']} label tokens"
+    )
+
+
+def evaluate_loss(model, data_dir: str, *, micro_batch: int, pad_id: int, packed: bool, device,
+                  split: str = "eval", max_batches: int | None = None, loss_chunk: int | None = None,
+                  collectives: Collectives | None = None, input_sharding=None, replicate=lambda tensors: None) -> dict:
+    """{"loss", "perplexity", "label_tokens"} over `split`, every block counted once across the
+    replicas of `collectives` (each reads its share). A split without label tokens (an empty
+    eval split, max_batches=0) has no loss: loss and perplexity are None, never a perfect 0. On an
+    XLA device every batch runs the same small graph and the totals are read once, at the end: one
+    host sync per evaluation.
+    loss_chunk: tokens per loss chunk (None: the model's default, chunked_loss.auto_chunk_tokens).
+    replicate: marks the running sums' sharding under SPMD (Parallel.replicate)."""
+    collectives = collectives or Collectives()
+    if max_batches == 0:
+        return dict(NO_EVAL_DATA)
+    if loss_chunk is None:
+        loss_chunk = auto_chunk_tokens(model.config)
+    xla = device.type == "xla"
+    if xla:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+    was_training = model.training
+    model.eval()
+    loss_sum, count = device_counter(0, device), device_counter(0, device)  # data: every batch runs one graph
+    replicate([loss_sum, count])
+    batches = iter_eval_batches(data_dir, micro_batch, pad_id=pad_id, split=split, rank=collectives.rank,
+                                world_size=collectives.world)
+    for index, batch in enumerate(batches):
+        if max_batches is not None and index >= max_batches:
+            break
+        if xla:
+            batch = xm.send_cpu_data_to_device(batch, device, input_sharding)
+        else:
+            batch = {name: tensor.to(device) for name, tensor in batch.items()}
+        batch_loss, batch_count = eval_sums(model, batch, packed, loss_chunk)
+        loss_sum = loss_sum + batch_loss
+        count = count + batch_count
+        if xla:
+            torch_xla.sync()  # one small graph per batch, the same every time
+    loss_sum, count = collectives.sum_device([loss_sum, count])
+    if xla:
+        torch_xla.sync()
+    total_loss, total_count = to_host(loss_sum, count)
+    model.train(was_training)
+    if total_count == 0:
+        return dict(NO_EVAL_DATA)
+    loss = total_loss / total_count
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "label_tokens": int(total_count)}

@@ -1,0 +1,152 @@
+"""One optimizer step on the device, and the seeds of its random numbers.
+
+`Stepper` runs a step as two captured graphs (step_capture.py): the gradients of every
+micro-batch (one XLA loop: micro_batch_loop.py) and the update; the sums over replicas sit
+between them. `step.train_step` is the same step traced every time (train.capture_step=false).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from finetuning_pipeline.model.chunked_loss import resolve_chunk_tokens
+from finetuning_pipeline.model.scan_choice import model_dropouts
+from finetuning_pipeline.run.parallel import Parallel
+from finetuning_pipeline.run_config import TrainConfig
+from finetuning_pipeline.train.adamw import MaskedAdamW
+from finetuning_pipeline.train.lr_schedule import lr_table
+from finetuning_pipeline.train.micro_batch_loop import summed_over_micro_batches
+from finetuning_pipeline.train.step import apply_update, micro_batch_gradients, train_step
+from finetuning_pipeline.train.step_capture import CapturedStep
+from utils.xla_runtime import device_counter
+
+
+def step_seed(seed: int, phase: int, rank: int, step: int) -> int:
+    """The XLA RNG seed of one training step (distinct per phase, replica and step; < 2**63)."""
+    return (((seed * 3 + phase) * 1_000_003 + rank) * 1_000_000_007 + step) % (2**63 - 1)
+
+
+def micro_batch_seeds(seed: int, phase: int, rank: int, step: int, count: int) -> list[int]:
+    """The seed of each micro-batch of a step: torch_xla's RNG seed for it and, mod 2**31, its
+    LoRA dropout masks' (lora_logic/dropout.py)."""
+    first = step_seed(seed, phase, rank, step)
+    return [(first * 1_000_003 + i) % (2**63 - 1) for i in range(count)]
+
+
+
+class Stepper:
+    """One optimizer step on the device: the micro-batches' seeds (LoRA dropout masks, torch_xla's
+    RNG), the LR from the schedule table, gradients, the sums over replicas, the update, and the
+    running label-token count. The step count lives on the device (an integer [1]: see
+    device_zeros), so nothing per step crosses from the host but the seeds.
+
+    With train.capture_step (the default) the gradients (all micro-batches, in one XLA loop)
+    and the update are each traced once, at the first step, and replayed after (step_capture.py);
+    the sums over replicas sit between the two, as they need a host round trip under torchrun
+    on a CPU. Otherwise `step.train_step` traces everything every step."""
+
+    def __init__(self, model, optimizer, train: TrainConfig, *, phase: int, lr: float, max_steps: int,
+                 activation_checkpointing: bool, parallel: Parallel, device, start_step: int, packed: bool) -> None:
+        """train: the train section (seed, clipping, schedule shape, chunked loss, capture_step);
+        lr, max_steps: the phase's peak LR and length; activation_checkpointing: the model's
+        layers are recomputed in the backward (model.activation_checkpointing)."""
+        t = train
+        self.model, self.optimizer, self.parallel, self.device = model, optimizer, parallel, device
+        self.seed, self.phase, self.packed = t.seed, phase, packed
+        self.loss_chunk = resolve_chunk_tokens(t.loss_chunk_tokens, model.config)
+        self.max_grad_norm = t.max_grad_norm
+        self.step_count = torch.tensor([start_step]).to(device)
+        self.schedule = lr_table(peak=lr, warmup_steps=t.warmup_steps, total_steps=max_steps,
+                                 min_lr_ratio=t.min_lr_ratio).to(device)
+        self.label_tokens = device_counter(0, device)
+        self.keys: list[str] = []
+        self.gradients = self.update = None
+        self.capture_note = None
+        dropouts = model_dropouts(model.config) if activation_checkpointing else {}
+        if t.capture_step and dropouts:
+            # torch random numbers in a recomputed layer cannot be replayed (step_capture.lower refuses them)
+            named = ", ".join(f"{name} {p}" for name, p in dropouts.items())
+            self.capture_note = (f"the step is traced every time: dropout in the model ({named}) with activation "
+                                 "checkpointing draws random numbers the captured step cannot replay")
+        elif t.capture_step:
+            # The traced functions are bound to the pieces they read, not to this Stepper: a
+            # CapturedStep holding the Stepper's own methods would be a reference cycle that kept
+            # the phase's model and optimizer alive after it (until a garbage collection happened
+            # to run), while the next phase loads its own.
+            self.gradients = CapturedStep(
+                functools.partial(gradient_sums, model, optimizer, self.keys, packed, self.loss_chunk),
+                functools.partial(model_state, model), name="gradients")
+            self.update = CapturedStep(functools.partial(update_from_sums, optimizer, self.max_grad_norm),
+                                       functools.partial(optimizer_state, optimizer), name="update")
+
+    def device_state(self) -> list[torch.Tensor]:
+        return [self.step_count, self.schedule, self.label_tokens]
+
+    def __call__(self, step: int, micro_batches: list[dict]) -> dict:
+        # The random numbers of step k (LoRA and the model's dropout) depend on (seed, phase,
+        # rank, k) and the micro-batch only, so a resumed run draws the masks the uninterrupted
+        # one drew: restoring torch_xla's saved RNG state did not (same state read back,
+        # different masks: verified with lora.dropout 0.1). New seeds each step are data for
+        # the graph, not a recompile.
+        seeds = micro_batch_seeds(self.seed, self.phase, self.parallel.rank, step, len(micro_batches))
+        micro_batches = [{**batch, "lora_seed": torch.tensor([seed % 2**31], dtype=torch.int32).to(self.device)}
+                         for batch, seed in zip(micro_batches, seeds)]
+        if self.gradients is None:
+            self.optimizer.lr = self.schedule[self.step_count]
+            results = train_step(self.model, self.optimizer, micro_batches, max_grad_norm=self.max_grad_norm,
+                                 collectives=self.parallel.collectives, packed=self.packed,
+                                 loss_chunk=self.loss_chunk, seeds=seeds)
+        else:
+            self.keys[:] = sorted(micro_batches[0])  # (the gradients' partial holds this list)
+            inputs = [batch[k] for batch in micro_batches for k in self.keys]
+            inputs.append(torch.tensor(seeds, dtype=torch.int64).to(self.device))
+            if not self.gradients.captured:
+                self._capture(inputs)
+            sums = self.gradients(inputs)
+            sums = [sums["grad"], sums["loss_total"], sums["tokens"]]
+            sums = self.parallel.collectives.sum_device(sums)
+            lr = self.schedule[self.step_count]
+            results = self.update(sums + [lr])
+            self.optimizer.lr = lr  # (the update's trace left its example there)
+        self.label_tokens = self.label_tokens + results["tokens"]
+        self.step_count = self.step_count + 1
+        return {**results, "lr": self.optimizer.lr}
+
+    def _capture(self, inputs: list[torch.Tensor]) -> None:
+        """Both traces, before anything of the first step is pending (see CapturedStep.capture):
+        the gradients on the first step's inputs, the update on zeros of their results' shapes."""
+        sums = self.gradients.capture(inputs)
+        examples = [torch.zeros(sums[k][0], dtype=sums[k][1]) for k in ("grad", "loss_total", "tokens")]
+        examples.append(torch.zeros(self.step_count.shape, dtype=self.schedule.dtype))
+        self.update.capture([t.to(self.device) for t in examples])
+
+
+
+def model_state(model) -> list[torch.Tensor]:
+    return list(model.parameters()) + list(model.buffers())
+
+
+def optimizer_state(optimizer: MaskedAdamW) -> list[torch.Tensor]:
+    return optimizer.params + optimizer.state_tensors()
+
+
+def gradient_sums(model, optimizer: MaskedAdamW, keys: list[str], packed: bool, loss_chunk,
+                  inputs: list[torch.Tensor]) -> dict:
+    """Traced once: the step's micro-batches (flat, `keys` order) and their seeds -> sums."""
+    per_batch = len(keys)
+    micro_batches = [dict(zip(keys, inputs[i:i + per_batch])) for i in range(0, len(inputs) - 1, per_batch)]
+    grad, loss_total, tokens = summed_over_micro_batches(
+        lambda batch: micro_batch_gradients(model, optimizer, batch, packed, loss_chunk),
+        micro_batches, inputs[-1], reads=model_state(model))
+    # [1], not 0-dim: the update is traced on zeros of these shapes, and a 0-dim zero
+    # reaches the device as a constant, not as data.
+    return {"grad": grad, "loss_total": loss_total.reshape(1), "tokens": tokens.reshape(1)}
+
+
+def update_from_sums(optimizer: MaskedAdamW, max_grad_norm: float, inputs: list[torch.Tensor]) -> dict:
+    """Traced once: the summed gradient, loss and label tokens, and the LR -> the update."""
+    grad, loss_total, tokens, lr = inputs
+    optimizer.lr = lr
+    return apply_update(optimizer, grad, loss_total.reshape(()), tokens.reshape(()), max_grad_norm)

@@ -1,0 +1,82 @@
+"""The recompile guard: no new graph after warm-up (an error, or a warning), counted from where the
+phase (re)started, with the host syncs per step. torch_xla's counters are replaced by a script of
+readings, so what is tested is the guard's arithmetic, not which graphs this process has cached
+(the trainer's own runs check the real counters, each in a fresh process: tests/e2e/test_trainer.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetuning_pipeline.errors import RecompileError
+from finetuning_pipeline.monitor import compile_guard
+from utils.xla_counters import XlaCounters
+
+
+class Counters:
+    """torch_xla's process-wide counters, advanced by hand: `compile()` and `sync()` are what a
+    step did since the last reading."""
+
+    def __init__(self) -> None:
+        self.now = XlaCounters(compiles=0, compile_seconds=0.0, host_syncs=0, transfers_from_device=0)
+
+    def __call__(self) -> XlaCounters:
+        return self.now
+
+    def add(self, compiles: int = 0, syncs: int = 0) -> None:
+        self.now = XlaCounters(self.now.compiles + compiles, self.now.compile_seconds + 2.0 * compiles,
+                               self.now.host_syncs + syncs, self.now.transfers_from_device)
+
+
+def run_steps(guard, counters, first: int, graphs_per_step: dict[int, int], syncs_per_step: dict[int, int] = {}):
+    for step in range(first, first + len(graphs_per_step)):
+        guard.step_started()
+        guard.data_ready()
+        counters.add(compiles=graphs_per_step[step], syncs=syncs_per_step.get(step, 0))
+        guard.step_ended(step)
+
+
+@pytest.fixture
+def counters(monkeypatch):
+    fake = Counters()
+    monkeypatch.setattr(compile_guard, "read_counters", fake)
+    return fake
+
+
+def test_graphs_compiled_in_the_warm_up_steps_are_allowed_and_counted(counters):
+    counters.add(compiles=1)  # before the phase: not the phase's
+    guard = compile_guard.CompileGuard(phase=1, warmup_steps=1, policy="error")
+    counters.add(compiles=1)  # the eval graph, before step 1
+    run_steps(guard, counters, 1, {1: 1, 2: 0, 3: 0, 4: 0})
+    summary = guard.summary(steps_run=4, tokens_per_step=128)
+    assert summary["compiles_total"] == 2 and summary["compile_seconds"] == 4.0
+    assert summary["compiles_after_warmup"] == 0 and summary["host_syncs_per_step"] == 0
+    assert summary["tokens_per_sec"] > 0
+
+
+def test_a_graph_after_warm_up_stops_the_run_naming_the_step(counters):
+    guard = compile_guard.CompileGuard(phase=2, warmup_steps=1, policy="error")
+    with pytest.raises(RecompileError, match=r"phase 2 step 3: 1 new XLA graph\(s\) compiled after warm-up"):
+        run_steps(guard, counters, 1, {1: 1, 2: 0, 3: 1})
+
+
+def test_warn_counts_every_graph_after_warm_up_and_goes_on(counters, capsys):
+    guard = compile_guard.CompileGuard(phase=1, warmup_steps=2, policy="warn")
+    run_steps(guard, counters, 1, {1: 1, 2: 1, 3: 2, 4: 0, 5: 1}, syncs_per_step={4: 1})
+    assert guard.compiles_after_warmup == 3
+    assert capsys.readouterr().out.count("warning: phase 1 step") == 2
+    assert guard.summary(steps_run=5, tokens_per_step=1)["host_syncs_per_step"] == pytest.approx(1 / 3)
+
+
+def test_a_resumed_phase_warms_up_from_its_first_step(counters):
+    """Resumed at step 10: step 11 compiles the step's graph (warm-up); step 12 may not."""
+    guard = compile_guard.CompileGuard(phase=1, warmup_steps=1, policy="error")
+    guard.resume_at(10)
+    run_steps(guard, counters, 11, {11: 1, 12: 0})
+    with pytest.raises(RecompileError, match="step 13"):
+        run_steps(guard, counters, 13, {13: 1})
+
+
+def test_no_warm_up_allowed_refuses_the_first_steps_graph(counters):
+    guard = compile_guard.CompileGuard(phase=1, warmup_steps=0, policy="error")
+    with pytest.raises(RecompileError, match="step 1:"):
+        run_steps(guard, counters, 1, {1: 1})

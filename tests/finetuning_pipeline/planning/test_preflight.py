@@ -1,0 +1,158 @@
+"""`python -m finetuning_pipeline.preflight`: checks, the HBM/time plan, and the CPU rehearsal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from conftest import REPO
+from trainer_helpers import SEQ_LEN, run_preflight, write_run_config
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from finetuning_pipeline import preflight
+from finetuning_pipeline.planning.tpu_chips import parse_tpu_type
+from finetuning_pipeline.planning.tpu_plan import ModelShape
+from lora_logic import DEFAULT_TARGET_MODULES, LoraConfig, inject_lora, lora_parameters
+
+CONFIGS = REPO / "finetuning_pipeline" / "configs"
+MISTRAL = CONFIGS / "mistral7b_v6e8.yaml"
+SHIPPED = sorted(p.name for p in preflight.SHIPPED_CONFIGS.iterdir() if p.is_dir())
+
+
+@pytest.mark.parametrize(
+    "tpu_type, mode, fits",
+    [("v5e-8", "dp", False), ("v5e-8", "fsdp", True), ("v6e-8", "dp", True)],
+)
+def test_mistral_7b_plan(tmp_path, tpu_type, mode, fits):
+    code, report = run_preflight(tmp_path, MISTRAL, f"tpu.type={tpu_type}", f"parallel.mode={mode}")
+    assert report["fits"] is fits and code == (0 if fits else 1)
+    assert report["model_config"].endswith("model_configs/Mistral-7B-v0.3/config.json")  # before any download
+    for key in ("hbm_per_chip_gib", "hbm_capacity_gib", "step_time_s", "tokens_per_sec", "tpu_hours"):
+        assert report[key] > 0, key
+    phase = report["phases"]["phase1"]
+    assert phase["inputs"]["tpu_type"] == tpu_type
+    assert phase["inputs"]["mode"] == mode and phase["inputs"]["seq_len"] == 2048
+    assert phase["inputs"]["base_params"] == 7_248_023_552 and phase["inputs"]["lora_params"] == 41_943_040
+    assert report["hbm_capacity_gib"] == pytest.approx(14.9 if tpu_type == "v5e-8" else 29.8, abs=0.05)
+    # 13.5 GiB of bf16 weights per chip under dp; an eighth (plus two gathered layers) under fsdp.
+    assert phase["hbm_breakdown_gib"]["weights"] == pytest.approx(13.5 if mode == "dp" else 2.5, abs=0.05)
+    assert phase["activations_gib_with_checkpointing"] < phase["activations_gib_without_checkpointing"]
+    if not fits:
+        assert phase["to_fit"][0]["overrides"] == {"parallel.mode": "fsdp"}
+    assert report["checks"]["lora_targets"]["status"] == "passed"
+    assert report["checks"]["data"]["status"] == "skipped"  # the model is not downloaded here
+
+
+def test_the_plan_scales_with_the_slice_and_the_steps(tmp_path):
+    _, v6e8 = run_preflight(tmp_path / "a", MISTRAL, "tpu.type=v6e-8")
+    _, v6e16 = run_preflight(tmp_path / "b", MISTRAL, "tpu.type=v6e-16", "train.max_steps=1000", "phase2.max_steps=500")
+    # Twice the chips: twice the global batch per step at the same step time; half the steps.
+    assert v6e16["step_time_s"] == pytest.approx(v6e8["step_time_s"], rel=1e-3)
+    assert v6e16["tokens_per_sec"] == pytest.approx(2 * v6e8["tokens_per_sec"], rel=1e-3)
+    # Half the steps, the same compile (one per phase; the layers scanned: tpu.compile_s_scanned).
+    compile_h = {name: sum(p["compile_s"] for p in r["phases"].values()) / 3600 for name, r in
+                 (("v6e8", v6e8), ("v6e16", v6e16))}
+    assert compile_h["v6e8"] == compile_h["v6e16"] == pytest.approx(2 * 2.8 / 3600, abs=1e-4)
+    assert v6e16["tpu_hours"] - compile_h["v6e16"] == pytest.approx((v6e8["tpu_hours"] - compile_h["v6e8"]) / 2,
+                                                                    rel=1e-2)
+
+
+def test_compile_time_follows_the_layers_not_grad_accum_and_counts_every_session(tmp_path):
+    loop = ("train.scan_layers=false", "tpu.compile_s_per_layer=10", "train.grad_accum=8")
+    _, captured = run_preflight(tmp_path / "a", MISTRAL, *loop)
+    _, traced = run_preflight(tmp_path / "b", MISTRAL, *loop, "train.capture_step=false")
+    assert captured["phases"]["phase1"]["compile_s"] == 320  # 32 layers x 10 s, once for the 8 micro-batches
+    assert traced["phases"]["phase1"]["compile_s"] == 8 * 320  # traced: the graph holds 8 micro-batches
+    _, sessions = run_preflight(tmp_path / "c", MISTRAL, *loop, "train.max_wall_time=20m")
+    phase = sessions["phases"]["phase1"]
+    steps_h = captured["phases"]["phase1"]["tpu_hours"] - 320 / 3600
+    assert phase["sessions"] > 1
+    assert phase["tpu_hours"] == pytest.approx(steps_h + phase["sessions"] * 320 / 3600, abs=2e-3)
+
+
+def test_scanned_layers_compile_once_whatever_the_depth_where_the_model_allows(tmp_path):
+    """The plan asks a weightless model what the trainer will do: Mistral's identical layers
+    are scanned (tpu.compile_s_scanned, whatever layers and grad_accum) except under fsdp;
+    Gemma 3's sliding and full layers differ, so it compiles per layer."""
+    _, scanned = run_preflight(tmp_path / "a", MISTRAL, "tpu.compile_s_scanned=7", "train.grad_accum=8")
+    assert scanned["phases"]["phase1"]["compile_s"] == 7 and scanned["phases"]["phase1"]["inputs"]["scanned_layers"]
+    _, fsdp = run_preflight(tmp_path / "b", MISTRAL, "tpu.compile_s_per_layer=10", "parallel.mode=fsdp")
+    assert fsdp["phases"]["phase1"]["compile_s"] == 320 and not fsdp["phases"]["phase1"]["inputs"]["scanned_layers"]
+    _, gemma = run_preflight(tmp_path / "c", CONFIGS / "gemma3_270m_single_chip.yaml", "tpu.compile_s_per_layer=10")
+    assert (
+        gemma["phases"]["phase1"]["compile_s"] == 18 * 10 and not gemma["phases"]["phase1"]["inputs"]["scanned_layers"]
+    )
+
+
+def test_scan_layers_true_on_a_model_that_cannot_be_scanned_is_refused_on_the_cpu(tmp_path, capsys):
+    """Not after the model has loaded on a rented TPU: preflight asks a weightless model."""
+    code, _ = run_preflight(tmp_path, CONFIGS / "gemma3_270m_single_chip.yaml", "train.scan_layers=true")
+    assert code == 2
+    assert "train.scan_layers=true, but decoder layers 0 and 5 differ in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_the_plans_layer_shapes_match_the_architecture(name):
+    """The projection shapes the FLOP and LoRA counts use are the real model's."""
+    config = AutoConfig.from_pretrained(preflight.SHIPPED_CONFIGS / name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    inject_lora(model, LoraConfig(r=16, alpha=32))
+    shape = ModelShape.from_config(config)
+    assert shape.lora_params(16, list(DEFAULT_TARGET_MODULES)) == sum(p.numel() for p in lora_parameters(model))
+    assert (
+        shape.matmul_params
+        < shape.total_params
+        == sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+    )
+
+
+@pytest.mark.parametrize(
+    "tpu_type, chips, devices, hosts",
+    [("v5e-8", 8, 8, 1), ("v5litepod-16", 16, 16, 4), ("v6e-8", 8, 8, 1), ("v4-8", 4, 4, 1), ("v4-32", 16, 16, 4),
+     ("v5p-8", 4, 4, 1), ("v3-8", 4, 8, 1)],
+)
+def test_accelerator_types(tpu_type, chips, devices, hosts):
+    tpu = parse_tpu_type(tpu_type)
+    assert (tpu.chips, tpu.devices, tpu.hosts) == (chips, devices, hosts)
+
+
+def test_bad_inputs_name_what_to_fix(tmp_path, capsys):
+    code, _ = run_preflight(tmp_path, MISTRAL, "tpu.type=v9-8")
+    assert code == 2 and "tpu.type 'v9-8'" in capsys.readouterr().err
+    code, _ = run_preflight(tmp_path, MISTRAL, "model.path=models/NoSuchModel-1B")
+    assert code == 2 and "no shipped copy matches" in capsys.readouterr().err
+    code, _ = run_preflight(tmp_path, MISTRAL, "phase1.seq_len=null")
+    assert code == 2 and "phase1.seq_len" in capsys.readouterr().err
+    code, report = run_preflight(tmp_path, MISTRAL, "tpu.type=v6e-8", "lora.target_modules=[q_proj,c_attn]")
+    assert code == 1 and report["checks"]["lora_targets"]["status"] == "failed"
+    assert "c_attn" in report["checks"]["lora_targets"]["detail"]
+
+
+def test_data_is_checked_against_the_tokenizer_and_seq_len(tmp_path, tiny_model_dir, data):
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out")
+    code, report = run_preflight(tmp_path, config, f"phase1.seq_len={SEQ_LEN * 2}")
+    assert code == 1 and report["checks"]["data"]["status"] == "failed"
+    assert f"phase1.seq_len is {SEQ_LEN * 2}" in report["checks"]["data"]["detail"]
+
+
+@pytest.mark.parametrize("tpu_type, attention, fits", [("v6e-8", "auto", True), ("v6e-8", "dense", False),
+                                                        ("v5e-8", "auto", False)])
+def test_a_9b_model_at_32k_context_fits_a_v6e_8_only_with_kernel_attention(tmp_path, tpu_type, attention, fits):
+    """Gemma 2 9B at seq_len 32,768 under fsdp with activation checkpointing and the chunked
+    loss: splash attention (what auto picks on an SPMD mesh) keeps no [heads, L, L] scores."""
+    config = tmp_path / "gemma2_9b_32k.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"path": "models/gemma-2-9b", "dtype": "bfloat16", "activation_checkpointing": True},
+        "train": {"max_steps": 100, "micro_batch": 1, "grad_accum": 4}, "parallel": {"mode": "fsdp"},
+        "phase1": {"data": str(tmp_path / "none1"), "seq_len": 32768},
+        "phase2": {"data": str(tmp_path / "none2"), "seq_len": 32768}}))
+    code, report = run_preflight(tmp_path, config, f"tpu.type={tpu_type}", f"model.attention={attention}")
+    phase = report["phases"]["phase1"]
+    assert report["fits"] is fits and code == (0 if fits else 1)
+    assert phase["inputs"]["seq_len"] == 32768 and phase["inputs"]["attention"] == (
+        "splash" if attention == "auto" else "dense"
+    )
+    assert phase["hbm_breakdown_gib"]["logits"] < 1  # one chunk of 256 tokens x 256k vocabulary
+    if attention == "dense":
+        assert phase["hbm_breakdown_gib"]["activations"] > 60  # the [heads, L, L] scores of a layer

@@ -1,0 +1,144 @@
+"""Checkpoints on disk: every piece of state round-trips, interrupted saves are never resumed."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, tiny_causal_lm
+
+from finetuning_pipeline.run.checkpointing import (
+    clean_partial_checkpoints,
+    complete_checkpoints,
+    load_checkpoint,
+    load_optimizer_state,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from finetuning_pipeline.train.adamw import MaskedAdamW
+from lora_logic import LoraConfig, inject_lora, lora_parameters, lora_state_dict
+
+
+def model_and_optimizer(seed: int = 0):
+    model = tiny_causal_lm("mistral", seed=seed)
+    config = LoraConfig(r=4, alpha=8)
+    inject_lora(model, config)
+    optimizer = MaskedAdamW(lora_parameters(model), lr=1e-2)
+    return model, optimizer, config
+
+
+def take_a_step(model, optimizer):
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    model(tokens, labels=tokens, use_cache=False).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def save(root, step, model, optimizer, config, keep=3, state=None):
+    return save_checkpoint(root, step, model=model, optimizer=optimizer, lora_config=config, base_model="tiny",
+                           trainer_state=state or {"phase": 1}, keep=keep)
+
+
+def test_every_piece_of_state_round_trips_through_files(tmp_path):
+    model, optimizer, config = model_and_optimizer()
+    take_a_step(model, optimizer)
+    random.seed(11)
+    np.random.seed(12)
+    torch.manual_seed(13)
+    path = save(tmp_path, 7, model, optimizer, config, state={"phase": 1, "eval_before": {"loss": 2.5}})
+    expected_draws = (random.random(), np.random.rand(), torch.rand(1).item())
+
+    fresh, fresh_optimizer, _ = model_and_optimizer(seed=1)
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    state = load_checkpoint(path, model=fresh)
+    load_optimizer_state(path, model=fresh, optimizer=fresh_optimizer)
+    assert state == {"phase": 1, "eval_before": {"loss": 2.5}, "step": 7}
+    for key, value in lora_state_dict(model).items():
+        assert torch.equal(lora_state_dict(fresh)[key], value), key
+    assert torch.equal(fresh_optimizer.steps, optimizer.steps)
+    for a, b in zip(fresh_optimizer.exp_avg + fresh_optimizer.exp_avg_sq, optimizer.exp_avg + optimizer.exp_avg_sq):
+        assert torch.equal(a, b)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected_draws  # RNG restored
+    assert sorted(p.name for p in path.iterdir()) == [
+        "COMPLETE", "adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json"
+    ]
+
+
+def test_keep_last_k_and_order(tmp_path):
+    model, optimizer, config = model_and_optimizer()
+    for step in (2, 4, 10, 6):  # a resumed run may write an older step after a newer one
+        save(tmp_path, step, model, optimizer, config, keep=2)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000006", "step_00000010"]
+
+
+def test_corrupt_file_is_detected(tmp_path):
+    model, optimizer, config = model_and_optimizer()
+    path = save(tmp_path, 1, model, optimizer, config)
+    data = bytearray((path / "optimizer.pt").read_bytes())
+    data[-10] ^= 0xFF
+    (path / "optimizer.pt").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="optimizer.pt: missing or corrupt"):
+        verify_checkpoint(path)
+
+
+WRITER = textwrap.dedent("""
+    import os, signal, sys, torch
+    sys.path[:0] = sys.argv[2:]  # this test's folder and tests/ (conftest)
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    from utils.xla_runtime import init_xla_device
+    init_xla_device()
+    from test_checkpointing import model_and_optimizer, save
+    import finetuning_pipeline.run.checkpointing as ckpt
+    model, optimizer, config = model_and_optimizer()
+    save(sys.argv[1], 2, model, optimizer, config)
+    real_save = torch.save
+    def save_then_die(obj, path, *a, **k):
+        real_save(obj, path, *a, **k)
+        if str(path).endswith("optimizer.pt"):
+            os.kill(os.getpid(), signal.SIGKILL)  # the writer dies in the middle of checkpoint 4
+    ckpt.torch.save = save_then_die
+    save(sys.argv[1], 4, model, optimizer, config)
+""")
+
+
+def test_a_writer_killed_midway_leaves_no_checkpoint_that_looks_complete(tmp_path):
+    root = tmp_path / "checkpoints"
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, "-c", WRITER, str(root), str(here), str(REPO / "tests")],
+                          capture_output=True, text=True, env={**os.environ, "PJRT_DEVICE": "CPU"}, cwd=REPO)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    leftovers = [p.name for p in root.iterdir()]
+    assert "step_00000002" in leftovers and any(name.startswith(".step_00000004") for name in leftovers)
+    assert [p.name for p in complete_checkpoints(root)] == ["step_00000002"]  # never the half-written one
+    assert clean_partial_checkpoints(root) == [n for n in leftovers if n.startswith(".")]
+    assert [p.name for p in root.iterdir()] == ["step_00000002"]
+    verify_checkpoint(root / "step_00000002")
+
+
+def test_a_directory_without_marker_is_incomplete(tmp_path):
+    model, optimizer, config = model_and_optimizer()
+    path = save(tmp_path, 3, model, optimizer, config)
+    (path / "COMPLETE").unlink()
+    assert complete_checkpoints(tmp_path) == []
+    with pytest.raises(ValueError, match="incomplete checkpoint"):
+        verify_checkpoint(path)
+    assert clean_partial_checkpoints(tmp_path) == ["step_00000003"]
+
+
+def test_nan_weights_are_never_saved(tmp_path):
+    model, optimizer, config = model_and_optimizer()
+    with torch.no_grad():
+        lora_parameters(model)[0][0, 0] = float("nan")
+    with pytest.raises(ValueError, match="refusing to write NaN/inf"):
+        save(tmp_path, 1, model, optimizer, config)
+    assert complete_checkpoints(tmp_path) == [] and list(tmp_path.iterdir()) == []

@@ -1,0 +1,89 @@
+"""The resume plan (run/resume_plan.py): where each phase starts for --resume auto / never / DIR,
+and which resumes and finished phases are refused, on output directories laid out by hand. The
+runs that stop and resume for real are in tests/e2e/test_resume.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from trainer_helpers import write_run_config
+
+from finetuning_pipeline.errors import ConfigError
+from finetuning_pipeline.run.checkpointing import resume_keys
+from finetuning_pipeline.run.resume_plan import PhasePlan, check_resumable, plan_phases
+from finetuning_pipeline.run_config import load_config
+
+
+@pytest.fixture
+def config(tiny_model_dir, data, tmp_path):
+    return load_config(write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out"))
+
+
+def finished(config, phase: int, **changed) -> None:
+    """phaseN/ as a finished phase leaves it: a summary recording the settings it was built on."""
+    settings = {**resume_keys(config, phase), **changed}
+    directory = Path(config.output_dir) / f"phase{phase}"
+    directory.mkdir(parents=True)
+    (directory / "summary.json").write_text(json.dumps({"phase": phase, "settings": settings}))
+
+
+def test_auto_on_an_empty_output_dir_starts_every_phase_fresh(config):
+    assert plan_phases(config, [1, 2], "auto", force=False) == [PhasePlan(1, None), PhasePlan(2, None)]
+
+
+def test_auto_skips_a_finished_phase_and_says_what_changed_since(config, capsys):
+    finished(config, 1, **{"train.lr": 0.5})
+    assert plan_phases(config, [1, 2], "auto", force=False) == [PhasePlan(2, None)]
+    out = capsys.readouterr().out
+    assert "phase 1: already finished" in out and "train.lr: 0.5 -> 0.01" in out
+
+
+def test_auto_refuses_a_finished_phase_whose_data_changed(config):
+    finished(config, 1, **{"phase1.data.content": "another digest"})
+    with pytest.raises(ConfigError, match="finished on other inputs: .* was prepared again from other inputs"):
+        plan_phases(config, [1], "auto", force=False)
+
+
+def test_never_refuses_existing_outputs_without_force_and_what_no_run_wrote_with_it(config):
+    finished(config, 1)
+    with pytest.raises(ConfigError, match="phase1 already exists; pass --force"):
+        plan_phases(config, [1, 2], "never", force=False)
+    assert plan_phases(config, [1, 2], "never", force=True) == [PhasePlan(1, None, replace=True),
+                                                               PhasePlan(2, None, replace=False)]
+    notes = Path(config.output_dir) / "phase1" / "notes.txt"
+    notes.write_text("mine")
+    with pytest.raises(ConfigError, match="holds notes.txt, which no run wrote"):
+        plan_phases(config, [1], "never", force=True)
+    assert notes.read_text() == "mine"
+
+
+def test_a_resume_dir_that_is_not_a_complete_checkpoint_is_refused(config, tmp_path):
+    partial = tmp_path / "step_00000004"
+    partial.mkdir()
+    with pytest.raises(ConfigError, match="incomplete checkpoint"):
+        plan_phases(config, [1, 2], str(partial), force=False)
+
+
+def checkpoint(path: Path, config, phase: int = 1, **changed) -> PhasePlan:
+    """What check_resumable reads of a checkpoint: the settings it was saved under."""
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({"exactness": {**resume_keys(config, phase), **changed}}))
+    return PhasePlan(phase, path)
+
+
+def test_a_resume_under_other_settings_is_refused_naming_each(config, tmp_path):
+    plan = checkpoint(tmp_path / "ckpt", config, **{"train.seed": 7, "lora.r": 4})
+    with pytest.raises(ConfigError, match=r"other settings \(lora.r: 4 -> 8, train.seed: 7 -> 0\)"):
+        check_resumable(config, [plan])
+
+
+def test_accept_changes_takes_optimisation_settings_only(config, tmp_path, capsys):
+    plan = checkpoint(tmp_path / "ckpt", config, **{"train.lr": 0.5})
+    check_resumable(config, [plan], accept_changes=True)
+    assert plan.accepted_changes == {"train.lr": [0.5, 0.01]}
+    assert "no longer the one an uninterrupted run would give" in capsys.readouterr().out
+    fixed = checkpoint(tmp_path / "other", config, **{"lora.r": 4})
+    with pytest.raises(ConfigError, match=r"cannot continue under another lora.r \(4 -> 8\)"):
+        check_resumable(config, [fixed], accept_changes=True)

@@ -1,0 +1,214 @@
+"""Config loading and the checks main.py makes before touching a device: each error names its key."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+from trainer_helpers import write_run_config
+
+from finetuning_pipeline import main
+from finetuning_pipeline.run_config import ConfigError, load_config
+
+DEMO = "finetuning_pipeline/configs/demo.yaml"
+
+
+def test_demo_config_loads_and_overrides_apply():
+    config = load_config(DEMO, ["train.max_steps=7", "train.lr=3e-4", "lora.target_modules=[q_proj,v_proj]",
+                                "model.activation_checkpointing=true", "output_dir=elsewhere"])
+    assert (config.train.max_steps, config.train.lr) == (7, 3e-4)
+    assert config.lora.target_modules == ["q_proj", "v_proj"]
+    assert config.model.activation_checkpointing is True
+    assert config.output_dir == "elsewhere"
+    assert config.phase1.data == "outputs/demo/data/phase1"  # data paths do not follow output_dir
+
+
+LEAF = """
+import sys
+from finetuning_pipeline.run_config import load_config
+config = load_config("finetuning_pipeline/configs/mistral7b_v6e8.yaml", ["train.lr=1e-4"])
+heavy = sorted(m for m in ("torch", "torch_xla", "transformers", "numpy") if m in sys.modules)
+print(config.train.lr, heavy)
+"""
+
+
+def test_reading_a_config_imports_no_runtime_module():
+    """The run config is a leaf: loading and checking a YAML (preflight on a laptop, a CI lint of
+    configs) imports neither torch, torch_xla nor transformers."""
+    done = subprocess.run([sys.executable, "-c", LEAF], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0.0001", "[]"]
+
+
+def test_the_old_name_of_activation_checkpointing_still_works_and_says_the_new_one(tmp_path, capsys):
+    """model.gradient_checkpointing was renamed model.activation_checkpointing (one word for
+    recomputing activations): configs written with the old key, in YAML or as an override, load."""
+    old = tmp_path / "old.yaml"
+    old.write_text("model: {path: m, gradient_checkpointing: true}\nphase1: {data: d}\n")
+    assert load_config(old).model.activation_checkpointing is True
+    assert load_config(DEMO, ["model.gradient_checkpointing=true"]).model.activation_checkpointing is True
+    notes = capsys.readouterr().err
+    assert notes.count("model.gradient_checkpointing is now called model.activation_checkpointing") == 2
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.max_stepz=3", "unknown key 'max_stepz' under train"),
+        ("trian.max_steps=3", "unknown key 'trian' under the top level"),
+        ("lora.r=0", "lora.r must be a positive integer"),
+        ("train.grad_accum=0", "train.grad_accum must be >= 1"),
+        ("train.lr=fast", "train.lr: expected float, got 'fast'"),
+        ("train.micro_batch=2.5", "train.micro_batch: expected int"),
+        ("train.min_lr_ratio=0", "train.min_lr_ratio must be in (0, 1]"),
+        ("model.dtype=fp8", "model.dtype must be bfloat16, float32 or float16, got 'fp8'"),
+        ("parallel.mode=zero3", "parallel.mode must be dp or fsdp, got 'zero3'"),
+        ("tpu.assumed_mfu=1.5", "tpu.assumed_mfu must be in (0, 1]"),
+        ("phase2.init=restart", "phase2.init must be continue, merge or fresh, got 'restart'"),
+        ("train.max_steps", "expected key=value"),
+        ("train.max_wall_time=8x", "train.max_wall_time: '8x' is not a duration"),
+        ("train.loss_chunk_tokens=-1", "train.loss_chunk_tokens must be >= 0"),
+        ("model.attention=sdpa", "model.attention must be auto, dense, splash or flash"),
+        ("parallel.mesh.data=0", "parallel.mesh.data must be a chip count >= 1"),
+        ("parallel.mesh.data=-1", "at most one of data and fsdp may be -1"),
+        # Values outside their domain once trained a worse model with exit 0: a NaN passes every
+        # `<` check (a NaN clip norm switched clipping off), so every float is checked finite first.
+        ("train.eps=-1e-8", "train.eps must be > 0"),
+        ("train.eps=0", "train.eps must be > 0"),
+        ("train.max_grad_norm=.nan", "train.max_grad_norm must be a finite number, got nan"),
+        ("train.lr=.inf", "train.lr must be a finite number, got inf"),
+        ("train.lr=inf", "train.lr must be a finite number, got inf"),
+        ("train.lr=-1e-3", "train.lr must be > 0"),
+        ("train.weight_decay=nan", "train.weight_decay must be a finite number"),
+        ("train.weight_decay=-0.1", "train.weight_decay must be >= 0"),
+        ("train.betas=[0.9,.nan]", "train.betas[1] must be a finite number"),
+        ("train.min_lr_ratio=.nan", "train.min_lr_ratio must be a finite number"),
+        ("lora.alpha=.inf", "lora.alpha must be a finite number"),
+        ("lora.alpha=-16", "lora.alpha must be a positive number"),
+        ("lora.dropout=1.0", "lora.dropout must be in [0, 1)"),
+        ("phase2.lr=.nan", "phase2.lr must be a finite number"),
+        ("tpu.assumed_mfu=.nan", "tpu.assumed_mfu must be a finite number"),
+        ("parallel.host_timeout_s=.inf", "parallel.host_timeout_s must be a finite number"),
+        ("eval.micro_batch=0", "eval.micro_batch must be >= 1"),
+        ("train.seed=-1", "train.seed must be >= 0 and < 4294967294"),
+        ("train.warmup_compiles_steps=-1", "train.warmup_compiles_steps must be >= 0"),
+        ("eval.max_batches=-1", "eval.max_batches must be >= 0"),
+        ("output_dir=", "output_dir: empty"),
+        ("model.path=", "model.path: not set"),
+    ],
+)
+def test_bad_values_name_their_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        load_config(DEMO, [override])
+
+
+@pytest.mark.parametrize("content, overrides, message", [
+    (b"\xff\xfe model: {}", [], "not UTF-8 text (byte 0)"),
+    (b"- model\n- train\n", ["train.lr=1e-3"], "expected a mapping of sections (model:, train:, ...), got a list"),
+    (b"just a sentence\n", ["train.lr=1e-3"], "expected a mapping of sections (model:, train:, ...), got a str"),
+    (b"", [], "the config is empty"),
+    (b"# only a comment\n", ["model.path=x"], "the config is empty"),
+    (b"train: [1, 2]\n", [], "train: expected a mapping"),
+    (b"model: {path: [unclosed\n", [], "invalid YAML"),
+])
+def test_config_files_that_are_not_configs_are_named(tmp_path, content, overrides, message, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(content)
+    assert main.main(["--config", str(path), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {path}: " in err and message in err and "Traceback" not in err
+
+
+def test_a_config_that_is_a_directory_is_named(tmp_path, capsys):
+    assert main.main(["--config", str(tmp_path)]) == 2
+    assert f"error: {tmp_path}: is a directory; --config takes a YAML file" in capsys.readouterr().err
+
+
+def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  max_steps: 3\n  warmup: 2\n")
+    with pytest.raises(ConfigError, match=rf"{path}: unknown key train.warmup"):
+        load_config(path)
+
+
+def run_main(config, capsys, *extra):
+    code = main.main(["--config", str(config), *extra])
+    return code, capsys.readouterr().err
+
+
+def test_missing_data_directory(data, tiny_model_dir, tmp_path, capsys):
+    config = write_run_config(tmp_path / "r.yaml", tiny_model_dir, {1: tmp_path / "nope", 2: data[2]}, tmp_path / "o")
+    code, err = run_main(config, capsys)
+    assert code == 2 and "phase1.data:" in err and "does not exist" in err and "dataset.prepare" in err
+
+
+def test_data_of_the_wrong_phase(data, tiny_model_dir, tmp_path, capsys):
+    config = write_run_config(tmp_path / "r.yaml", tiny_model_dir, {1: data[2], 2: data[2]}, tmp_path / "o")
+    code, err = run_main(config, capsys)
+    assert code == 2 and "phase1.data:" in err and "prepared as phase 2 data, not phase 1" in err
+
+
+def test_shards_from_another_tokenizer(data, tiny_model_dir, tmp_path, capsys):
+    other = tmp_path / "phase1"
+    shutil.copytree(data[1], other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["tokenizer"]["fingerprint"] = "sha256:another-tokenizer"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    config = write_run_config(tmp_path / "r.yaml", tiny_model_dir, {1: other, 2: data[2]}, tmp_path / "o")
+    code, err = run_main(config, capsys, "--phase", "1")
+    assert code == 2 and "tokenized by tokenizer sha256:another-tokenizer, but the run's tokenizer is sha256:" in err
+
+
+def test_seq_len_beyond_the_models_positions(data, tiny_model_dir, tmp_path, capsys):
+    short = tmp_path / "short-model"
+    shutil.copytree(tiny_model_dir, short)
+    model_config = json.loads((short / "config.json").read_text())
+    model_config["max_position_embeddings"] = 32
+    (short / "config.json").write_text(json.dumps(model_config))
+    config = write_run_config(tmp_path / "r.yaml", short, data, tmp_path / "o")
+    code, err = run_main(config, capsys)
+    assert code == 2 and "seq_len 64 exceeds the model's max_position_embeddings 32" in err
+
+
+def test_phase2_alone_needs_the_phase1_adapter(data, tiny_model_dir, tmp_path, capsys):
+    config = write_run_config(tmp_path / "r.yaml", tiny_model_dir, data, tmp_path / "o")
+    code, err = run_main(config, capsys, "--phase", "2")
+    assert code == 2 and "phase2.init=continue needs the phase-1 adapter" in err
+
+
+def test_unwritable_output_dir_is_caught_before_training(data, tiny_model_dir, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    config = write_run_config(tmp_path / "r.yaml", tiny_model_dir, data, blocker / "out")
+    code, err = run_main(config, capsys)
+    assert code == 2 and "output_dir: cannot write to" in err
+
+
+SHIPPED = sorted((REPO / "finetuning_pipeline" / "configs").glob("*.yaml"))
+
+
+def test_every_shipped_config_is_checked():
+    assert len(SHIPPED) >= 4, SHIPPED
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda path: path.stem)
+def test_shipped_configs_are_valid(path, capsys):
+    config = load_config(path)
+    assert config.phase1.data and config.phase2.data
+    assert "is now called" not in capsys.readouterr().err  # no shipped config uses a renamed key
+
+
+def test_compile_cache_is_on_by_default_on_tpu_only(monkeypatch, tmp_path):
+    from finetuning_pipeline.run.parallel import compile_cache_dir
+
+    assert load_config(DEMO).xla.compile_cache_dir == "auto"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    assert compile_cache_dir("auto") == str(tmp_path / "tpu-lora" / "xla")
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")  # XLA:CPU cannot load its own cache entries
+    assert compile_cache_dir("auto") == ""
+    assert compile_cache_dir("/data/xla-cache") == "/data/xla-cache" and compile_cache_dir("") == ""

@@ -1,0 +1,75 @@
+"""MaskedAdamW: torch.optim.AdamW's arithmetic, and a skipped step that changes nothing."""
+
+from __future__ import annotations
+
+import torch
+
+from finetuning_pipeline.train.adamw import MaskedAdamW
+
+
+def make_params(seed: int = 0) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(torch.randn(5, 3, generator=generator)),
+        torch.nn.Parameter(torch.randn(7, generator=generator)),
+    ]
+
+
+def set_grads(params, step: int) -> None:
+    generator = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator)
+
+
+def test_matches_torch_adamw_over_several_steps():
+    ours, theirs = make_params(), make_params()
+    optimizer = MaskedAdamW(ours, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    reference = torch.optim.AdamW(theirs, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    for step in range(6):
+        set_grads(ours, step)
+        set_grads(theirs, step)
+        optimizer.lr = reference.param_groups[0]["lr"] = 1e-2 * (step + 1) / 6  # a schedule too
+        optimizer.step()
+        reference.step()
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert optimizer.steps.item() == 6
+
+
+def test_a_skipped_step_changes_nothing_even_with_nan_gradients():
+    params = make_params()
+    optimizer = MaskedAdamW(params, lr=1e-2, weight_decay=0.1)
+    set_grads(params, 0)
+    optimizer.step()
+    before = [p.detach().clone() for p in params]
+    moments = [m.clone() for m in optimizer.exp_avg + optimizer.exp_avg_sq]
+    for p in params:
+        p.grad = torch.full_like(p, float("nan"))
+    optimizer.step(apply=torch.tensor(False))
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
+    for m, b in zip(optimizer.exp_avg + optimizer.exp_avg_sq, moments):
+        assert torch.equal(m, b)
+    assert optimizer.steps.item() == 1
+    # ...and the next good step is the one an uninterrupted run would have taken.
+    reference = make_params()
+    ref_opt = MaskedAdamW(reference, lr=1e-2, weight_decay=0.1)
+    for step in (0, 1):
+        set_grads(reference, step)
+        ref_opt.step()
+    set_grads(params, 1)
+    optimizer.step()
+    for p, r in zip(params, reference):
+        assert torch.equal(p, r)
+
+
+def test_state_dict_round_trip():
+    params = make_params()
+    optimizer = MaskedAdamW(params, lr=1e-3)
+    set_grads(params, 0)
+    optimizer.step()
+    clone = MaskedAdamW(make_params(), lr=1e-3)
+    clone.load_state_dict(optimizer.state_dict())
+    assert clone.steps.item() == 1
+    for a, b in zip(clone.exp_avg + clone.exp_avg_sq, optimizer.exp_avg + optimizer.exp_avg_sq):
+        assert torch.equal(a, b)

@@ -1,0 +1,126 @@
+"""The LoRA on the real XLA path (PJRT_DEVICE=CPU): forward, backward, a step, a save."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import torch
+import torch_xla
+from conftest import REPO, random_tokens, tiny_causal_lm
+
+from lora_logic import LoraConfig, inject_lora, load_adapter, lora_modules, lora_parameters, save_adapter
+
+
+def with_random_b(model):
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for _, m in lora_modules(model):
+            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=generator) * 0.1)
+    return model
+
+
+def test_forward_backward_on_xla_matches_cpu():
+    config = LoraConfig(r=4, alpha=8)
+    cpu_model = tiny_causal_lm("mistral")
+    inject_lora(cpu_model, config)
+    with_random_b(cpu_model)
+    device = torch_xla.device()
+    xla_model = copy.deepcopy(cpu_model).to(device)
+    tokens = random_tokens(seq=16)
+
+    cpu_loss = cpu_model(tokens, labels=tokens, use_cache=False).loss
+    cpu_loss.backward()
+    xla_tokens = tokens.to(device)
+    xla_loss = xla_model(xla_tokens, labels=xla_tokens, use_cache=False).loss
+    xla_loss.backward()
+    torch_xla.sync()
+
+    assert xla_loss.device.type == "xla"
+    torch.testing.assert_close(xla_loss.cpu(), cpu_loss.detach(), rtol=1e-5, atol=1e-5)
+    for (name, p_cpu), p_xla in zip(cpu_model.named_parameters(), xla_model.parameters()):
+        if p_cpu.requires_grad:
+            torch.testing.assert_close(p_xla.grad.cpu(), p_cpu.grad, rtol=1e-4, atol=1e-6, msg=name)
+        else:
+            assert p_xla.grad is None, name
+
+
+def test_optimizer_step_on_xla_then_save_and_load_on_cpu(tmp_path):
+    config = LoraConfig(r=4, alpha=8)
+    device = torch_xla.device()
+    model = tiny_causal_lm("mistral")
+    inject_lora(model, config)
+    model.to(device)
+    frozen_before = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    optimizer = torch.optim.AdamW(lora_parameters(model), lr=1e-2)
+    tokens = random_tokens(seq=16).to(device)
+    for _ in range(2):
+        model(tokens, labels=tokens, use_cache=False).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p.detach().cpu(), frozen_before[name]), name
+
+    save_adapter(model, tmp_path, config, "tiny-mistral")
+    reloaded = tiny_causal_lm("mistral")
+    load_adapter(reloaded, tmp_path)
+    assert any(torch.count_nonzero(m.lora_B.weight) > 0 for _, m in lora_modules(reloaded))  # it trained
+    with torch.no_grad():
+        on_xla = model.eval()(tokens, use_cache=False).logits.cpu()
+        on_cpu = reloaded(tokens.cpu(), use_cache=False).logits
+    torch.testing.assert_close(on_xla, on_cpu, rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_base_on_xla_trains_fp32_adapter():
+    model = tiny_causal_lm("llama").to(torch.bfloat16)
+    inject_lora(model, LoraConfig(r=4, alpha=8))
+    device = torch_xla.device()
+    model.to(device)
+    tokens = random_tokens(seq=16).to(device)
+    loss = model(tokens, labels=tokens, use_cache=False).loss
+    loss.backward()
+    torch_xla.sync()
+    assert torch.isfinite(loss.float().cpu())
+    for p in lora_parameters(model):
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
+
+
+ALIASED_INPUTS = """
+import torch, torch_xla
+import torch_xla.debug.metrics as met
+from utils.xla_runtime import init_xla_device
+weight = torch.zeros(7, 13).to(init_xla_device())
+torch_xla.sync()
+weight.add_(1.0)  # what every optimizer step does to the LoRA weights
+torch_xla.sync()
+assert weight.cpu().sum().item() == 7 * 13
+samples = met.metric_data("InputOutputAliasCount")
+print(int(samples[2][-1][1]) if samples else 0)  # inputs aliased to outputs by the last graph compiled
+"""
+
+
+def aliased_inputs(env: dict) -> int:
+    """The in-place update's graph in a fresh process (its graph cache empty, so it is compiled
+    there, whatever this process compiled before): how many inputs it donated to outputs."""
+    done = subprocess.run([sys.executable, "-c", ALIASED_INPUTS], capture_output=True, text=True, timeout=300,
+                          env={**{k: v for k, v in os.environ.items() if k != "XLA_ENABLE_PARAM_ALIASING"}, **env},
+                          cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1])
+
+
+def test_on_xla_cpu_an_in_place_update_donates_no_buffer():
+    """init_xla_device turns parameter aliasing off on XLA:CPU (a donated buffer makes every
+    step boundary wait for the step to run there); accelerators keep torch_xla's default, and
+    an explicit setting wins: with it on, the same update donates its input (so the count
+    read here does see a donation when there is one)."""
+    from utils.xla_runtime import runtime_env_defaults
+
+    assert runtime_env_defaults("CPU") == {"XLA_ENABLE_PARAM_ALIASING": "0"}
+    assert runtime_env_defaults("TPU") == {}
+    assert aliased_inputs({"PJRT_DEVICE": "CPU"}) == 0
+    assert aliased_inputs({"PJRT_DEVICE": "CPU", "XLA_ENABLE_PARAM_ALIASING": "1"}) >= 1

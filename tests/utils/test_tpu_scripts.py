@@ -1,0 +1,205 @@
+"""The TPU VM scripts in utils/tpu_vm/, run against fake gcloud / git / python that record their calls."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+UTILS = REPO / "utils" / "tpu_vm"
+SCRIPTS = sorted(UTILS.glob("*.sh"))
+
+# Records its name and arguments as one JSON line, then behaves as FAKE_<NAME>_* say.
+FAKE = """#!/usr/bin/env python3
+import json, os, sys
+name = os.path.basename(sys.argv[0])
+with open(os.environ["FAKE_CALLS"], "a") as f:
+    f.write(json.dumps([name] + sys.argv[1:]) + "\\n")
+args = sys.argv[1:]
+if name == "gcloud" and "describe" in args:
+    states = os.environ.get("FAKE_STATES", "READY").split(",")
+    count_file = os.environ["FAKE_CALLS"] + ".describes"
+    count = int(open(count_file).read()) if os.path.exists(count_file) else 0
+    open(count_file, "w").write(str(count + 1))
+    print(states[min(count, len(states) - 1)])
+if name == "gcloud" and "ssh" in args:
+    sys.exit(int(os.environ.get("FAKE_SSH_STATUS", "0")))
+if name == "python" and "-c" in args:
+    sys.exit(int(os.environ.get("FAKE_TPU_STATUS", "0")))
+if name == "sudo" and args[:1] == ["blkid"]:  # 2: no filesystem on the device
+    sys.exit(int(os.environ.get("FAKE_BLKID_STATUS", "0")))
+if name == "mountpoint":
+    sys.exit(int(os.environ.get("FAKE_MOUNTED_STATUS", "1")))
+"""
+
+
+@pytest.fixture
+def fakes(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("gcloud", "git", "python", "sudo", "mountpoint"):
+        path = bin_dir / name
+        path.write_text(FAKE.replace("#!/usr/bin/env python3", f"#!{sys.executable}"))
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    calls = tmp_path / "calls.jsonl"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path / "home"), "FAKE_CALLS": str(calls),
+           "PYTHON": str(bin_dir / "python"), "POLL_SECONDS": "0"}
+
+    def run(script: str, *args: str, **extra_env: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+        proc = subprocess.run(["bash", str(UTILS / script), *args], capture_output=True, text=True,
+                              env={**env, **extra_env}, timeout=60)
+        recorded = [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
+        calls.unlink(missing_ok=True)
+        return proc, recorded
+
+    return run
+
+
+def test_scripts_are_shellcheck_clean():
+    shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    proc = subprocess.run([shellcheck, "-x", *map(str, SCRIPTS)], capture_output=True, text=True, cwd=UTILS)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert {p.name for p in SCRIPTS} >= {"gcloud_tpuvm.sh", "cloud-clone-public.sh", "cloud-clone-private.sh",
+                                         "run-on-pod.sh", "mount-cache-disk.sh"}
+
+
+VM = ["--name", "t1", "--type", "v5litepod-8", "--zone", "us-west4-a", "--version", "v2-alpha-tpuv5-lite"]
+
+
+def test_create_spot_vm_wait_until_ready_ssh_and_delete_on_exit(fakes):
+    proc, calls = fakes("gcloud_tpuvm.sh", *VM, "--spot", "--delete-on-exit", FAKE_STATES="CREATING,CREATING,READY")
+    assert proc.returncode == 0, proc.stderr
+    tpu = ["gcloud", "compute", "tpus", "tpu-vm"]
+    assert calls[0] == tpu + ["create", "t1", "--zone", "us-west4-a", "--accelerator-type", "v5litepod-8",
+                              "--version", "v2-alpha-tpuv5-lite", "--spot"]
+    assert [c[4] for c in calls] == ["create", "describe", "describe", "describe", "ssh", "delete"]
+    assert calls[4] == tpu + ["ssh", "t1", "--zone", "us-west4-a", "--worker", "0"]
+    assert calls[5] == tpu + ["delete", "t1", "--zone", "us-west4-a", "--quiet"]
+
+
+def test_a_cache_disk_is_attached_read_write_and_needs_a_project(fakes):
+    proc, calls = fakes("gcloud_tpuvm.sh", *VM, "--project", "proj", "--cache-disk", "xla-cache", "--no-ssh")
+    assert proc.returncode == 0, proc.stderr
+    create = calls[0]
+    assert (
+        create[create.index("--data-disk") + 1]
+        == "source=projects/proj/zones/us-west4-a/disks/xla-cache,mode=read-write"
+    )
+    proc, calls = fakes("gcloud_tpuvm.sh", *VM, "--cache-disk", "xla-cache")  # no project configured either
+    assert proc.returncode == 2 and "--cache-disk needs --project" in proc.stderr
+    assert not any("create" in c for c in calls)
+
+
+def test_the_cache_disk_is_formatted_only_when_empty_then_mounted(fakes, tmp_path):
+    device = tmp_path / "disk"
+    device.write_text("")
+    args = ["--device", str(device), "--mount-point", str(tmp_path / "persist")]
+    proc, calls = fakes("mount-cache-disk.sh", *args, FAKE_BLKID_STATUS="2")
+    assert proc.returncode == 0, proc.stderr
+    sudo = [c[1:] for c in calls if c[0] == "sudo"]
+    assert sudo[0] == ["blkid", str(device)] and sudo[1][0] == "mkfs.ext4" and sudo[1][-1] == str(device)
+    assert ["mount", "-o", "discard,defaults", str(device), str(tmp_path / "persist")] in sudo
+    assert f"xla.compile_cache_dir={tmp_path / 'persist'}/xla-cache" in proc.stdout
+    proc, calls = fakes("mount-cache-disk.sh", *args, FAKE_BLKID_STATUS="0", FAKE_MOUNTED_STATUS="0")
+    assert proc.returncode == 0, proc.stderr
+    sudo = [c[1] for c in calls if c[0] == "sudo"]
+    assert "mkfs.ext4" not in sudo and "mount" not in sudo  # a filesystem is never formatted again
+    proc, calls = fakes("mount-cache-disk.sh", *args, FAKE_BLKID_STATUS="4")  # blkid itself failed
+    assert proc.returncode == 2 and "blkid" in proc.stderr and "not formatted" in proc.stderr
+    assert [c[1] for c in calls if c[0] == "sudo"] == ["blkid"]
+    proc, calls = fakes("mount-cache-disk.sh", "--device", str(tmp_path / "missing"))
+    assert proc.returncode == 2 and "no such disk" in proc.stderr and calls == []
+
+
+def test_delete_on_exit_also_runs_when_the_session_fails(fakes):
+    proc, calls = fakes("gcloud_tpuvm.sh", *VM, "--delete-on-exit", FAKE_SSH_STATUS="255")
+    assert proc.returncode == 255
+    assert "--spot" not in calls[0] and calls[-1][4] == "delete"
+
+
+def test_a_vm_that_dies_while_starting_is_an_error(fakes):
+    proc, calls = fakes("gcloud_tpuvm.sh", *VM, FAKE_STATES="CREATING,PREEMPTED")
+    assert proc.returncode == 2 and "t1 is PREEMPTED, not READY" in proc.stderr
+    assert "ssh" not in [c[4] for c in calls]
+
+
+def test_dry_run_prints_and_calls_nothing(fakes):
+    proc, calls = fakes("gcloud_tpuvm.sh", *VM, "--spot", "--delete-on-exit", "--dry-run")
+    assert proc.returncode == 0 and calls == []
+    printed = [line for line in proc.stdout.splitlines() if line.startswith("+ gcloud")]
+    assert [line.split()[5] for line in printed] == ["create", "describe", "ssh", "delete"]
+    for script, args in [("cloud-clone-public.sh", ["--repo", "https://example.com/r.git"]),
+                         ("cloud-clone-private.sh", ["--repo", "https://example.com/r.git"]),
+                         ("run-on-pod.sh", ["--name", "p", "--zone", "z", "--", "echo", "hi"]),
+                         ("mount-cache-disk.sh", ["--device", "/dev/none"])]:
+        proc, calls = fakes(script, "--dry-run", *args)
+        assert proc.returncode == 0 and calls == [], (script, proc.stderr)
+        assert proc.stdout.count("\n+ ") + proc.stdout.startswith("+ ") >= 1, script
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("gcloud_tpuvm.sh", ["--name", "t1", "--type", "v6e-8", "--version", "v2-alpha-tpuv6e"], "--zone is required"),
+    ("gcloud_tpuvm.sh", [*VM, "--zone"], "--zone needs a value"),
+    ("gcloud_tpuvm.sh", [*VM, "--preemptible"], "unknown argument: --preemptible"),
+    ("cloud-clone-public.sh", [], "--repo is required"),
+    ("cloud-clone-private.sh", ["--repo", "git@github.com:o/r.git"], "--repo must be an https URL"),
+    ("cloud-clone-private.sh", ["--repo", "https://github.com/o/r.git"], "$GITHUB_TOKEN is empty"),
+    ("run-on-pod.sh", ["--name", "p", "--zone", "z"], "no command given"),
+])
+def test_bad_arguments_say_what_is_missing(fakes, script, args, message):
+    proc, calls = fakes(script, *args)
+    assert proc.returncode == 2 and message in proc.stderr and calls == []
+
+
+def test_clone_installs_the_pinned_stack_and_checks_the_tpu(fakes, tmp_path):
+    proc, calls = fakes("cloud-clone-public.sh", "--repo", "https://example.com/r.git", "--dir", str(tmp_path / "r"))
+    assert proc.returncode == 0, proc.stderr
+    assert calls[0] == ["git", "clone", "--filter=blob:none", "--sparse", "--branch", "main",
+                        "https://example.com/r.git", str(tmp_path / "r")]
+    assert calls[1] == ["git", "-C", str(tmp_path / "r"), "sparse-checkout", "set",
+                        "lora_logic", "dataset", "finetuning_pipeline", "utils"]
+    assert ["python", "-m", "pip", "install", "torch==2.9.0", "torch_xla[tpu]==2.9.0"] in calls
+    assert ["python", "-m", "pip", "install", "-e", str(tmp_path / "r")] in calls
+    assert calls[-1][:2] == ["python", "-c"] and "global_runtime_device_count" in calls[-1][2]
+
+    proc, _ = fakes("cloud-clone-public.sh", "--repo", "https://example.com/r.git", FAKE_TPU_STATUS="1")
+    assert proc.returncode == 2 and "no TPU device is visible to torch_xla" in proc.stderr
+
+
+def test_private_clone_authenticates_without_exposing_the_token(fakes):
+    token = "ghp_secret_token_value"
+    proc, calls = fakes("cloud-clone-private.sh", "--repo", "https://github.com/o/r.git", "--token-env", "MY_TOKEN",
+                        MY_TOKEN=token)
+    assert proc.returncode == 0, proc.stderr
+    clone = next(c for c in calls if "clone" in c)
+    helper = [arg for arg in clone if arg.startswith("credential.helper=!")]
+    assert helper and "printenv" in helper[0]
+    assert token not in json.dumps(calls) and token not in proc.stdout + proc.stderr
+    # The helper really answers git with the token: ask real git for the credentials.
+    answer = subprocess.run(["git", "-c", "credential.helper=", "-c", helper[0], "credential", "fill"],
+                            input="protocol=https\nhost=github.com\n\n", capture_output=True, text=True,
+                            env={"PATH": "/usr/bin:/bin", "GIT_TOKEN_VARIABLE": "MY_TOKEN", "MY_TOKEN": token,
+                                 "GIT_TERMINAL_PROMPT": "0", "HOME": "/nonexistent"})
+    assert f"password={token}" in answer.stdout.splitlines() and "username=x-access-token" in answer.stdout
+
+
+def test_run_on_pod_runs_the_command_on_every_worker_with_its_quoting(fakes):
+    proc, calls = fakes("run-on-pod.sh", "--name", "pod", "--zone", "us-central2-b", "--",
+                        "PJRT_DEVICE=TPU", "python", "finetuning_pipeline/main.py", "--config", "my run.yaml")
+    assert proc.returncode == 0, proc.stderr
+    (call,) = calls
+    assert call[:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod", "--zone", "us-central2-b"]
+    assert call[8:11] == ["--worker", "all", "--command"]
+    remote = call[11]
+    assert remote.startswith("cd lora-tpu && PJRT_DEVICE=TPU python finetuning_pipeline/main.py --config ")
+    # The remote shell splits the string back into the words given here.
+    words = subprocess.run(["bash", "-c", 'printf "%s\\n" ' + remote.split("&& ", 1)[1]], capture_output=True,
+                           text=True, env={"PATH": os.environ["PATH"]}).stdout.splitlines()
+    assert words[-2:] == ["--config", "my run.yaml"]

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# On a TPU VM: sparse-clone this repository, install torch 2.9 + torch_xla[tpu] 2.9 and the
+# project, and check that torch_xla sees the TPU chips.
+#
+#   utils/tpu_vm/cloud-clone-public.sh --repo https://github.com/OWNER/REPO.git [--branch main] [--dir ~/lora-tpu] [--dry-run]
+#
+# Run it on every worker of a pod slice at once with utils/tpu_vm/run-on-pod.sh. PYTHON picks the
+# interpreter (default python3); --dry-run prints the commands without running them.
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=tpu_vm_lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/tpu_vm_lib.sh"
+
+usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; }
+
+REPO="" BRANCH=main DIR="$HOME/lora-tpu"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --repo) need_value "$1" "${2:-}"; REPO=$2; shift 2 ;;
+    --branch) need_value "$1" "${2:-}"; BRANCH=$2; shift 2 ;;
+    --dir) need_value "$1" "${2:-}"; DIR=$2; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument: $1 (see --help)" ;;
+  esac
+done
+[[ -n "$REPO" ]] || die "--repo is required (the https URL of the repository)"
+
+sparse_clone "$REPO" "$DIR" "$BRANCH"
+install_stack "$DIR"
+verify_tpu
+echo "ready: cd $DIR && PJRT_DEVICE=TPU python finetuning_pipeline/main.py --config CONFIG"

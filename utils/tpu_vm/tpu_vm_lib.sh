@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Shared by the TPU VM scripts in utils/tpu_vm/ (sourced, not run): dry-run aware command runner,
+# argument helpers, and the repository set-up that cloud-clone-public.sh and
+# cloud-clone-private.sh both perform.
+
+DRY_RUN=${DRY_RUN:-0}
+
+die() {
+  echo "error: $*" >&2
+  exit 2
+}
+
+# run CMD ARGS...: print the command (shell-quoted), then run it unless --dry-run was given.
+run() {
+  printf '+'
+  printf ' %q' "$@"
+  printf '\n'
+  if [[ "$DRY_RUN" != 1 ]]; then
+    "$@"
+  fi
+}
+
+# gcloud_scope ZONE [PROJECT]: the --zone/--project arguments of every tpu-vm command, in SCOPE.
+gcloud_scope() {
+  SCOPE=(--zone "$1")
+  [[ -z "${2:-}" ]] || SCOPE+=(--project "$2")
+}
+
+# need_value OPTION VALUE: an option that takes a value got one.
+need_value() {
+  [[ -n "${2:-}" && "${2:0:2}" != "--" ]] || die "$1 needs a value (see --help)"
+}
+
+# The pinned stack (see pyproject.toml): torch_xla needs this exact torch.
+TORCH_VERSION=2.9.0
+TORCH_XLA_VERSION=2.9.0
+# What a TPU run needs of the repository; top-level files (pyproject.toml, Makefile) come
+# with any sparse checkout in cone mode.
+SPARSE_PATHS=(lora_logic dataset finetuning_pipeline utils)
+
+# sparse_clone URL DIR BRANCH: a blobless, sparse clone; an existing clone is updated instead.
+sparse_clone() {
+  local url=$1 dir=$2 branch=$3
+  if [[ -d "$dir/.git" ]]; then
+    run git -C "$dir" fetch --filter=blob:none origin "$branch"
+    run git -C "$dir" checkout --force FETCH_HEAD
+  else
+    run git clone --filter=blob:none --sparse --branch "$branch" "$url" "$dir"
+  fi
+  run git -C "$dir" sparse-checkout set "${SPARSE_PATHS[@]}"
+}
+
+# install_stack DIR: torch + torch_xla[tpu] (which brings libtpu) and the project itself.
+install_stack() {
+  local dir=$1 python=${PYTHON:-python3}
+  run "$python" -m pip install --upgrade pip
+  run "$python" -m pip install "torch==$TORCH_VERSION" "torch_xla[tpu]==$TORCH_XLA_VERSION"
+  run "$python" -m pip install -e "$dir"
+}
+
+# verify_tpu: the TPU chips are visible to torch_xla (fails with a clear message if not).
+verify_tpu() {
+  local python=${PYTHON:-python3}
+  run env PJRT_DEVICE=TPU "$python" -c '
+import torch_xla, torch_xla.runtime as xr
+count = xr.global_runtime_device_count()
+print(f"torch_xla sees {count} TPU device(s): {torch_xla.device()}")
+raise SystemExit(0 if count > 0 else 1)' || die "no TPU device is visible to torch_xla (is this a TPU VM? is another process holding the TPU?)"
+}
