@@ -83,19 +83,9 @@ def test_residual_dropout_with_checkpointing_trains_traced_every_step(tiny_model
     shutil.copytree(tiny_model_dir, model_dir)
     mistral = json.loads((model_dir / "config.json").read_text())
     torch.manual_seed(0)
-    Phi3ForCausalLM(
-        Phi3Config(
-            vocab_size=mistral["vocab_size"],
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            resid_pdrop=0.1,
-            pad_token_id=0,
-        )
-    ).save_pretrained(model_dir)
+    Phi3ForCausalLM(Phi3Config(vocab_size=mistral["vocab_size"], hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=256, resid_pdrop=0.1, pad_token_id=0)).save_pretrained(model_dir)
     assert_trains_traced_with_checkpointing(
         model_dir,
         data,
