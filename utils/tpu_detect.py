@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 GOOGLE_PCI_VENDOR = "0x1ae0"
-# torch_xla 2.9's _TPU_PCI_DEVICE_IDS (tests/test_tpu_detect.py checks they stay equal).
+# torch_xla 2.9's _TPU_PCI_DEVICE_IDS (tests/utils/test_tpu_detect.py checks they stay equal).
 TPU_PCI_DEVICES = ("0x0027", "0x005e", "0x0063", "0x006f", "0x0056", "0x0062", "0x0076")
 
 
