@@ -16,17 +16,6 @@ import secrets
 from pathlib import Path
 
 
-def check_wandb_available() -> None:
-    """Raise ImportError with the install command when the wandb package is missing."""
-    try:
-        import wandb  # noqa: F401 - only whether it is installed
-    except ImportError:
-        raise ImportError(
-            "logging.wandb.project is set but the wandb package is not installed: "
-            "pip install 'tpu-lora[wandb]' (or pip install wandb), or unset logging.wandb.project"
-        ) from None
-
-
 class WandbLog:
     """One phase's W&B run: `write` a metrics record, `finish` with the phase summary (or None)."""
 

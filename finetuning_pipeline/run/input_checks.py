@@ -72,12 +72,11 @@ def check_inputs(config: RunConfig, phases: list[int]) -> None:
             raise ConfigError(f"phase2.init={config.phase2.init} needs the phase-1 adapter ({adapter}); "
                               "run phase 1 first, or set phase2.init=fresh")
     if config.logging.wandb.project:
-        from finetuning_pipeline.monitor.wandb_log import check_wandb_available
-
         try:
-            check_wandb_available()
-        except ImportError as err:
-            raise ConfigError(str(err)) from None
+            import wandb  # noqa: F401 - only whether it imports
+        except ImportError:
+            raise ConfigError("logging.wandb.project is set but the wandb package is not installed: pip install "
+                              "'tpu-lora[wandb]' (or pip install wandb), or unset logging.wandb.project") from None
     inputs = {"model.path": str(files), "model.tokenizer": config.model.tokenizer,
               "phase1.data": config.phase1.data, "phase2.data": config.phase2.data}
     RunLayout(config.output_dir).check_apart_from(inputs)

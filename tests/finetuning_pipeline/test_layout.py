@@ -1,7 +1,7 @@
 """The package's layout holds: the commands sit on top and import no other command, nothing below
-them imports a command, and the run config imports no runtime module. Read from the source's
-import statements (function-level imports included), so a new import that breaks a rule fails
-here, with its file and line."""
+them imports a command, each folder imports only the folders below it, and the run config
+imports no runtime module. Read from the source's import statements (function-level imports
+included), so a new import that breaks a rule fails here, with its file and line."""
 
 from __future__ import annotations
 
@@ -54,3 +54,30 @@ def test_the_run_config_imports_no_runtime_module(path):
            if module.split(".")[0] in RUNTIME
            or (module.startswith("finetuning_pipeline.") and not module.startswith(allowed))]
     assert bad == []
+
+
+# What each folder may import of the others: a one-way order, so a reader can start at the
+# bottom (the settings, the model's pieces) and never be sent back up. (errors.py: anyone.)
+MAY_IMPORT = {
+    "run_config": set(),
+    "model": set(),
+    "demo": {"run_config"},
+    "run": {"model", "run_config"},
+    "monitor": {"run"},
+    "planning": {"demo", "model", "run", "run_config"},
+    "train": {"model", "monitor", "run", "run_config"},
+}
+
+
+def test_each_folder_imports_only_the_folders_below_it():
+    folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+    assert folders == sorted(MAY_IMPORT)  # a new folder takes its place in the order
+    wrong = []
+    for folder in folders:
+        for path in sorted((PACKAGE / folder).rglob("*.py")):
+            for line, module in imports_of(path):
+                parts = module.split(".")
+                if (parts[0] == "finetuning_pipeline" and len(parts) > 1 and parts[1] in MAY_IMPORT
+                        and parts[1] != folder and parts[1] not in MAY_IMPORT[folder]):
+                    wrong.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+    assert wrong == []
