@@ -49,7 +49,6 @@ from utils.durations import parse_duration
 from utils.hub_models import HubModelError, hub_cache, is_hub_id, model_dir, offline
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def architecture_source(model_path: str, revision: str | None = None) -> Path:

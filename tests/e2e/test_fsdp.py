@@ -12,16 +12,13 @@ chips, with 2 micro-batches accumulated. The fsdp run also recomputes activation
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from trainer_helpers import adapter_tensors, metric_records, write_run_config
+from trainer_helpers import adapter_tensors, metric_records, train_in_fresh_process, write_run_config
 
 from finetuning_pipeline import main
 
@@ -54,11 +51,7 @@ def write_config(root: Path, model_dir: Path, data, name: str) -> Path:
 
 
 def run_fsdp(config: Path, *args: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, "finetuning_pipeline/main.py", "--config", str(config), *args],
-        capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(CHIPS)},
-    )
+    proc = train_in_fresh_process(config, *args, env={"CPU_NUM_DEVICES": str(CHIPS)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 

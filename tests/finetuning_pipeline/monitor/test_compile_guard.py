@@ -27,11 +27,11 @@ class Counters:
                                self.now.host_syncs + syncs, self.now.transfers_from_device)
 
 
-def run_steps(guard, counters, first: int, graphs_per_step: dict[int, int], syncs_per_step: dict[int, int] = {}):
+def run_steps(guard, counters, first: int, graphs_per_step: dict[int, int], syncs_per_step: dict | None = None):
     for step in range(first, first + len(graphs_per_step)):
         guard.step_started()
         guard.data_ready()
-        counters.add(compiles=graphs_per_step[step], syncs=syncs_per_step.get(step, 0))
+        counters.add(compiles=graphs_per_step[step], syncs=(syncs_per_step or {}).get(step, 0))
         guard.step_ended(step)
 
 
