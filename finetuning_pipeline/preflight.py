@@ -94,6 +94,15 @@ def seq_len_of(config: RunConfig, phase: int) -> int:
                       f"length to plan with (e.g. phase{phase}.seq_len=2048)")
 
 
+def planned_generation(config: RunConfig) -> str:
+    """The generation of tpu.type: the TPU the attention kernels are judged for, with the tested
+    install (`pip install -e '.[tpu]'`), whatever machine preflight runs on."""
+    try:
+        return parse_tpu_type(config.tpu.type).generation.name
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices: int | None = None,
                 model_config=None) -> PlanInputs:
     """The plan's inputs from the config; `devices` (the slice's chips) resolves parallel.mesh,
@@ -103,8 +112,9 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
     if model_config is not None:
         try:
             loss_chunk = resolve_chunk_tokens(config.train.loss_chunk_tokens, model_config)
-            attention = choose_attention(config.model.attention, model_config, on_tpu=True,
-                                         spmd_mesh=(mode or config.parallel.mode) == "fsdp")[0]
+            attention = choose_attention(config.model.attention, model_config, tpu=planned_generation(config),
+                                         spmd_mesh=(mode or config.parallel.mode) == "fsdp",
+                                         seq_len=seq_len_of(config, phase))[0]
         except ValueError as err:
             raise ConfigError(str(err)) from None
     if devices is not None and (mode or config.parallel.mode) == "fsdp":
@@ -171,7 +181,6 @@ def make_plan(config: RunConfig, model_config) -> dict:
     }
 
 
-# -- the rehearsal ---------------------------------------------------------------------------
 # -- the command -----------------------------------------------------------------------------
 def check_data(config: RunConfig) -> dict:
     """The trainer's own start-up checks (shards against the tokenizer, seq_len, phases), when
@@ -189,7 +198,7 @@ def check_data(config: RunConfig) -> dict:
         return {"status": "skipped", "detail": f"not on disk yet: {', '.join(missing)}; run preflight again once "
                 "the model is downloaded and the data prepared"}
     try:
-        check_inputs(config, phases)
+        check_inputs(config, phases, planned_tpu=planned_generation(config))
     except (ConfigError, DataError, HubModelError) as err:
         return {"status": "failed", "detail": str(err)}
     return {"status": "passed", "detail": f"tokenizer fingerprint and seq_len match for phases {phases}"}

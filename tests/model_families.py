@@ -4,6 +4,8 @@ layer-scan tests."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -66,3 +68,48 @@ def batch(packed: bool) -> dict[str, torch.Tensor]:
                 labels[row, start:start + 3] = -100
                 start += length
     return {"input_ids": input_ids, "labels": labels, "position_ids": positions}
+
+
+def reference_kernel(kind: str):
+    """What splash / flash compute from their inputs, as documented (torch_xla 2.9 and JAX's
+    splash masks): causal, same segment only, splash's LocalMask window (keys q - w .. q),
+    splash's soft-cap, flash's sm_scale; [B, heads, L, D] in and out."""
+
+    def attend(inputs: dict, mesh=None) -> torch.Tensor:
+        q, k, v, segments = inputs["q"], inputs["k"], inputs["v"], inputs["segment_ids"]
+        scores = q @ k.transpose(-1, -2) * inputs.get("sm_scale", 1.0)  # splash's q arrives scaled
+        if inputs.get("soft_cap") is not None:
+            scores = torch.tanh(scores / inputs["soft_cap"]) * inputs["soft_cap"]
+        index = torch.arange(q.shape[2])
+        allowed = (index[:, None] >= index[None, :]) & (segments[:, :, None] == segments[:, None, :])[:, None]
+        if inputs.get("window") is not None:
+            allowed = allowed & (index[None, :] >= index[:, None] - inputs["window"])
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
+
+    return attend
+
+
+def reference_splash_ops():
+    """torch_xla's splash op pair (`xla::sa_custom_forward` / `xla::sa_custom_backward`) as a
+    reference with the same contract: forward(q, k, v, config_json, segment_ids, causal, soft_cap)
+    -> (output, None, None), backward(grad, q, k, v, config_json, segment_ids, causal, soft_cap)
+    -> (dq, dk, dv); the window read from the config as the kernel reads it."""
+    attend = reference_kernel("splash")
+
+    def inputs(q, k, v, config, segments, soft_cap):
+        settings = json.loads(config)
+        window = settings["slide_window_size"] if settings["attentiontype_local_sliding"] else None
+        return {"q": q, "k": k, "v": v, "segment_ids": segments, "soft_cap": soft_cap, "window": window}
+
+    def forward(q, k, v, config, segments, causal, soft_cap):
+        assert causal
+        return attend(inputs(q, k, v, config, segments, soft_cap)), None, None
+
+    def backward(grad, q, k, v, config, segments, causal, soft_cap):
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            output = attend(inputs(*leaves, config, segments, soft_cap))
+            return torch.autograd.grad(output, leaves, grad)
+
+    return forward, backward

@@ -10,19 +10,34 @@ from __future__ import annotations
 from pathlib import Path
 
 GOOGLE_PCI_VENDOR = "0x1ae0"
-# torch_xla 2.9's _TPU_PCI_DEVICE_IDS (tests/utils/test_tpu_detect.py checks they stay equal).
-TPU_PCI_DEVICES = ("0x0027", "0x005e", "0x0063", "0x006f", "0x0056", "0x0062", "0x0076")
+# torch_xla 2.9's _TPU_PCI_DEVICE_IDS (tests/utils/test_tpu_detect.py checks they stay equal),
+# with the generation its comments give each ("test": ids it marks "testing only").
+TPU_PCI_GENERATIONS = {"0x0027": "v2/v3", "0x005e": "v4", "0x0063": "v5e", "0x006f": "v6e", "0x0056": "test",
+                       "0x0062": "test", "0x0076": "7x"}
+TPU_PCI_DEVICES = tuple(TPU_PCI_GENERATIONS)
 
 
-def tpu_chips(sysfs: str | Path = "/sys") -> int:
-    """The TPU chips on this machine's PCI bus (0: not a TPU host)."""
-    chips = 0
+def _tpu_device_ids(sysfs: str | Path) -> list[str]:
+    ids = []
     for vendor in Path(sysfs).glob("bus/pci/devices/*/vendor"):
         try:
             if vendor.read_text().strip() != GOOGLE_PCI_VENDOR:
                 continue
-            if (vendor.parent / "device").read_text().strip() in TPU_PCI_DEVICES:
-                chips += 1
+            device = (vendor.parent / "device").read_text().strip()
         except OSError:
             continue
-    return chips
+        if device in TPU_PCI_GENERATIONS:
+            ids.append(device)
+    return ids
+
+
+def tpu_chips(sysfs: str | Path = "/sys") -> int:
+    """The TPU chips on this machine's PCI bus (0: not a TPU host)."""
+    return len(_tpu_device_ids(sysfs))
+
+
+def tpu_generation(sysfs: str | Path = "/sys") -> str | None:
+    """The generation of this machine's TPU chips ("v2/v3", "v4", "v5e", "v6e", "7x", "test"),
+    None when there are none: what the attention kernels are judged for (v2/v3 get none)."""
+    ids = _tpu_device_ids(sysfs)
+    return TPU_PCI_GENERATIONS[ids[0]] if ids else None

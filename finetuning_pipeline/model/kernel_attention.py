@@ -17,6 +17,13 @@ a reference implementation of the kernels' documented semantics and compare, thr
 models of every family, with the dense masks of attention_masks.py. The kernel calls
 themselves (`call_splash`, `call_flash`) have not run on TPU hardware in this repository.
 
+What the kernels cannot run is decided before the device (`choose_attention`): a generation
+they are reported broken on (v2/v3), an install without the jax torch_xla pins, a model feature
+(flash: windows, soft-caps, SPMD), a sequence length their blocks do not divide. auto then
+takes dense attention and says why; an explicit kernel is a config error. Splash with
+soft-capping goes through our own autograd Function around torch_xla's splash ops, because
+torch_xla's wrapper fails at the first backward (`SplashAttentionFunction`).
+
 Wiring: the kernel is registered as a transformers attention implementation; instead of 4D
 masks, the forward gets the segment ids as a [B, 1, 1, L] tensor (or a dict of them per layer
 type), which transformers hands to every layer's attention as-is, with the layer's own
@@ -36,37 +43,93 @@ CHOICES = ("auto", "dense", "splash", "flash")
 IMPLEMENTATION = {"splash": "tpu_splash", "flash": "tpu_pallas_fa"}
 
 
-def choose_attention(setting: str, model_config, on_tpu: bool, spmd_mesh: bool) -> tuple[str, str]:
-    """(kind, why) for model.attention; raises ValueError naming the key when an explicit
-    kernel cannot run this model here. auto never picks a kernel for a case it does not cover."""
-    windows = [w for w in mask_windows(model_config).values() if w is not None]
-    softcap = getattr(model_config, "attn_logit_softcapping", None)
-    flash_gaps = [why for why, gap in (("a sliding window", windows), ("attention soft-capping", softcap),
-                                       ("an SPMD mesh (its segment ids are not supported under SPMD)", spmd_mesh))
-                  if gap]
+# Generations torch_xla's Pallas kernels are reported not to run on: auto never picks a kernel there.
+NO_PALLAS = ("v2", "v3", "v2/v3")
+# torch_xla 2.9's kernel blocks (custom_kernel.py, splash_attention.py): each is min(block, L),
+# and JAX checks that it divides L (`_verify_block`). Flash's forward pads k/v to its block and
+# takes any length; its backward pads nothing: dq blocks of 1024 (q) and 512 / 256 (k), dkv
+# blocks of 512. Splash uses 2048 everywhere, and its KV blocks must fill the 128 lanes.
+FLASH_BACKWARD_BLOCKS = (1024, 512, 256)
+SPLASH_BLOCK, LANES = 2048, 128
+
+
+def _length_fault(kind: str, seq_len: int) -> str | None:
+    if kind == "flash":
+        blocks = [min(block, seq_len) for block in FLASH_BACKWARD_BLOCKS if seq_len % min(block, seq_len)]
+        return f"is not a multiple of {blocks[0]}" if blocks else None
+    block = min(SPLASH_BLOCK, seq_len)
+    if seq_len % block or block % LANES:
+        return f"is not a multiple of {block if seq_len % block else LANES}"
+    return None
+
+
+def length_problem(kind: str, seq_len: int) -> str | None:
+    """Why `kind`'s training (forward and backward) cannot run at sequence length `seq_len`, or None."""
+    fault = _length_fault(kind, seq_len)
+    if fault is None:
+        return None
+    rule = ("a length its backward's blocks (min(1024, L), min(512, L), min(256, L)) divide" if kind == "flash"
+            else f"a multiple of {LANES} (and of {SPLASH_BLOCK} above {SPLASH_BLOCK})")
+    fits = next(length for length in range(seq_len + 1, 2 * seq_len + SPLASH_BLOCK)
+                if _length_fault(kind, length) is None)
+    return f"sequence length {seq_len} {fault}; {kind} attention needs {rule}, e.g. {fits}"
+
+
+def choose_attention(setting: str, model_config, *, tpu: str | None, spmd_mesh: bool, seq_len: int | None,
+                     install_problem: str | None = None) -> tuple[str, str]:
+    """(kind, why) for model.attention, judged for the TPU generation `tpu` (None: not a TPU),
+    training at `seq_len` (None: not known yet), with `install_problem` (utils.tpu_install) of
+    the machine that will run it. An explicit kernel that cannot run raises ValueError naming the
+    key and what to do; auto never picks a kernel for a case it does not cover, and says why."""
+    if setting not in CHOICES:
+        raise ValueError(f"model.attention must be one of {list(CHOICES)}, got {setting!r}")
     if setting == "dense":
         return "dense", "model.attention=dense"
-    if not on_tpu:
+    if tpu is None:
         if setting != "auto":
             raise ValueError(f"model.attention={setting}: Pallas kernels run on TPU only (PJRT_DEVICE=TPU); "
                              "use model.attention=auto or dense")
         return "dense", "not a TPU: dense attention"
-    if setting == "splash" or (setting == "auto" and spmd_mesh):
-        if not spmd_mesh:
-            raise ValueError("model.attention=splash needs parallel.mode=fsdp (an SPMD mesh with data and fsdp axes; "
-                             "parallel.mesh.data=-1 parallel.mesh.fsdp=1 for pure data parallelism)")
+    if tpu in NO_PALLAS:
+        if setting != "auto":
+            raise ValueError(f"model.attention={setting}: torch_xla's Pallas kernels are reported not to work on TPU "
+                             f"{tpu}; use model.attention=auto or dense")
+        return "dense", f"dense attention: no Pallas kernels on TPU {tpu}"
+    kind = "splash" if setting == "splash" or (setting == "auto" and spmd_mesh) else "flash"
+    if kind == "splash" and not spmd_mesh:
+        raise ValueError("model.attention=splash needs parallel.mode=fsdp (an SPMD mesh with data and fsdp axes; "
+                         "parallel.mesh.data=-1 parallel.mesh.fsdp=1 for pure data parallelism)")
+    gaps = []
+    if kind == "flash":
+        windows = [w for w in mask_windows(model_config).values() if w is not None]
+        softcap = getattr(model_config, "attn_logit_softcapping", None)
+        gaps += [f"this model needs {why}, which torch_xla's flash attention does not do" for why, gap in
+                 (("a sliding window", windows), ("attention soft-capping", softcap),
+                  ("an SPMD mesh (its segment ids are not supported under SPMD)", spmd_mesh)) if gap]
+    if seq_len is not None and length_problem(kind, seq_len):
+        gaps.append(length_problem(kind, seq_len))
+    if install_problem:
+        gaps.append(f"the Pallas kernels cannot be traced here: {install_problem}")
+    if gaps:
+        if setting != "auto":
+            raise ValueError(f"model.attention={kind}: {'; '.join(gaps)}; or use model.attention=auto or dense")
+        return "dense", f"dense attention, not {kind}: {'; '.join(gaps)}"
+    if kind == "splash":
         return "splash", "splash attention: the SPMD mesh has data and fsdp axes"
-    if setting == "flash" or setting == "auto":
-        if flash_gaps:
-            if setting == "flash":
-                raise ValueError(f"model.attention=flash: this model needs {', '.join(flash_gaps)}, which torch_xla's "
-                                 "flash attention does not do; use splash (parallel.mode=fsdp) or dense")
-            return (
-                "dense",
-                f"dense attention: flash attention lacks {', '.join(flash_gaps)}; splash needs parallel.mode=fsdp",
-            )
-        return "flash", "flash attention: no window, no soft-cap, one process per chip"
-    raise ValueError(f"model.attention must be one of {list(CHOICES)}, got {setting!r}")
+    return "flash", "flash attention: no window, no soft-cap, one process per chip"
+
+
+def attention_here(setting: str, model_config, *, spmd_mesh: bool, seq_len: int | None) -> tuple[str, str]:
+    """choose_attention for the machine this process runs on: its TPU generation read from the
+    PCI bus, and whether its install has what the kernels need."""
+    from utils.tpu_detect import tpu_generation
+    from utils.tpu_install import pallas_problem
+    from utils.xla_runtime import device_kind
+
+    tpu = (tpu_generation() or "of unknown generation") if device_kind() == "TPU" else None
+    install = pallas_problem() if tpu is not None and setting != "dense" else None
+    return choose_attention(setting, model_config, tpu=tpu, spmd_mesh=spmd_mesh, seq_len=seq_len,
+                            install_problem=install)
 
 
 def segment_ids(position_ids: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
@@ -110,17 +173,47 @@ def flash_inputs(query, key, value, segments, scaling: float) -> dict:
             "sm_scale": scaling}
 
 
-def call_splash(inputs: dict, mesh) -> torch.Tensor:
+class SplashAttentionFunction(torch.autograd.Function):
+    """torch_xla 2.9's splash forward and backward ops (`xla::sa_custom_forward` / `_backward`)
+    under an autograd Function that keeps the soft-cap as a Python attribute. torch_xla's own
+    `SplashAttention.forward` passes the soft-cap, a float, to `ctx.save_for_backward`, which
+    takes tensors only: every soft-capped model (Gemma 2) would fail at its first backward, after
+    an evaluation (no gradients) that passes. `ops` is the (forward, backward) pair: torch_xla's
+    on a TPU (splash_ops), a reference with the same contract in the CPU tests."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, segment_ids, config: str, soft_cap: float | None, ops):
+        output = ops[0](q, k, v, config, segment_ids, True, soft_cap)[0]
+        ctx.save_for_backward(q, k, v, segment_ids)
+        ctx.config, ctx.soft_cap, ctx.ops = config, soft_cap, ops
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        q, k, v, segment_ids = ctx.saved_tensors
+        grad_q, grad_k, grad_v = ctx.ops[1](grad_output, q, k, v, ctx.config, segment_ids, True, ctx.soft_cap)
+        return grad_q, grad_k, grad_v, None, None, None, None
+
+
+def splash_ops():
+    """torch_xla's splash forward and backward ops, each run the way its SplashAttention runs them
+    (`requires_jax`: the PJRT client up before jax is imported)."""
+    from torch_xla.experimental.custom_kernel import requires_jax
+    from torch_xla.experimental.splash_attention import sa_custom_backward, sa_custom_forward
+
+    return requires_jax(sa_custom_forward), requires_jax(sa_custom_backward)
+
+
+def call_splash(inputs: dict, mesh, ops=None) -> torch.Tensor:
     """torch_xla's splash attention on a (data, fsdp) mesh; returns [B, heads, L, D]."""
-    from torch_xla.experimental.splash_attention import SplashAttentionConfig, splash_attention
+    from torch_xla.experimental.splash_attention import SplashAttentionConfig
 
     config = SplashAttentionConfig(mesh=str(mesh), qkv_partition_spec=(("data", "fsdp"), None, None, None),
                                    segment_ids_partition_spec=(("data", "fsdp"), None),
                                    attentiontype_local_sliding=inputs["window"] is not None,
                                    slide_window_size=inputs["window"])
-    return splash_attention(inputs["q"], inputs["k"], inputs["v"], config.to_json(),
-                            decoder_segment_ids=inputs["segment_ids"], causal=True,
-                            attn_logits_soft_cap=inputs["soft_cap"])
+    return SplashAttentionFunction.apply(inputs["q"], inputs["k"], inputs["v"], inputs["segment_ids"],
+                                         config.to_json(), inputs["soft_cap"], ops or splash_ops())
 
 
 def call_flash(inputs: dict, mesh=None) -> torch.Tensor:

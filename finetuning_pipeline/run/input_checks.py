@@ -14,19 +14,19 @@ from finetuning_pipeline.run_config import RunConfig
 from utils.hub_models import model_dir, resolve_model
 
 
-def check_inputs(config: RunConfig, phases: list[int]) -> None:
+def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | None = None) -> None:
     """Everything that can fail before a device is touched; raises ConfigError / DataError /
-    HubModelError."""
+    HubModelError. The attention kernels are judged for this machine, or with `planned_tpu` (a
+    generation, e.g. v5e: preflight planning a TPU from a CPU) for that TPU with the tested install."""
     from transformers import AutoConfig
 
     from dataset.loader import open_prepared
     from dataset.manifest import tokenizer_fingerprint
     from finetuning_pipeline.model.attention_masks import mask_windows
     from finetuning_pipeline.model.chunked_loss import resolve_chunk_tokens
-    from finetuning_pipeline.model.kernel_attention import choose_attention
+    from finetuning_pipeline.model.kernel_attention import attention_here, choose_attention
     from finetuning_pipeline.model.loading import check_lora_targets
     from utils.tokenizer_loading import load_tokenizer
-    from utils.xla_runtime import device_kind
 
     files = Path(model_dir(config.model.path, config.model.revision))  # a Hub id: its snapshot, pinned by pin_model
     if not (files / "config.json").is_file():
@@ -36,8 +36,6 @@ def check_inputs(config: RunConfig, phases: list[int]) -> None:
     try:
         resolve_chunk_tokens(config.train.loss_chunk_tokens, model_config)
         mask_windows(model_config)
-        choose_attention(config.model.attention, model_config, on_tpu=device_kind() == "TPU",
-                         spmd_mesh=config.parallel.mode == "fsdp")
     except ValueError as err:
         raise ConfigError(str(err)) from None
     tokenizer = load_tokenizer(config.model.tokenizer or files,
@@ -61,6 +59,15 @@ def check_inputs(config: RunConfig, phases: list[int]) -> None:
             )
         if manifest["counts"]["train"] < 1:
             raise ConfigError(f"{key}: {data} has no training blocks")
+        spmd_mesh = config.parallel.mode == "fsdp"
+        try:
+            if planned_tpu is None:
+                attention_here(config.model.attention, model_config, spmd_mesh=spmd_mesh, seq_len=manifest["seq_len"])
+            else:
+                choose_attention(config.model.attention, model_config, tpu=planned_tpu, spmd_mesh=spmd_mesh,
+                                 seq_len=manifest["seq_len"])
+        except ValueError as err:
+            raise ConfigError(f"{err} ({key} is prepared at seq_len {manifest['seq_len']})") from None
     if 1 in phases or (2 in phases and config.phase2.init != "continue"):
         try:  # phase 2 `continue` trains the phase-1 adapter, with its own targets
             check_lora_targets(model_config, config.lora_config())

@@ -38,7 +38,7 @@ import torch
 
 from finetuning_pipeline.errors import OutputWriteError
 from finetuning_pipeline.model.activation_checkpointing import enable_activation_checkpointing
-from finetuning_pipeline.model.kernel_attention import choose_attention, enable_kernel_attention
+from finetuning_pipeline.model.kernel_attention import attention_here, enable_kernel_attention
 from finetuning_pipeline.model.loading import DTYPES, load_base, load_model
 from finetuning_pipeline.model.scan_choice import scan_layers
 from finetuning_pipeline.monitor.compile_guard import CompileGuard
@@ -57,7 +57,7 @@ from lora_logic import ScannedLayers, inject_lora, lora_parameters, save_adapter
 from lora_logic.config import LoraConfig
 from utils.atomic_io import atomic_write_json
 from utils.hub_models import model_dir
-from utils.xla_runtime import device_kind, to_host
+from utils.xla_runtime import to_host
 
 
 @dataclass
@@ -213,8 +213,9 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
                                 collectives=parallel.collectives, base_model=config.model.path, lora_config=lora_config)
     checkpointer.clean()
     sharded = parallel.place_model(model, device)
-    attention, why = choose_attention(config.model.attention, model.config, on_tpu=device_kind() == "TPU",
-                                      spmd_mesh=parallel.mesh is not None)
+    data = PhaseData(config.phase(phase).data, train=t, eval=config.eval, parallel=parallel)
+    attention, why = attention_here(config.model.attention, model.config, spmd_mesh=parallel.mesh is not None,
+                                    seq_len=data.seq_len)
     if attention != "dense":
         enable_kernel_attention(model, attention, parallel.mesh)
     if parallel.master:
@@ -224,7 +225,6 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
                             weight_decay=t.weight_decay)
     if resume_from:
         load_optimizer_state(resume_from, model=model, optimizer=optimizer)
-    data = PhaseData(config.phase(phase).data, train=t, eval=config.eval, parallel=parallel)
     start_step = data.resume(state, resume_from)
     guard.resume_at(start_step)
     monitor = DivergenceMonitor(device, t.max_bad_steps)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from utils.tpu_detect import TPU_PCI_DEVICES, tpu_chips
+from utils.tpu_detect import TPU_PCI_DEVICES, tpu_chips, tpu_generation
 
 
 def fake_pci_device(sysfs: Path, slot: str, vendor: str, device: str) -> None:
@@ -23,8 +23,8 @@ def test_the_notebook_finds_every_tpu_generation_on_the_pci_bus(tmp_path, genera
         fake_pci_device(tmp_path, f"0000:00:0{chip + 4}.0", "0x1ae0", device_id)
     fake_pci_device(tmp_path, "0000:00:03.0", "0x1ae0", "0x0042")  # gVNIC: Google's vendor id, not a TPU
     fake_pci_device(tmp_path, "0000:00:01.0", "0x8086", "0x7110")
-    assert tpu_chips(tmp_path) == 4
-    assert tpu_chips(tmp_path / "nothing") == 0
+    assert tpu_chips(tmp_path) == 4 and tpu_generation(tmp_path) == generation
+    assert tpu_chips(tmp_path / "nothing") == 0 and tpu_generation(tmp_path / "nothing") is None
 
 
 def test_the_tpu_device_ids_are_torch_xlas():

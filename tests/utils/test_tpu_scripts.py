@@ -130,6 +130,30 @@ def test_a_vm_that_dies_while_starting_is_an_error(fakes):
     assert "ssh" not in [c[4] for c in calls]
 
 
+@pytest.mark.parametrize("tpu_type, image", [("v6e-8", "v2-alpha-tpuv6e"), ("v5litepod-16", "v2-alpha-tpuv5-lite"),
+                                             ("v5p-8", "v2-alpha-tpuv5"), ("v4-8", "tpu-ubuntu2204-base"),
+                                             ("v3-8", "tpu-ubuntu2204-base"), ("v2-8", "tpu-ubuntu2204-base")])
+def test_the_image_follows_the_tpu_type_and_a_mismatch_is_refused_before_create(fakes, tpu_type, image):
+    vm = ["--name", "t1", "--type", tpu_type, "--zone", "z", "--no-ssh"]
+    proc, calls = fakes("gcloud_tpuvm.sh", *vm)
+    assert proc.returncode == 0, proc.stderr
+    assert calls[0][calls[0].index("--version") + 1] == image
+    wrong = "v2-alpha-tpuv6e" if image != "v2-alpha-tpuv6e" else "tpu-ubuntu2204-base"
+    proc, calls = fakes("gcloud_tpuvm.sh", *vm, "--version", wrong)
+    assert proc.returncode == 2 and calls == []
+    assert f"--version {wrong} does not match --type {tpu_type}" in proc.stderr and image in proc.stderr
+    proc, calls = fakes("gcloud_tpuvm.sh", *vm, "--version", wrong, "--any-version")
+    assert proc.returncode == 0 and calls[0][calls[0].index("--version") + 1] == wrong
+
+
+def test_a_generation_the_table_does_not_know_needs_an_explicit_image(fakes):
+    proc, calls = fakes("gcloud_tpuvm.sh", "--name", "t1", "--type", "tpu7x-8", "--zone", "z", "--no-ssh")
+    assert proc.returncode == 2 and "--version is required for --type tpu7x-8" in proc.stderr and calls == []
+    proc, calls = fakes("gcloud_tpuvm.sh", "--name", "t1", "--type", "tpu7x-8", "--zone", "z", "--no-ssh",
+                        "--version", "v2-alpha-tpu7x")
+    assert proc.returncode == 0 and "v2-alpha-tpu7x" in calls[0]
+
+
 def test_dry_run_prints_and_calls_nothing(fakes):
     proc, calls = fakes("gcloud_tpuvm.sh", *VM, "--spot", "--delete-on-exit", "--dry-run")
     assert proc.returncode == 0 and calls == []
@@ -165,8 +189,12 @@ def test_clone_installs_the_pinned_stack_and_checks_the_tpu(fakes, tmp_path):
                         "https://example.com/r.git", str(tmp_path / "r")]
     assert calls[1] == ["git", "-C", str(tmp_path / "r"), "sparse-checkout", "set",
                         "lora_logic", "dataset", "finetuning_pipeline", "utils"]
-    assert ["python", "-m", "pip", "install", "torch==2.9.0", "torch_xla[tpu]==2.9.0"] in calls
-    assert ["python", "-m", "pip", "install", "-e", str(tmp_path / "r")] in calls
+    # The CPU build of torch first (PyPI's x86 wheel is the CUDA one), then the project's tpu extra,
+    # which brings torch_xla[tpu,pallas] (test_tpu_install checks what that extra resolves to).
+    torch = ["python", "-m", "pip", "install", "torch==2.9.0", "--index-url", "https://download.pytorch.org/whl/cpu"]
+    project = ["python", "-m", "pip", "install", "-e", f"{tmp_path / 'r'}[tpu]"]
+    assert torch in calls and project in calls and calls.index(torch) < calls.index(project)
+    assert not [c for c in calls if "pip" in c and any(a.startswith(("torch_xla", "jax", "libtpu")) for a in c)]
     assert calls[-1][:2] == ["python", "-c"] and "global_runtime_device_count" in calls[-1][2]
 
     proc, _ = fakes("cloud-clone-public.sh", "--repo", "https://example.com/r.git", FAKE_TPU_STATUS="1")

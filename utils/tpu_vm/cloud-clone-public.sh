@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a TPU VM: sparse-clone this repository, install torch 2.9 + torch_xla[tpu] 2.9 and the
+# On a TPU VM: sparse-clone this repository, install torch 2.9 (CPU build) + torch_xla[tpu,pallas] 2.9 and the
 # project, and check that torch_xla sees the TPU chips.
 #
 #   utils/tpu_vm/cloud-clone-public.sh --repo https://github.com/OWNER/REPO.git [--branch main] [--dir ~/lora-tpu] [--dry-run]

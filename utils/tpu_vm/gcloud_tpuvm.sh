@@ -2,9 +2,12 @@
 # Create a Cloud TPU VM, wait until it is READY, and ssh into it; optionally delete it on exit.
 #
 #   utils/tpu_vm/gcloud_tpuvm.sh --name my-tpu --type v5litepod-8 --zone us-west4-a \
-#       --version v2-alpha-tpuv5-lite [--spot] [--project P] [--cache-disk DISK]
-#       [--delete-on-exit] [--no-ssh] [--dry-run]
+#       [--version v2-alpha-tpuv5-lite] [--any-version] [--spot] [--project P]
+#       [--cache-disk DISK] [--delete-on-exit] [--no-ssh] [--dry-run]
 #
+# --version (the TPU software image) defaults to the one Google lists for PyTorch on the type's
+# generation; another one is refused before create (a v6e on the base image fails only after
+# create and install), unless --any-version is given.
 # --spot asks for a spot (preemptible) VM: a fraction of the price, but Google may stop it at
 # any time; the trainer checkpoints on the preemption signal and `--resume auto` continues.
 # --cache-disk attaches the persistent disk DISK read-write (make it once: gcloud compute disks
@@ -16,9 +19,9 @@ set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=tpu_vm_lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/tpu_vm_lib.sh"
 
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
 
-NAME="" TYPE="" ZONE="" VERSION="" PROJECT="" CACHE_DISK="" SPOT=0 DELETE_ON_EXIT=0 SSH=1
+NAME="" TYPE="" ZONE="" VERSION="" PROJECT="" CACHE_DISK="" SPOT=0 DELETE_ON_EXIT=0 SSH=1 ANY_VERSION=0
 READY_TIMEOUT=${READY_TIMEOUT:-900} POLL_SECONDS=${POLL_SECONDS:-10}
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -28,6 +31,7 @@ while [[ $# -gt 0 ]]; do
     --version) need_value "$1" "${2:-}"; VERSION=$2; shift 2 ;;
     --project) need_value "$1" "${2:-}"; PROJECT=$2; shift 2 ;;
     --cache-disk) need_value "$1" "${2:-}"; CACHE_DISK=$2; shift 2 ;;
+    --any-version) ANY_VERSION=1; shift ;;
     --spot) SPOT=1; shift ;;
     --delete-on-exit) DELETE_ON_EXIT=1; shift ;;
     --no-ssh) SSH=0; shift ;;
@@ -39,7 +43,13 @@ done
 [[ -n "$NAME" ]] || die "--name is required"
 [[ -n "$TYPE" ]] || die "--type is required (an accelerator type, e.g. v5litepod-8, v6e-8, v4-8)"
 [[ -n "$ZONE" ]] || die "--zone is required (a zone that offers --type, e.g. us-west4-a)"
-[[ -n "$VERSION" ]] || die "--version is required (a TPU runtime, e.g. v2-alpha-tpuv5-lite, v2-alpha-tpuv6e, tpu-ubuntu2204-base)"
+EXPECTED=$(runtime_for "$TYPE")
+if [[ -z "$VERSION" ]]; then
+  [[ -n "$EXPECTED" ]] || die "--version is required for --type $TYPE (its generation is not in this script's table; see https://cloud.google.com/tpu/docs/runtimes)"
+  VERSION=$EXPECTED
+elif [[ -n "$EXPECTED" && "$VERSION" != "$EXPECTED" && "$ANY_VERSION" != 1 ]]; then
+  die "--version $VERSION does not match --type $TYPE, whose generation runs PyTorch on $EXPECTED (https://cloud.google.com/tpu/docs/runtimes); on another image the VM fails only after create and install (\"Failed to get global TPU topology\"). Leave --version out, or add --any-version to keep $VERSION"
+fi
 
 gcloud_scope "$ZONE" "$PROJECT"
 

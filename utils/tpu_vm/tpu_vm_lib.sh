@@ -26,14 +26,24 @@ gcloud_scope() {
   [[ -z "${2:-}" ]] || SCOPE+=(--project "$2")
 }
 
+# runtime_for TYPE: the TPU software version Google lists for PyTorch on TYPE's generation
+# (https://cloud.google.com/tpu/docs/runtimes); nothing for a generation not listed here.
+runtime_for() {
+  case "$1" in
+    v6e-*) echo v2-alpha-tpuv6e ;;
+    v5p-*) echo v2-alpha-tpuv5 ;;
+    v5litepod-*|v5e-*) echo v2-alpha-tpuv5-lite ;;
+    v2-*|v3-*|v4-*) echo tpu-ubuntu2204-base ;;
+  esac
+}
+
 # need_value OPTION VALUE: an option that takes a value got one.
 need_value() {
   [[ -n "${2:-}" && "${2:0:2}" != "--" ]] || die "$1 needs a value (see --help)"
 }
 
-# The pinned stack (see pyproject.toml): torch_xla needs this exact torch.
+# The torch that torch_xla 2.9.0 needs exactly (pyproject.toml pins both).
 TORCH_VERSION=2.9.0
-TORCH_XLA_VERSION=2.9.0
 # What a TPU run needs of the repository; top-level files (pyproject.toml, Makefile) come
 # with any sparse checkout in cone mode.
 SPARSE_PATHS=(lora_logic dataset finetuning_pipeline utils)
@@ -50,12 +60,17 @@ sparse_clone() {
   run git -C "$dir" sparse-checkout set "${SPARSE_PATHS[@]}"
 }
 
-# install_stack DIR: torch + torch_xla[tpu] (which brings libtpu) and the project itself.
+# PyPI's torch wheel for x86-64 is the CUDA build (several GB of CUDA libraries, unused on a
+# TPU); this index has the CPU build of the same version (2.9.0+cpu satisfies torch==2.9.0).
+TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+
+# install_stack DIR: the CPU build of torch, then the project with its tpu extra, which brings
+# torch_xla[tpu,pallas] (libtpu, and the jax + jaxlib the Pallas kernels need, as torch_xla pins them).
 install_stack() {
   local dir=$1 python=${PYTHON:-python3}
   run "$python" -m pip install --upgrade pip
-  run "$python" -m pip install "torch==$TORCH_VERSION" "torch_xla[tpu]==$TORCH_XLA_VERSION"
-  run "$python" -m pip install -e "$dir"
+  run "$python" -m pip install "torch==$TORCH_VERSION" --index-url "$TORCH_CPU_INDEX"
+  run "$python" -m pip install -e "${dir}[tpu]"
 }
 
 # verify_tpu: the TPU chips are visible to torch_xla (fails with a clear message if not).

@@ -136,6 +136,21 @@ def test_data_is_checked_against_the_tokenizer_and_seq_len(tmp_path, tiny_model_
     assert f"phase1.seq_len is {SEQ_LEN * 2}" in report["checks"]["data"]["detail"]
 
 
+def test_kernels_are_judged_for_the_planned_tpu_not_the_machine_preflight_runs_on(tmp_path, tiny_model_dir, data,
+                                                                                  capsys):
+    """On this CPU, planning a v5e with flash attention passes the data check (on main it failed:
+    "Pallas kernels run on TPU only"); planning a v3, which gets no Pallas kernel, is refused."""
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out")
+    code, report = run_preflight(tmp_path, config, "tpu.type=v5e-8", "model.attention=flash")
+    assert report["checks"]["data"]["status"] == "passed", report["checks"]["data"]
+    assert report["phases"]["phase1"]["inputs"]["attention"] == "flash"
+    code, _ = run_preflight(tmp_path, config, "tpu.type=v3-8", "model.attention=flash")
+    assert code == 2 and "model.attention=flash: torch_xla's Pallas kernels are reported not to work on TPU v3" \
+        in capsys.readouterr().err
+    code, report = run_preflight(tmp_path, config, "tpu.type=v3-8", "parallel.mode=fsdp")
+    assert report["phases"]["phase1"]["inputs"]["attention"] == "dense"
+
+
 @pytest.mark.parametrize("tpu_type, attention, fits", [("v6e-8", "auto", True), ("v6e-8", "dense", False),
                                                         ("v5e-8", "auto", False)])
 def test_a_9b_model_at_32k_context_fits_a_v6e_8_only_with_kernel_attention(tmp_path, tpu_type, attention, fits):
