@@ -32,6 +32,8 @@ class CompileGuard:
         self.warm_time: float | None = None
         self.steps_timed = 0
         self.compiles_after_warmup = 0
+        self.first_step = 1
+        self.first_step_donations: int | None = None
         self.host_syncs_after_warmup = 0
         self.data_wait = 0.0
         self._before = None
@@ -40,6 +42,7 @@ class CompileGuard:
 
     def resume_at(self, start_step: int) -> None:
         self.warm_after = start_step + self.warmup_steps
+        self.first_step = start_step + 1
 
     def step_started(self) -> None:
         """Call before fetching the step's batches."""
@@ -55,6 +58,8 @@ class CompileGuard:
         import torch_xla.core.xla_model as xm
 
         delta = read_counters() - self._before
+        if step == self.first_step and delta.compiles:
+            self.first_step_donations = delta.donated_buffers  # the step's graph, compiled at its first run
         if step == self.warm_after:
             xm.wait_device_ops()
             self.warm_time = time.perf_counter()
@@ -86,6 +91,8 @@ class CompileGuard:
             "compile_seconds": round(counters.compile_seconds - self.at_start.compile_seconds, 2),
             "compiles_after_warmup": self.compiles_after_warmup,
             "host_syncs_per_step": self.host_syncs_after_warmup / self.steps_timed if self.steps_timed else None,
+            # None when the first step compiled nothing here (its graph was cached in this process)
+            "step_donated_buffers": self.first_step_donations,
         }
 
     def elapsed(self) -> float:

@@ -307,6 +307,7 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
         "perplexity_before": p.eval_before["perplexity"],
         "perplexity_after": eval_after["perplexity"],
         **timing,
+        "step_updated_state_tensors": p.stepper.updated_state_tensors,
         "wall_time_s": round(p.guard.elapsed(), 2),
         "world_size": p.parallel.world,
         "parallel": {**p.parallel.describe(), "sharded_base_parameters": len(p.sharded)},

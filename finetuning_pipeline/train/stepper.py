@@ -35,7 +35,6 @@ def micro_batch_seeds(seed: int, phase: int, rank: int, step: int, count: int) -
     return [(first * 1_000_003 + i) % (2**63 - 1) for i in range(count)]
 
 
-
 class Stepper:
     """One optimizer step on the device: the micro-batches' seeds (LoRA dropout masks, torch_xla's
     RNG), the LR from the schedule table, gradients, the sums over replicas, the update, and the
@@ -81,6 +80,14 @@ class Stepper:
             self.update = CapturedStep(functools.partial(update_from_sums, optimizer, self.max_grad_norm),
                                        functools.partial(optimizer_state, optimizer), name="update")
 
+    @property
+    def updated_state_tensors(self) -> int | None:
+        """How many state tensors the captured step updates in place (None before its capture, or
+        when traced every step): with parameter aliasing on, each should donate its buffer."""
+        if self.gradients is None or not self.gradients.captured:
+            return None
+        return len(self.gradients.updated) + len(self.update.updated)
+
     def device_state(self) -> list[torch.Tensor]:
         return [self.step_count, self.schedule, self.label_tokens]
 
@@ -121,7 +128,6 @@ class Stepper:
         examples = [torch.zeros(sums[k][0], dtype=sums[k][1]) for k in ("grad", "loss_total", "tokens")]
         examples.append(torch.zeros(self.step_count.shape, dtype=self.schedule.dtype))
         self.update.capture([t.to(self.device) for t in examples])
-
 
 
 def model_state(model) -> list[torch.Tensor]:

@@ -22,16 +22,19 @@ class Counters:
     def __call__(self) -> XlaCounters:
         return self.now
 
-    def add(self, compiles: int = 0, syncs: int = 0) -> None:
+    def add(self, compiles: int = 0, syncs: int = 0, donated: int = 0) -> None:
         self.now = XlaCounters(self.now.compiles + compiles, self.now.compile_seconds + 2.0 * compiles,
-                               self.now.host_syncs + syncs, self.now.transfers_from_device)
+                               self.now.host_syncs + syncs, self.now.transfers_from_device,
+                               self.now.donated_buffers + donated)
 
 
-def run_steps(guard, counters, first: int, graphs_per_step: dict[int, int], syncs_per_step: dict | None = None):
+def run_steps(guard, counters, first: int, graphs_per_step: dict[int, int], syncs_per_step: dict | None = None,
+              donated_per_step: dict | None = None):
     for step in range(first, first + len(graphs_per_step)):
         guard.step_started()
         guard.data_ready()
-        counters.add(compiles=graphs_per_step[step], syncs=(syncs_per_step or {}).get(step, 0))
+        counters.add(compiles=graphs_per_step[step], syncs=(syncs_per_step or {}).get(step, 0),
+                     donated=(donated_per_step or {}).get(step, 0))
         guard.step_ended(step)
 
 
@@ -80,3 +83,16 @@ def test_no_warm_up_allowed_refuses_the_first_steps_graph(counters):
     guard = compile_guard.CompileGuard(phase=1, warmup_steps=0, policy="error")
     with pytest.raises(RecompileError, match="step 1:"):
         run_steps(guard, counters, 1, {1: 1})
+
+
+def test_the_buffers_donated_by_the_first_steps_graph_are_reported(counters):
+    """The donations of the graph compiled at the phase's first step (this process's first step of
+    a resumed phase), not the evaluation's before it; None when that step compiled nothing."""
+    guard = compile_guard.CompileGuard(phase=1, warmup_steps=1, policy="error")
+    counters.add(compiles=1, donated=0)  # the eval graph donates nothing
+    run_steps(guard, counters, 1, {1: 1, 2: 0, 3: 0}, donated_per_step={1: 31})
+    assert guard.summary(steps_run=3, tokens_per_step=128)["step_donated_buffers"] == 31
+    resumed = compile_guard.CompileGuard(phase=1, warmup_steps=1, policy="error")
+    resumed.resume_at(4)
+    run_steps(resumed, counters, 5, {5: 0, 6: 0})  # the step's graph already compiled in this process
+    assert resumed.summary(steps_run=2, tokens_per_step=128)["step_donated_buffers"] is None
