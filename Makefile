@@ -25,7 +25,7 @@ DEMO_ANSWER := Județul Brașov se află în Transilvania.
 # The demo config's phases need the demo's base model and prepared data; other configs bring their own.
 PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 
-.PHONY: help setup test test-fast lint tiny-model demo-data demo phase1 phase2 preflight bench bench-train bench-host bench-prepare bench-memory clean
+.PHONY: help setup test test-fast lint tiny-model demo-data demo phase1 phase2 preflight tpu-check bench bench-train bench-host bench-prepare bench-memory clean
 
 help:
 	@echo "make setup       create .venv with the pinned stack (torch 2.9.0 + torch_xla 2.9.0) and test tools"
@@ -38,6 +38,8 @@ help:
 	@echo "make phase2      phase 2 of CONFIG"
 	@echo "make preflight   check CONFIG and plan its TPU time (HBM, step time, TPU-hours) on this CPU, with a"
 	@echo "                 rehearsal on a shrunken model; ARGS=\"tpu.type=v5e-8 parallel.mode=fsdp\" (preflight.json)"
+	@echo "make tpu-check   the first command on a TPU VM (PJRT_DEVICE=TPU make tpu-check CONFIG=...): every"
+	@echo "                 TPU-only path of CONFIG on a 2-layer copy of its model, one line each (tpu_check.json)"
 	@echo "make tiny-model  build and pretrain the tiny demo base model + tokenizer (outputs/demo/base)"
 	@echo "make bench       the four benchmarks below (about 30 minutes on 2 cores)"
 	@echo "make bench-train our trainer vs HF Trainer + PEFT on XLA:CPU, two shapes (outputs/bench/bench.json)"
@@ -100,6 +102,9 @@ phase2: $(STAMP) $(PHASE_DEPS)
 
 preflight: $(STAMP) $(PHASE_DEPS)
 	$(BIN)/python -m finetuning_pipeline.preflight --config $(CONFIG) $(ARGS)
+
+tpu-check: $(STAMP) $(PHASE_DEPS)
+	$(BIN)/python -m finetuning_pipeline.tpu_check --config $(CONFIG) $(ARGS)
 
 bench: bench-train bench-host bench-prepare bench-memory
 

@@ -7,6 +7,8 @@ substitute: `jax[tpu]` brings its own libtpu, which replaces the one torch_xla 2
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
+import os
 import re
 
 # What every message names: the project's `tpu` extra installs torch_xla[tpu,pallas] (pyproject.toml).
@@ -42,3 +44,11 @@ def pallas_problem() -> str | None:
     """Why the Pallas kernels cannot be traced with this install (None: they can)."""
     problems = missing_for("pallas")
     return "; ".join(problems) + f" ({INSTALL})" if problems else None
+
+
+def libtpu_problem() -> str | None:
+    """Why torch_xla would find no TPU runtime here (None: libtpu is installed, or TPU_LIBRARY_PATH
+    names one, as some managed notebook images do)."""
+    if os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu") is not None:
+        return None
+    return f"libtpu is not installed (torch_xla's tpu extra pins libtpu=={extra_pins('tpu').get('libtpu')}; {INSTALL})"

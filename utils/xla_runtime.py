@@ -60,6 +60,17 @@ def to_host(*tensors: torch.Tensor) -> list[float]:
     return [t.cpu().item() for t in tensors]
 
 
+def peak_memory_bytes(device) -> int | None:
+    """The device's peak memory in use since the process started (torch_xla's memory info; a
+    TPU reports it, XLA:CPU does not: None)."""
+    import torch_xla.core.xla_model as xm
+
+    try:
+        return int(xm.get_memory_info(device)["peak_bytes_used"])
+    except (RuntimeError, KeyError):
+        return None
+
+
 def device_kind() -> str:
     """The PJRT device kind this process runs on ("TPU", "CPU", ...)."""
     return os.environ.get("PJRT_DEVICE", "CPU").upper()

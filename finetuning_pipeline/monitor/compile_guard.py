@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from finetuning_pipeline.errors import RecompileError
-from utils.xla_counters import read_counters
+from utils.xla_counters import donations_of_last_graphs, read_counters
 
 
 class CompileGuard:
@@ -59,7 +59,9 @@ class CompileGuard:
 
         delta = read_counters() - self._before
         if step == self.first_step and delta.compiles:
-            self.first_step_donations = delta.donated_buffers  # the step's graph, compiled at its first run
+            # The step's graph is compiled at its first run; the largest donation of the graphs
+            # compiled then is its own (replica threads of this process compile the same graph).
+            self.first_step_donations = max(donations_of_last_graphs(delta.compiles), default=0)
         if step == self.warm_after:
             xm.wait_device_ops()
             self.warm_time = time.perf_counter()

@@ -39,9 +39,12 @@ def shrunken_config(model_config, vocab_size: int):
     return small
 
 
-def run_trainer(config_path: Path, args: list[str], mode: str, log: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONUNBUFFERED": "1"}
-    if mode == "fsdp":
+def run_trainer(config_path: Path, args: list[str], mode: str, log: Path,
+                device: str = "CPU") -> subprocess.CompletedProcess:
+    """main.py in a process of its own on `device` (PJRT_DEVICE); an fsdp run on a CPU gets
+    REHEARSAL_CHIPS virtual devices. Its output is appended to `log`."""
+    env = {**os.environ, "PJRT_DEVICE": device, "PYTHONUNBUFFERED": "1"}
+    if mode == "fsdp" and device == "CPU":
         env["CPU_NUM_DEVICES"] = str(REHEARSAL_CHIPS)
     proc = subprocess.run([sys.executable, str(ROOT / "finetuning_pipeline" / "main.py"), "--config", str(config_path),
                            *args], capture_output=True, text=True, env=env, cwd=ROOT)

@@ -4,6 +4,8 @@
       .lock                       held by the running job's master (pid, host, start time)
       loss.png                    both phases' losses
       preflight.json              `python -m finetuning_pipeline.preflight`
+      tpu_check.json              `make tpu-check`: its checks and the chip's measured figures
+      tpu_check/                  the self-check's own small runs
       phaseN/adapter/             the phase's final adapter (PEFT layout)
       phaseN/checkpoints/         step_XXXXXXXX/, complete ones carry a COMPLETE marker
       phaseN/metrics.jsonl        train and eval records
@@ -39,7 +41,8 @@ class RunLayout:
         self.root = Path(output_dir)
 
     def written_paths(self) -> list[Path]:
-        return [self.phase_dir(1), self.phase_dir(2), self.loss_plot, self.preflight, self.lock_file]
+        return [self.phase_dir(1), self.phase_dir(2), self.loss_plot, self.preflight, self.tpu_check,
+                self.tpu_check_runs, self.lock_file]
 
     def check_apart_from(self, inputs: dict[str, str | None]) -> None:
         """The run never writes into its inputs: output_dir may hold them (the demo keeps its
@@ -89,6 +92,14 @@ class RunLayout:
     @property
     def preflight(self) -> Path:
         return self.root / "preflight.json"
+
+    @property
+    def tpu_check(self) -> Path:
+        return self.root / "tpu_check.json"
+
+    @property
+    def tpu_check_runs(self) -> Path:
+        return self.root / "tpu_check"
 
     @property
     def lock_file(self) -> Path:

@@ -57,7 +57,7 @@ from lora_logic import ScannedLayers, inject_lora, lora_parameters, save_adapter
 from lora_logic.config import LoraConfig
 from utils.atomic_io import atomic_write_json
 from utils.hub_models import model_dir
-from utils.xla_runtime import to_host
+from utils.xla_runtime import peak_memory_bytes, to_host
 
 
 @dataclass
@@ -308,6 +308,7 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
         "perplexity_after": eval_after["perplexity"],
         **timing,
         "step_updated_state_tensors": p.stepper.updated_state_tensors,
+        "device_memory_peak_bytes": peak_memory_bytes(p.device),
         "wall_time_s": round(p.guard.elapsed(), 2),
         "world_size": p.parallel.world,
         "parallel": {**p.parallel.describe(), "sharded_base_parameters": len(p.sharded)},

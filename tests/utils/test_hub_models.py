@@ -12,7 +12,7 @@ import pytest
 from trainer_helpers import prepare_demo_data, publish_to_hub_cache, write_run_config
 
 from finetuning_pipeline import main
-from finetuning_pipeline.preflight import load_architecture
+from finetuning_pipeline.planning.phase_plan import load_architecture
 from utils.hub_models import HubModelError, resolve_model
 
 MODEL_ID = "tiny-org/tiny-mistral"

@@ -36,6 +36,16 @@ def test_a_missing_or_other_jax_is_named_with_the_install_command(monkeypatch):
     assert tpu_install.pallas_problem() is None
 
 
+def test_a_tpu_run_without_libtpu_is_refused_before_the_device(monkeypatch):
+    """main.py's input checks on PJRT_DEVICE=TPU: no libtpu (and no TPU_LIBRARY_PATH) is a config
+    error naming the install, before torch_xla would fail to find a TPU runtime."""
+    monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
+    monkeypatch.setattr(tpu_install.importlib.util, "find_spec", lambda name: None)
+    assert "libtpu is not installed (torch_xla's tpu extra pins libtpu==0.0.21" in tpu_install.libtpu_problem()
+    monkeypatch.setenv("TPU_LIBRARY_PATH", "/usr/lib/libtpu.so")
+    assert tpu_install.libtpu_problem() is None
+
+
 @pytest.mark.slow
 def test_the_tpu_extra_resolves_to_the_versions_torch_xla_pins(tmp_path):
     """What `pip install -e '.[tpu]'` would install on a TPU VM, resolved from the package index

@@ -18,14 +18,16 @@ class Counters:
 
     def __init__(self) -> None:
         self.now = XlaCounters(compiles=0, compile_seconds=0.0, host_syncs=0, transfers_from_device=0)
+        self.donations: list[int] = []
 
     def __call__(self) -> XlaCounters:
         return self.now
 
-    def add(self, compiles: int = 0, syncs: int = 0, donated: int = 0) -> None:
+    def add(self, compiles: int = 0, syncs: int = 0, donated: tuple = ()) -> None:
+        """`donated`: the donations of the graphs compiled (one each; 0 for the rest)."""
         self.now = XlaCounters(self.now.compiles + compiles, self.now.compile_seconds + 2.0 * compiles,
-                               self.now.host_syncs + syncs, self.now.transfers_from_device,
-                               self.now.donated_buffers + donated)
+                               self.now.host_syncs + syncs, self.now.transfers_from_device)
+        self.donations += list(donated) + [0] * (compiles - len(donated))
 
 
 def run_steps(guard, counters, first: int, graphs_per_step: dict[int, int], syncs_per_step: dict | None = None,
@@ -34,7 +36,7 @@ def run_steps(guard, counters, first: int, graphs_per_step: dict[int, int], sync
         guard.step_started()
         guard.data_ready()
         counters.add(compiles=graphs_per_step[step], syncs=(syncs_per_step or {}).get(step, 0),
-                     donated=(donated_per_step or {}).get(step, 0))
+                     donated=(donated_per_step or {}).get(step, ()))
         guard.step_ended(step)
 
 
@@ -42,6 +44,7 @@ def run_steps(guard, counters, first: int, graphs_per_step: dict[int, int], sync
 def counters(monkeypatch):
     fake = Counters()
     monkeypatch.setattr(compile_guard, "read_counters", fake)
+    monkeypatch.setattr(compile_guard, "donations_of_last_graphs", lambda count: fake.donations[-count:])
     return fake
 
 
@@ -87,10 +90,11 @@ def test_no_warm_up_allowed_refuses_the_first_steps_graph(counters):
 
 def test_the_buffers_donated_by_the_first_steps_graph_are_reported(counters):
     """The donations of the graph compiled at the phase's first step (this process's first step of
-    a resumed phase), not the evaluation's before it; None when that step compiled nothing."""
+    a resumed phase), not the evaluation's before it, once however many replica threads of the
+    process compiled it; None when that step compiled nothing."""
     guard = compile_guard.CompileGuard(phase=1, warmup_steps=1, policy="error")
-    counters.add(compiles=1, donated=0)  # the eval graph donates nothing
-    run_steps(guard, counters, 1, {1: 1, 2: 0, 3: 0}, donated_per_step={1: 31})
+    counters.add(compiles=1)  # the eval graph donates nothing
+    run_steps(guard, counters, 1, {1: 2, 2: 0, 3: 0}, donated_per_step={1: (31, 31)})  # two replica threads
     assert guard.summary(steps_run=3, tokens_per_step=128)["step_donated_buffers"] == 31
     resumed = compile_guard.CompileGuard(phase=1, warmup_steps=1, policy="error")
     resumed.resume_at(4)

@@ -9,14 +9,14 @@ from conftest import REPO
 from trainer_helpers import SEQ_LEN, run_preflight, write_run_config
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from finetuning_pipeline import preflight
+from finetuning_pipeline.planning import phase_plan
 from finetuning_pipeline.planning.tpu_chips import parse_tpu_type
 from finetuning_pipeline.planning.tpu_plan import ModelShape
 from lora_logic import DEFAULT_TARGET_MODULES, LoraConfig, inject_lora, lora_parameters
 
 CONFIGS = REPO / "finetuning_pipeline" / "configs"
 MISTRAL = CONFIGS / "mistral7b_v6e8.yaml"
-SHIPPED = sorted(p.name for p in preflight.SHIPPED_CONFIGS.iterdir() if p.is_dir())
+SHIPPED = sorted(p.name for p in phase_plan.SHIPPED_CONFIGS.iterdir() if p.is_dir())
 
 
 @pytest.mark.parametrize(
@@ -94,7 +94,7 @@ def test_scan_layers_true_on_a_model_that_cannot_be_scanned_is_refused_on_the_cp
 @pytest.mark.parametrize("name", SHIPPED)
 def test_the_plans_layer_shapes_match_the_architecture(name):
     """The projection shapes the FLOP and LoRA counts use are the real model's."""
-    config = AutoConfig.from_pretrained(preflight.SHIPPED_CONFIGS / name)
+    config = AutoConfig.from_pretrained(phase_plan.SHIPPED_CONFIGS / name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     inject_lora(model, LoraConfig(r=16, alpha=32))

@@ -1,0 +1,322 @@
+"""`make tpu-check`: the paths only a TPU takes, tried on a small copy of the run's model in the
+first minutes on the TPU, before the long run spends the week's quota on them.
+
+The check trains phase 1 of a 2-layer copy of the configured architecture for CHECK_STEPS
+steps through main.py, on this machine's device, in the configured parallel mode, dtype,
+attention, step capture and layer scan ("as configured"), then once more per setting that
+takes a TPU-only path, with that one setting changed: the losses of each pair must agree.
+On a TPU the copy keeps the real width (its layers are the real layers: the step time, HBM and
+compile seconds measured on it are the chip's), on a CPU it is also narrowed (planning/rehearsal.py).
+
+  attention       the kernel as configured vs model.attention=dense
+  captured step   train.capture_step vs the step traced every time
+  scanned layers  train.scan_layers vs the layer loop
+  bf16            model.dtype=bfloat16 vs float32
+  collectives     N replicas vs one chip with their global batch (parallel.single_chip)
+  recompiles      no graph compiled after warm-up; no host sync in a step
+  donation        every state tensor the captured step updates donates its buffer
+  HBM             peak device memory vs the plan of the same small model (tpu_plan.py)
+  compile, MFU    compile seconds and step time, measured: the figures the next plan uses
+
+Each is one line: passed, failed (with the setting that avoids it), skipped (why), or measured.
+What a CPU cannot show (kernels, donation with aliasing off, HBM, MFU) is skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from finetuning_pipeline.model.kernel_attention import IMPLEMENTATION
+from finetuning_pipeline.planning.phase_plan import plan_inputs
+from finetuning_pipeline.planning.rehearsal import run_trainer, shrunken_config
+from finetuning_pipeline.planning.tpu_chips import Slice, parse_tpu_type
+from finetuning_pipeline.planning.tpu_plan import ModelShape, plan
+from finetuning_pipeline.run.run_layout import RunLayout
+from finetuning_pipeline.run_config import RunConfig
+from utils.atomic_io import atomic_write_json
+from utils.hub_models import model_dir
+
+CHECK_STEPS = 6
+CHECK_LAYERS = 2
+# How far two runs that differ in one setting may drift apart, per step, relative to the loss:
+# summation order only (fp32), or bf16 rounding (kernels keep other intermediates than dense).
+LOSS_TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2}
+HBM_OVER_PLAN = 1.25  # measured peak above this multiple of the plan: the plan is not to be trusted
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # passed | failed | skipped | measured
+    detail: str
+    avoid: str | None = None  # on failure: the setting that avoids it
+
+    def line(self) -> str:
+        tail = f" -> avoid it with: {self.avoid}" if self.status == "failed" and self.avoid else ""
+        return f"  {self.status:>8}  {self.name}: {self.detail}{tail}"
+
+
+@dataclass
+class Variant:
+    """A run of the check model that differs from "as configured" in one setting."""
+
+    check: str
+    overrides: dict  # dotted key -> value
+    avoid: str  # the setting that avoids the path "as configured" takes, when the two disagree
+
+
+def check_model_config(model_config, vocab_size: int, full_width: bool):
+    """The configured architecture with CHECK_LAYERS layers (one of each attention kind); at full
+    width on a TPU, narrowed as the rehearsal's on a CPU."""
+    if not full_width:
+        return shrunken_config(model_config, vocab_size)
+    small = copy.deepcopy(model_config)
+    small.num_hidden_layers = CHECK_LAYERS
+    if getattr(small, "layer_types", None):
+        small.layer_types = (sorted(set(model_config.layer_types)) * CHECK_LAYERS)[:CHECK_LAYERS]
+    small.vocab_size = max(vocab_size, model_config.vocab_size)
+    return small
+
+
+def check_data(config: RunConfig, root: Path, seq_len: int) -> tuple[Path, Path, str]:
+    """(data dir, tokenizer dir, description): the run's prepared phase-1 data when it is there
+    with its tokenizer, else the bundled domain text, repeated to fill ~64 blocks of `seq_len`,
+    under the demo's tokenizer (only token ids matter to what is checked)."""
+    from dataset.manifest import MANIFEST_NAME
+
+    prepared = Path(config.phase1.data or "")
+    tokenizer = Path(config.model.tokenizer or model_dir(config.model.path, config.model.revision))
+    if (prepared / MANIFEST_NAME).is_file() and (tokenizer / "tokenizer_config.json").is_file():
+        return prepared, tokenizer, f"the run's prepared data ({prepared})"
+    from dataset import prepare
+    from dataset.samples import DOMAIN_TEXT
+    from finetuning_pipeline.demo.tiny_model import write_tiny_model
+
+    tokenizer = write_tiny_model(root / "tokenizer")
+    records = DOMAIN_TEXT.read_text().splitlines()
+    copies = max(1, math.ceil(64 * seq_len * 4 / sum(len(r) for r in records)))  # ~4 characters a token
+    text = root / "text.jsonl"
+    text.write_text("\n".join(records * copies) + "\n")
+    data = root / "data"
+    if prepare.main(["--tokenizer", str(tokenizer), "--seq-len", str(seq_len), "--out", str(data), "--input",
+                     str(text), "--quiet"]) != 0:
+        raise RuntimeError("preparing the bundled samples failed")
+    return data, tokenizer, f"the bundled domain text at seq_len {seq_len} (phase1.data is not prepared)"
+
+
+def losses(out: Path) -> list[float]:
+    lines = (out / "phase1" / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def compare(name: str, ours: Path, theirs: Path, dtype: str, avoid: str) -> Check:
+    a, b = losses(ours), losses(theirs)
+    if len(a) != len(b) or not a:
+        return Check(name, "failed", f"{len(a)} vs {len(b)} logged steps", avoid)
+    gap = max(abs(x - y) / max(1.0, abs(y)) for x, y in zip(a, b))
+    tolerance = LOSS_TOLERANCE[dtype]
+    detail = f"{len(a)} steps, largest loss gap {gap:.2e} (tolerance {tolerance:g}, {dtype})"
+    return Check(name, "passed" if gap <= tolerance else "failed", detail, avoid)
+
+
+def variants(config: RunConfig, summary: dict, dtype: str, grad_accum: int) -> tuple[list[Variant], list[Check]]:
+    """The runs to compare with "as configured", from what it took (its summary); skipped lines
+    for the rest. grad_accum: the check's own."""
+    runs, skipped = [], []
+    if summary["attention"] in IMPLEMENTATION.values():
+        runs.append(Variant("attention", {"model.attention": "dense"}, "model.attention=dense"))
+    else:
+        skipped.append(Check("attention", "skipped", f"the run takes dense attention ({summary['attention']})"))
+    if summary["step_updated_state_tensors"] is not None:
+        runs.append(Variant("captured step", {"train.capture_step": False}, "train.capture_step=false"))
+    else:
+        skipped.append(Check("captured step", "skipped", "the step is traced every time"))
+    if summary["scanned_layers"]:
+        runs.append(Variant("scanned layers", {"train.scan_layers": False}, "train.scan_layers=false"))
+    else:
+        skipped.append(Check("scanned layers", "skipped", "the run's decoder layers are not scanned"))
+    if dtype == "bfloat16":
+        runs.append(Variant("bf16", {"model.dtype": "float32"}, "model.dtype=float32"))
+    else:
+        skipped.append(Check("bf16", "skipped", f"model.dtype={dtype}"))
+    if config.parallel.mode == "dp" and summary["world_size"] > 1:
+        one_chip = summary["global_batch"] // grad_accum  # every replica's micro-batches on one chip
+        runs.append(Variant("collectives", {"parallel.single_chip": True, "train.micro_batch": one_chip},
+                            "parallel.mode=fsdp (one SPMD process per host: no cross-replica sums on one host)"))
+    else:
+        why = ("one replica: nothing is summed across replicas" if config.parallel.mode == "dp"
+               else "parallel.mode=fsdp: the sums are inside the SPMD graph, compared by the checks above")
+        skipped.append(Check("collectives", "skipped", why))
+    return runs, skipped
+
+
+def summary_checks(summary: dict, aliasing: bool) -> list[Check]:
+    """What the as-configured run's summary shows by itself."""
+    checks = []
+    recompiles, syncs = summary["compiles_after_warmup"], summary["host_syncs_per_step"]
+    checks.append(Check("recompiles", "passed" if recompiles == 0 and not syncs else "failed",
+                        f"{recompiles} graphs compiled after warm-up, {syncs} host syncs a step",
+                        "find the cause with PT_XLA_DEBUG_LEVEL=2 (train.recompile_policy=warn lets a run go on)"))
+    donated, updated = summary["step_donated_buffers"], summary["step_updated_state_tensors"]
+    if not aliasing:
+        checks.append(Check("donation", "skipped", "parameter aliasing is off (XLA_ENABLE_PARAM_ALIASING=0, the "
+                            "XLA:CPU default of utils/xla_runtime.py)"))
+    elif updated is None or donated is None:
+        checks.append(Check("donation", "skipped", "the step is traced every time, or its graph was cached"))
+    else:
+        checks.append(Check("donation", "passed" if donated == updated else "failed",
+                            f"{donated} buffers donated by the step's graph for {updated} state tensors it updates",
+                            "XLA_ENABLE_PARAM_ALIASING=0 (the LoRA weights and moments then take a second copy)"))
+    return checks
+
+
+def measured_checks(summary: dict, planned: dict, slice_: Slice | None) -> tuple[list[Check], dict]:
+    """HBM, compile seconds and MFU against the plan of the same small model on `slice_` (None:
+    not a TPU); (lines, figures)."""
+    checks, figures = [], {}
+    peak = summary.get("device_memory_peak_bytes")
+    if peak is None:
+        checks.append(Check("HBM", "skipped", "the device reports no memory in use (XLA:CPU)"))
+    else:
+        ratio = peak / (planned["hbm_per_chip_gib"] * 2**30)
+        figures["hbm_measured_over_plan"] = round(ratio, 3)
+        checks.append(Check("HBM", "passed" if ratio <= HBM_OVER_PLAN else "failed",
+                            f"peak {peak / 2**30:.2f} GiB, planned {planned['hbm_per_chip_gib']} GiB ({ratio:.2f}x)",
+                            "model.activation_checkpointing=true or a smaller train.micro_batch; the plan "
+                            f"underestimates this model by {ratio:.2f}x"))
+    seconds = summary["compile_seconds"]
+    layers = CHECK_LAYERS
+    if summary["scanned_layers"]:
+        figures["compile_s_scanned"] = seconds
+        planned_s = planned["inputs"]["compile_s_scanned"]
+    else:
+        figures["compile_s_per_layer"] = round(seconds / layers, 3)
+        planned_s = planned["compile_s"]
+    checks.append(Check("compile", "measured", f"{seconds} s for {layers} layers (the plan assumed {planned_s} s)"))
+    step_time = summary["step_time_s"]
+    if slice_ is None or not step_time:
+        checks.append(Check("MFU", "skipped", "not a TPU: no peak FLOP/s to measure against"))
+    else:
+        step_flops = planned["flops_per_token"] * summary["global_batch"] * summary["seq_len"]
+        mfu = step_flops / (step_time * slice_.peak_flops_per_device * slice_.devices)
+        figures["mfu"] = round(mfu, 4)
+        checks.append(Check("MFU", "measured", f"{mfu:.3f} at {step_time} s a step (the plan assumed "
+                            f"{planned['inputs']['assumed_mfu']})"))
+    return checks, figures
+
+
+def run_config_for(config: RunConfig, model_path: Path, data: Path, out: Path, on_tpu: bool, overrides: dict) -> dict:
+    run = config.to_dict()
+    run["output_dir"] = str(out)
+    run["model"].update(path=str(model_path), tokenizer=None)
+    run["train"].update(max_steps=CHECK_STEPS, warmup_steps=2, warmup_compiles_steps=1, recompile_policy="warn",
+                        grad_accum=min(config.train.grad_accum, 2), max_wall_time=None)
+    if not on_tpu:
+        run["train"]["micro_batch"] = 1
+    run["eval"].update(every=0, max_batches=1)
+    run["checkpoint"].update(every=0, keep=1)
+    run["logging"].update(every=1, progress_bar=False, tensorboard=False)
+    run["logging"]["wandb"]["project"] = None
+    if not on_tpu:  # the CPU's virtual devices are fewer than the slice's chips: keep the mesh's kind
+        run["parallel"]["mesh"] = {"data": -1, "fsdp": 1} if config.parallel.mesh.fsdp == 1 else {"data": 1,
+                                                                                                   "fsdp": -1}
+    run["phase1"].update(data=str(data), max_steps=None, seq_len=None)
+    run["phase2"].update(data="", max_steps=None, seq_len=None)
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        run[section][name] = value
+    return run
+
+
+def device_check(config: RunConfig, model_config, root: Path, *, device: str, seq_len: int) -> dict:
+    """Run the checks in `root` (the runs' directory, claimed by the caller); returns the report
+    tpu_check.json holds (see the module docstring)."""
+    import yaml
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    on_tpu = device == "TPU"
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "tpu_check.log"
+    data, tokenizer_dir, data_note = check_data(config, root, seq_len if on_tpu else min(seq_len, 128))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    small = check_model_config(model_config, len(tokenizer), full_width=on_tpu)
+    AutoModelForCausalLM.from_config(small).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+
+    def train(name: str, overrides: dict) -> tuple[Path, str | None]:
+        run = run_config_for(config, root / "model", data, root / name, on_tpu, overrides)
+        path = root / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(run))
+        proc = run_trainer(path, ["--phase", "1", "--resume", "never", "--force"], config.parallel.mode, log, device)
+        return root / name, None if proc.returncode == 0 else (proc.stdout + proc.stderr)[-1500:]
+
+    report = {"device": device, "tpu_type": config.tpu.type, "data": data_note, "log": str(log),
+              "checked_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "model": f"{type(AutoModelForCausalLM.from_config(small)).__name__}, {CHECK_LAYERS} layers, hidden "
+                       f"{small.hidden_size}"}
+    if on_tpu:
+        from utils.tpu_detect import tpu_generation
+
+        here, planned_generation = tpu_generation(), parse_tpu_type(config.tpu.type).generation.name
+        if here not in (planned_generation, "v2/v3" if planned_generation in ("v2", "v3") else planned_generation):
+            checks = [Check("TPU type", "failed", f"tpu.type={config.tpu.type}, but this host's chips are {here}",
+                            "tpu.type set to this slice's accelerator type")]
+            report.update(checks=[asdict(c) for c in checks], measured={}, ok=False)
+            return report
+    reference, failure = train("as_configured", {})
+    if failure:
+        checks = [Check("as configured", "failed", f"the run failed: {failure}")]
+        report.update(checks=[asdict(c) for c in checks], measured={}, ok=False)
+        return report
+    summary = json.loads((reference / "phase1" / "summary.json").read_text())
+    dtype = config.model.dtype
+    grad_accum = min(config.train.grad_accum, 2)
+    runs, checks = variants(config, summary, dtype, grad_accum)
+    for variant in runs:
+        out, failure = train(variant.check.replace(" ", "_"), variant.overrides)
+        changed = " ".join(f"{k}={v}" for k, v in variant.overrides.items())
+        if failure:
+            checks.append(Check(variant.check, "failed", f"the run with {changed} failed (as configured it ran): "
+                                f"{failure[-300:]}", None))
+        else:
+            tolerance_dtype = "bfloat16" if "bfloat16" in (dtype, variant.overrides.get("model.dtype")) else dtype
+            checks.append(compare(variant.check, reference, out, tolerance_dtype, variant.avoid))
+    aliasing = os.environ.get("XLA_ENABLE_PARAM_ALIASING", "1" if on_tpu else "0") != "0"
+    checks += summary_checks(summary, aliasing)
+    slice_ = parse_tpu_type(config.tpu.type)
+    small_config = copy.deepcopy(config)  # the plan of the check's own run
+    small_config.train.grad_accum = grad_accum
+    small_config.phase1.data = str(data)
+    small_config.phase1.max_steps = CHECK_STEPS
+    if not on_tpu:
+        small_config.train.micro_batch = 1
+    planned = plan(ModelShape.from_config(small), slice_,
+                   plan_inputs(small_config, 1, devices=slice_.devices, model_config=small))
+    measured_lines, figures = measured_checks(summary, planned, slice_ if on_tpu else None)
+    checks += measured_lines
+    order = ["attention", "captured step", "scanned layers", "bf16", "collectives", "recompiles", "donation", "HBM",
+             "compile", "MFU"]
+    checks.sort(key=lambda c: order.index(c.name) if c.name in order else len(order))
+    report.update(checks=[asdict(c) for c in checks], measured=figures if on_tpu else {},
+                  ok=all(c.status != "failed" for c in checks))
+    return report
+
+
+def format_report(report: dict) -> str:
+    lines = [f"tpu-check on {report['device']} ({report['model']}; {report['data']})"]
+    lines += [Check(**c).line() for c in report["checks"]]
+    if report["measured"]:
+        lines.append(f"  measured for the next plan: {report['measured']}")
+    return "\n".join(lines)
+
+
+def write_report(config: RunConfig, report: dict) -> Path:
+    path = RunLayout(config.output_dir).tpu_check
+    atomic_write_json(path, report)
+    return path

@@ -1,0 +1,177 @@
+"""A run's plan on its TPU, phase by phase: the architecture it plans with (the model's own
+config.json, or the copy shipped in finetuning_pipeline/model_configs/), the plan's inputs read
+from the run config (sequence length, attention as chosen for the planned TPU, loss chunk,
+scanned layers, and the chip figures make tpu-check measured when there are any), and the plan
+of every phase (tpu_plan.py has the model). Used by preflight and by make tpu-check."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from dataset.manifest import MANIFEST_NAME, read_manifest
+from finetuning_pipeline.model.chunked_loss import resolve_chunk_tokens
+from finetuning_pipeline.model.kernel_attention import choose_attention
+from finetuning_pipeline.model.scan_choice import scan_decision
+from finetuning_pipeline.planning.tpu_chips import parse_tpu_type
+from finetuning_pipeline.planning.tpu_plan import ModelShape, PlanInputs, mode_advice, plan, suggestions
+from finetuning_pipeline.run.parallel import mesh_shape
+from finetuning_pipeline.run.run_layout import RunLayout
+from finetuning_pipeline.run_config import ConfigError, RunConfig
+from utils.durations import parse_duration
+from utils.hub_models import hub_cache, is_hub_id, offline
+
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"
+
+
+def architecture_source(model_path: str, revision: str | None = None) -> Path:
+    """The config.json to plan with: the model's own (a Hub id's from the Hub when online, or
+    from the Hugging Face cache), else our shipped copy of it."""
+    own = Path(model_path) / "config.json"
+    if own.is_file():
+        return own
+    if is_hub_id(model_path):
+        from huggingface_hub import hf_hub_download
+
+        try:
+            return Path(hf_hub_download(model_path, "config.json", revision=revision, cache_dir=hub_cache(),
+                                        local_files_only=offline()))
+        except (OSError, ValueError):  # offline and not cached, gated, unreachable (huggingface_hub's errors
+            pass                       # are OSErrors), a malformed id: plan with the shipped copy
+    shipped = SHIPPED_CONFIGS / Path(model_path).name / "config.json"
+    if shipped.is_file():
+        return shipped
+    known = sorted(p.name for p in SHIPPED_CONFIGS.iterdir() if p.is_dir())
+    raise ConfigError(f"model.path: {model_path} has no config.json and no shipped copy matches its name "
+                      f"(shipped: {known}); download the model, or copy its config.json there")
+
+
+def load_architecture(model_path: str, revision: str | None = None):
+    from transformers import AutoConfig
+
+    source = architecture_source(model_path, revision)
+    return AutoConfig.from_pretrained(source.parent), source
+
+
+def phases_of(config: RunConfig) -> list[int]:
+    return [p for p in (1, 2) if config.phase(p).data]
+
+
+def seq_len_of(config: RunConfig, phase: int) -> int:
+    data = config.phase(phase).data
+    if (Path(data) / MANIFEST_NAME).is_file():
+        return read_manifest(data)["seq_len"]
+    if config.phase(phase).seq_len:
+        return config.phase(phase).seq_len
+    raise ConfigError(f"phase{phase}.seq_len: {config.phase(phase).data} is not prepared yet, so set the sequence "
+                      f"length to plan with (e.g. phase{phase}.seq_len=2048)")
+
+
+def planned_generation(config: RunConfig) -> str:
+    """The generation of tpu.type: the TPU the attention kernels are judged for, with the tested
+    install (`pip install -e '.[tpu]'`), whatever machine preflight runs on."""
+    try:
+        return parse_tpu_type(config.tpu.type).generation.name
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def measured_figures(config: RunConfig) -> dict | None:
+    """The chip's figures a TPU self-check wrote for this output_dir (mfu, compile_s_per_layer or
+    compile_s_scanned), when it ran on the generation tpu.type plans for; else None."""
+    path = RunLayout(config.output_dir).tpu_check
+    if not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    if not report.get("measured") or report.get("device") != "TPU":
+        return None
+    try:
+        same = parse_tpu_type(report["tpu_type"]).generation == parse_tpu_type(config.tpu.type).generation
+    except ValueError:
+        return None
+    return {**report["measured"], "source": str(path), "checked_at": report["checked_at"]} if same else None
+
+
+def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices: int | None = None,
+                model_config=None) -> PlanInputs:
+    """The plan's inputs from the config; `devices` (the slice's chips) resolves parallel.mesh,
+    `model_config` the loss chunk."""
+    fsdp_axis = config.parallel.mesh.fsdp
+    loss_chunk, attention = 0, "dense"
+    if model_config is not None:
+        try:
+            loss_chunk = resolve_chunk_tokens(config.train.loss_chunk_tokens, model_config)
+            attention = choose_attention(config.model.attention, model_config, tpu=planned_generation(config),
+                                         spmd_mesh=(mode or config.parallel.mode) == "fsdp",
+                                         seq_len=seq_len_of(config, phase))[0]
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    if devices is not None and (mode or config.parallel.mode) == "fsdp":
+        try:
+            fsdp_axis = mesh_shape(devices, config.parallel.mesh.data, config.parallel.mesh.fsdp)[1]
+        except ValueError as err:
+            raise ConfigError(f"{err} (tpu.type={config.tpu.type})") from None
+    # The chip's own figures when make tpu-check measured them on this generation, else the config's.
+    chip = {"assumed_mfu": config.tpu.assumed_mfu, "compile_s_per_layer": config.tpu.compile_s_per_layer,
+            "compile_s_scanned": config.tpu.compile_s_scanned}
+    measured = measured_figures(config) or {}
+    chip.update({key: measured[name] for key, name in (("assumed_mfu", "mfu"), ("compile_s_per_layer",) * 2,
+                                                        ("compile_s_scanned",) * 2) if name in measured})
+    return PlanInputs(mode=mode or config.parallel.mode, dtype=config.model.dtype, micro_batch=config.train.micro_batch,
+                      grad_accum=config.train.grad_accum, seq_len=seq_len_of(config, phase),
+                      checkpointing=config.model.activation_checkpointing, lora_r=config.lora.r,
+                      lora_targets=list(config.lora.target_modules), lora_dropout=config.lora.dropout,
+                      steps=config.max_steps(phase), fsdp_axis=fsdp_axis, loss_chunk=loss_chunk, attention=attention,
+                      capture_step=config.train.capture_step,
+                      scanned_layers=model_config is not None and layers_scanned(config, model_config, mode), **chip)
+
+
+def layers_scanned(config: RunConfig, model_config, mode: str | None = None) -> bool:
+    """Whether the trainer will scan this model's decoder layers (train.scan_layers, asked of a
+    weightless model of the architecture as the trainer asks its model; true where they cannot
+    be is a ConfigError here)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    return scan_decision(model, config.train.scan_layers, (mode or config.parallel.mode) == "fsdp") is None
+
+
+def make_plan(config: RunConfig, model_config) -> dict:
+    """The plan of every phase plus the totals preflight.json promises at its top level."""
+    shape = ModelShape.from_config(model_config)
+    tpu = parse_tpu_type(config.tpu.type)
+    phases = {}
+    for phase in phases_of(config):
+        inputs = plan_inputs(config, phase, devices=tpu.devices, model_config=model_config)
+        phases[f"phase{phase}"] = plan(shape, tpu, inputs)
+        phases[f"phase{phase}"]["parallel_advice"] = mode_advice(shape, tpu, inputs)
+        if config.train.max_wall_time:  # sessions of that budget the phase needs; each compiles again
+            budget = parse_duration(config.train.max_wall_time)
+            planned = phases[f"phase{phase}"]
+            compile_s = planned["compile_s"]
+            steps_s = planned["tpu_hours"] * 3600 - compile_s
+            sessions = max(1, math.ceil(steps_s / max(budget - compile_s, 1.0)))
+            planned["sessions"] = sessions
+            planned["tpu_hours"] = round((steps_s + sessions * compile_s) / 3600, 3)
+            planned["chip_hours"] = round(planned["tpu_hours"] * planned["inputs"]["chips"], 2)
+        if not phases[f"phase{phase}"]["fits"]:
+            phases[f"phase{phase}"]["to_fit"] = suggestions(shape, tpu, inputs)
+    first = next(iter(phases.values()))
+    return {
+        "tpu_type": config.tpu.type,
+        "parallel_mode": config.parallel.mode,
+        "fits": all(p["fits"] for p in phases.values()),
+        "hbm_per_chip_gib": max(p["hbm_per_chip_gib"] for p in phases.values()),
+        "hbm_capacity_gib": first["hbm_capacity_gib"],
+        "step_time_s": first["step_time_s"],
+        "tokens_per_sec": first["tokens_per_sec"],
+        "tpu_hours": round(sum(p["tpu_hours"] for p in phases.values()), 3),
+        "chip_hours": round(sum(p["chip_hours"] for p in phases.values()), 2),
+        "assumed_mfu": first["inputs"]["assumed_mfu"],
+        "chip_figures": measured_figures(config),  # None: tpu.assumed_mfu and tpu.compile_s_* as configured
+        "max_wall_time": config.train.max_wall_time,
+        "phases": phases,
+    }

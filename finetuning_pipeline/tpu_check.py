@@ -1,0 +1,90 @@
+"""The TPU self-check: the first command on a TPU VM, a few minutes before the long run.
+
+    PJRT_DEVICE=TPU python -m finetuning_pipeline.tpu_check --config CONFIG.yaml [key=value ...]
+    make tpu-check CONFIG=CONFIG.yaml
+
+On a 2-layer copy of the configured model (the real width on a TPU), in the configured parallel
+mode and dtype, it trains a few steps as configured and once per TPU-only path with that path
+turned off, and prints one line per check: kernel vs dense attention, captured vs traced step,
+scanned vs looped layers, bf16 vs fp32, the replicas' sums vs one chip, no recompile and no host
+sync, buffer donation, HBM in use vs the plan, compile seconds and MFU (planning/device_check.py).
+A failed line names the setting that avoids it. On a CPU it runs what a CPU can and says what it
+skipped.
+
+Writes output_dir/tpu_check.json. Measured on a TPU, its MFU and compile seconds are what the
+next `make preflight` plans with, for the same TPU generation, instead of tpu.assumed_mfu and
+tpu.compile_s_* (the XLA:CPU figures). Exit status: 0 every check passed or was skipped, 1 a
+check failed, 2 a bad config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from finetuning_pipeline.planning.device_check import device_check, format_report, write_report
+from finetuning_pipeline.planning.phase_plan import load_architecture, seq_len_of
+from finetuning_pipeline.run.run_layout import RunLayout
+from finetuning_pipeline.run_config import ConfigError, load_config
+from utils.output_guard import OutputConflict, claim_output, mark_written_by
+
+COMMAND = "finetuning_pipeline.tpu_check"
+
+
+def claim_outputs(layout: RunLayout, force: bool) -> None:
+    """An earlier check's report and runs are replaced with --force only (and only ours)."""
+    report = layout.tpu_check
+    if report.exists():
+        if not force:
+            raise OutputConflict(f"output_dir: {report} exists (an earlier check); pass --force to replace it")
+        try:
+            ours = {"checks", "device"} <= set(json.loads(report.read_text()))
+        except (OSError, ValueError, TypeError):
+            ours = False
+        if not ours:
+            raise OutputConflict(f"output_dir: {report} was not written by this command; move it away")
+    claim_output(layout.tpu_check_runs, force=force, command=COMMAND, flag="output_dir")
+    shutil.rmtree(layout.tpu_check_runs, ignore_errors=True)
+    layout.tpu_check_runs.mkdir(parents=True)
+    mark_written_by(layout.tpu_check_runs, COMMAND)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m finetuning_pipeline.tpu_check", description=__doc__.split("\n\n")[0],
+        epilog="Exit status: 0 every check passed or was skipped, 1 a check failed, 2 a bad config.")
+    parser.add_argument("--config", required=True, help="YAML run config (the run to check)")
+    parser.add_argument("--force", action="store_true", help="replace an earlier check's tpu_check.json and runs")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    try:
+        config = load_config(args.config, args.overrides)
+        if not config.phase1.data and not config.phase1.seq_len:
+            raise ConfigError("phase1.seq_len: the check trains at phase 1's sequence length; set phase1.data or "
+                              "phase1.seq_len")
+        seq_len = seq_len_of(config, 1)
+        model_config, _ = load_architecture(config.model.path, config.model.revision)
+        layout = RunLayout(config.output_dir)
+        claim_outputs(layout, args.force)
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    device = os.environ["PJRT_DEVICE"].upper()
+    report = device_check(config, model_config, layout.tpu_check_runs, device=device, seq_len=seq_len)
+    report["config"], report["overrides"] = args.config, args.overrides
+    path = write_report(config, report)
+    print(format_report(report))
+    print(f"wrote {path}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""make tpu-check on a CPU, the way a TPU host runs it: two replica threads started by the TPU's
+launcher (CPU_NUM_DEVICES=2, parallel.launcher=tpu: the v2/v3 shape), bf16 and buffer donation
+on. Every check a CPU can run passes; the TPU-only ones say they were skipped; nothing measured
+on a CPU reaches the plan. (The scanned-layers pair is left to its unit test and to
+test_scan_trainer: the tiny model is not scanned by default, and each pair is a run.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+from trainer_helpers import write_run_config
+
+
+def tpu_check(config, *args, env):
+    return subprocess.run([sys.executable, "-m", "finetuning_pipeline.tpu_check", "--config", str(config), *args],
+                          capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
+
+
+def test_the_self_check_runs_every_path_a_cpu_can_and_skips_the_rest(tiny_model_dir, data, tmp_path):
+    import os
+
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out",
+                              model={"dtype": "bfloat16"}, train={"grad_accum": 2},
+                              parallel={"launcher": "tpu"})
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "XLA_ENABLE_PARAM_ALIASING": "1"}
+    done = tpu_check(config, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "tpu_check.json").read_text())
+    status = {c["name"]: c["status"] for c in report["checks"]}
+    assert status == {"attention": "skipped", "captured step": "passed", "scanned layers": "skipped", "bf16": "passed",
+                      "collectives": "passed", "recompiles": "passed", "donation": "passed", "HBM": "skipped",
+                      "compile": "measured", "MFU": "skipped"}, done.stdout
+    assert report["ok"] is True and report["device"] == "CPU" and report["measured"] == {}
+    for name in status:
+        assert f"  {status[name]:>8}  {name}: " in done.stdout
+    again = tpu_check(config, env=env)
+    assert again.returncode == 2 and "pass --force to replace it" in again.stderr

@@ -1,0 +1,109 @@
+"""make tpu-check's judgement (planning/device_check.py), on scripted run summaries: which runs it
+compares, what a summary shows by itself, the measured figures, and the plan that reads them.
+The check itself runs end to end in tests/e2e/test_tpu_check.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from trainer_helpers import run_preflight
+
+from finetuning_pipeline.planning import device_check
+from finetuning_pipeline.planning.tpu_chips import parse_tpu_type
+from finetuning_pipeline.run_config import load_config
+
+SUMMARY = {"attention": "tpu_pallas_fa", "step_updated_state_tensors": 31, "step_donated_buffers": 31,
+           "scanned_layers": True, "world_size": 8, "global_batch": 16, "compiles_after_warmup": 0,
+           "host_syncs_per_step": 0.0, "compile_seconds": 30.0, "step_time_s": 0.5, "seq_len": 1024,
+           "device_memory_peak_bytes": 3 * 2**30}
+
+
+def config(tmp_path, **sections):
+    run = {"output_dir": str(tmp_path / "out"), "model": {"path": "models/mistral-7b", "dtype": "bfloat16"},
+           "train": {"grad_accum": 4}, "phase1": {"data": str(tmp_path / "none"), "seq_len": 1024}, **sections}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(run))
+    return load_config(path, [])
+
+
+def test_every_tpu_only_path_the_run_takes_is_compared_with_it_turned_off(tmp_path):
+    runs, skipped = device_check.variants(config(tmp_path), SUMMARY, "bfloat16", grad_accum=2)
+    assert {v.check: v.overrides for v in runs} == {
+        "attention": {"model.attention": "dense"}, "captured step": {"train.capture_step": False},
+        "scanned layers": {"train.scan_layers": False}, "bf16": {"model.dtype": "float32"},
+        # 8 replicas' micro-batches on one chip: the same global batch of 16, 2 micro-batches a step
+        "collectives": {"parallel.single_chip": True, "train.micro_batch": 8}}
+    assert skipped == []
+    plain = {**SUMMARY, "attention": "sdpa", "step_updated_state_tensors": None, "scanned_layers": False,
+             "world_size": 1}
+    runs, skipped = device_check.variants(config(tmp_path), plain, "float32", grad_accum=2)
+    assert runs == [] and [c.status for c in skipped] == ["skipped"] * 5
+    runs, skipped = device_check.variants(config(tmp_path, parallel={"mode": "fsdp"}), SUMMARY, "float32", 2)
+    assert "collectives" not in {v.check for v in runs}
+    assert "inside the SPMD graph" in next(c.detail for c in skipped if c.name == "collectives")
+
+
+def test_a_loss_gap_over_the_tolerance_fails_naming_the_setting_that_avoids_it(tmp_path):
+    for name, values in (("ours", [2.0, 1.9, 1.8]), ("theirs", [2.0, 1.9, 1.75]), ("close", [2.0, 1.9, 1.79])):
+        metrics = tmp_path / name / "phase1" / "metrics.jsonl"
+        metrics.parent.mkdir(parents=True)
+        metrics.write_text("".join(json.dumps({"kind": "train", "step": i + 1, "loss": v}) + "\n"
+                                   for i, v in enumerate(values)))
+    failed = device_check.compare("attention", tmp_path / "ours", tmp_path / "theirs", "bfloat16",
+                                  "model.attention=dense")
+    assert failed.status == "failed" and "largest loss gap 2.86e-02" in failed.detail
+    assert failed.line().endswith("-> avoid it with: model.attention=dense")
+    assert device_check.compare("attention", tmp_path / "ours", tmp_path / "close", "bfloat16", "x").status == "passed"
+    assert device_check.compare("attention", tmp_path / "ours", tmp_path / "close", "float32", "x").status == "failed"
+
+
+def test_recompiles_and_a_donation_short_of_the_updated_state_fail(tmp_path):
+    checks = {c.name: c for c in device_check.summary_checks(SUMMARY, aliasing=True)}
+    assert checks["recompiles"].status == "passed" and checks["donation"].status == "passed"
+    bad = {**SUMMARY, "compiles_after_warmup": 2, "step_donated_buffers": 28}
+    checks = {c.name: c for c in device_check.summary_checks(bad, aliasing=True)}
+    assert checks["recompiles"].status == "failed" and "PT_XLA_DEBUG_LEVEL=2" in checks["recompiles"].avoid
+    assert checks["donation"].status == "failed" and "28 buffers donated" in checks["donation"].detail
+    assert checks["donation"].avoid.startswith("XLA_ENABLE_PARAM_ALIASING=0")
+    assert {c.name: c.status for c in device_check.summary_checks(bad, aliasing=False)}["donation"] == "skipped"
+
+
+def test_hbm_over_the_plan_fails_and_mfu_and_compile_seconds_are_measured():
+    v5e = parse_tpu_type("v5e-8")
+    planned = {"hbm_per_chip_gib": 2.0, "flops_per_token": 1e9, "compile_s": 12.0,
+               "inputs": {"compile_s_scanned": 2.8, "assumed_mfu": 0.4}}
+    checks, figures = device_check.measured_checks(SUMMARY, planned, v5e)
+    lines = {c.name: c for c in checks}
+    assert lines["HBM"].status == "failed" and "(1.50x)" in lines["HBM"].detail  # 3 GiB against 2 planned
+    assert "model.activation_checkpointing=true" in lines["HBM"].avoid
+    mfu = 1e9 * 16 * 1024 / (0.5 * v5e.peak_flops_per_device * 8)
+    assert figures == {"hbm_measured_over_plan": 1.5, "compile_s_scanned": 30.0, "mfu": round(mfu, 4)}
+    assert lines["MFU"].status == lines["compile"].status == "measured"
+    checks, figures = device_check.measured_checks({**SUMMARY, "device_memory_peak_bytes": None,
+                                                    "scanned_layers": False}, planned, None)
+    assert figures == {"compile_s_per_layer": 15.0}
+    assert {c.name: c.status for c in checks} == {"HBM": "skipped", "compile": "measured", "MFU": "skipped"}
+
+
+def test_preflight_plans_with_the_chips_measured_figures_of_its_generation(tmp_path, capsys):
+    """A tpu_check.json measured on a v5e: the next v5e plan takes its MFU and compile seconds;
+    a v6e plan, or figures from a CPU, keep the config's."""
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), "model": {"path": "models/Mistral-7B-v0.3"},
+                                    "phase1": {"data": str(tmp_path / "none"), "seq_len": 2048}}))
+    code, assumed = run_preflight(tmp_path, path, "tpu.type=v5e-8")
+    report = {"device": "TPU", "tpu_type": "v5litepod-8", "checked_at": "2026-11-24T00:00:00+00:00", "checks": [],
+              "measured": {"mfu": 0.2, "compile_s_per_layer": 1.5}}
+    (tmp_path / "out" / "tpu_check.json").write_text(json.dumps(report))
+    code, measured = run_preflight(tmp_path, path, "tpu.type=v5e-8")
+    phase, before = measured["phases"]["phase1"], assumed["phases"]["phase1"]
+    assert before["inputs"]["assumed_mfu"] == 0.4 and phase["inputs"]["assumed_mfu"] == 0.2
+    assert phase["step_time_s"] == pytest.approx(2 * before["step_time_s"], rel=1e-2)
+    assert phase["inputs"]["compile_s_per_layer"] == 1.5 and measured["chip_figures"]["mfu"] == 0.2
+    assert "chip figures: measured by make tpu-check" in capsys.readouterr().out
+    code, other = run_preflight(tmp_path, path, "tpu.type=v6e-8")
+    assert other["phases"]["phase1"]["inputs"]["assumed_mfu"] == 0.4 and other["chip_figures"] is None
+    (tmp_path / "out" / "tpu_check.json").write_text(json.dumps({**report, "device": "CPU"}))
+    assert run_preflight(tmp_path, path, "tpu.type=v5e-8")[1]["chip_figures"] is None
