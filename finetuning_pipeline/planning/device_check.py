@@ -40,7 +40,7 @@ from finetuning_pipeline.planning.tpu_plan import ModelShape, plan
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import RunConfig
 from utils.atomic_io import atomic_write_json
-from utils.hub_models import model_dir
+from utils.hub_models import HubModelError, model_dir
 
 CHECK_STEPS = 6
 CHECK_LAYERS = 2
@@ -91,8 +91,11 @@ def check_data(config: RunConfig, root: Path, seq_len: int) -> tuple[Path, Path,
     from dataset.manifest import MANIFEST_NAME
 
     prepared = Path(config.phase1.data or "")
-    tokenizer = Path(config.model.tokenizer or model_dir(config.model.path, config.model.revision))
-    if (prepared / MANIFEST_NAME).is_file() and (tokenizer / "tokenizer_config.json").is_file():
+    try:
+        tokenizer = Path(config.model.tokenizer or model_dir(config.model.path, config.model.revision))
+    except HubModelError:  # a Hub id not downloaded yet: the bundled text instead
+        tokenizer = None
+    if (prepared / MANIFEST_NAME).is_file() and tokenizer and (tokenizer / "tokenizer_config.json").is_file():
         return prepared, tokenizer, f"the run's prepared data ({prepared})"
     from dataset import prepare
     from dataset.samples import DOMAIN_TEXT

@@ -107,3 +107,15 @@ def test_preflight_plans_with_the_chips_measured_figures_of_its_generation(tmp_p
     assert other["phases"]["phase1"]["inputs"]["assumed_mfu"] == 0.4 and other["chip_figures"] is None
     (tmp_path / "out" / "tpu_check.json").write_text(json.dumps({**report, "device": "CPU"}))
     assert run_preflight(tmp_path, path, "tpu.type=v5e-8")[1]["chip_figures"] is None
+
+
+def test_without_prepared_data_the_check_fills_its_batches_from_the_bundled_text(tmp_path):
+    """phase1.data not prepared and the model not downloaded (a Hub id): the bundled domain text,
+    repeated, prepared at the run's sequence length into enough blocks for the check's steps."""
+    from dataset.manifest import read_manifest
+
+    run = config(tmp_path, model={"path": "mistralai/Mistral-7B-v0.3"})
+    data, tokenizer, note = device_check.check_data(run, tmp_path / "check", seq_len=512)
+    manifest = read_manifest(data)
+    assert manifest["seq_len"] == 512 and manifest["counts"]["train"] >= 48
+    assert (tokenizer / "tokenizer_config.json").is_file() and "bundled domain text at seq_len 512" in note
