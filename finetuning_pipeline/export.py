@@ -1,13 +1,23 @@
-"""Merge adapters into the base and write a plain Hugging Face model directory.
+"""Merge adapters into the base and write a plain Hugging Face model directory, or combine
+several adapters into one.
 
     python -m finetuning_pipeline.export --base BASE_DIR --adapter outputs/run/phase2/adapter --out MERGED_DIR
+    python -m finetuning_pipeline.export --base BASE --adapter A1 --adapter A2 --weights 0.7,0.3 \
+        --combine linear|cat|svd|ties|dare_linear|dare_ties [--density 0.5] [--adapter-only] --out DIR
 
 With phase2.init=merge, phase 2's adapter sits on top of phase 1's: pass both, in order
 (`--adapter .../phase1/adapter --adapter .../phase2/adapter`). The output (safetensors,
 config, generation config, tokenizer) loads with `AutoModelForCausalLM.from_pretrained` and
-needs neither this project nor PEFT. It appears only when complete (written next to --out,
-then renamed). --out may not be or hold an input, and an existing --out is replaced only with
---force and only when an earlier export wrote it (utils/output_guard.py).
+needs neither this project nor PEFT.
+
+--combine combines adapters of one base, trained apart, into one, as PEFT's
+`add_weighted_adapter` does (lora_logic/combine.py says how each method weighs them): merged
+into the base, or written as one PEFT adapter with --adapter-only. --weights defaults to 1 for
+each adapter; ties and the DARE methods need --density; DARE's random drop is drawn from --seed.
+
+The output appears only when complete (written next to --out, then renamed). --out may not be
+or hold an input, and an existing --out is replaced only with --force and only when an earlier
+export wrote it (utils/output_guard.py).
 """
 
 from __future__ import annotations
@@ -16,7 +26,9 @@ import argparse
 import sys
 
 from finetuning_pipeline.errors import run_command
+from finetuning_pipeline.model.combined_export import export_combined
 from finetuning_pipeline.model.merged_export import DTYPES, export_merged
+from lora_logic.combine import COMBINE_METHODS
 from utils.hub_models import resolve_model
 
 
@@ -34,11 +46,40 @@ def export_command(argv: list[str] | None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto", help="saved dtype (default: the base's)")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: --base)")
     parser.add_argument("--force", action="store_true", help="replace an existing --out that an earlier export wrote")
+    parser.add_argument("--combine", choices=COMBINE_METHODS,
+                        help="combine the adapters into one, as PEFT's add_weighted_adapter (instead of stacking them)")
+    parser.add_argument("--weights", type=weight_list, help="one weight per --adapter, e.g. 0.7,0.3 (default: 1 each)")
+    parser.add_argument("--density", type=float, help="ties, dare_linear, dare_ties: the fraction of each matrix kept")
+    parser.add_argument("--svd-rank", type=int, help="svd: the combined adapter's rank (default: the largest)")
+    parser.add_argument("--seed", type=int, default=0, help="dare_linear, dare_ties: the seed of the random drop")
+    parser.add_argument("--adapter-only", action="store_true",
+                        help="with --combine: write the combined adapter (PEFT's layout), not a merged model")
     args = parser.parse_args(argv)
+    if not args.combine:
+        given = [flag for flag, value in (("--weights", args.weights), ("--density", args.density),
+                                          ("--svd-rank", args.svd_rank), ("--adapter-only", args.adapter_only))
+                 if value]
+        if given:
+            parser.error(f"{', '.join(given)} go with --combine (without it the adapters are stacked, in order)")
     base = resolve_model(args.base).local_dir  # a Hub id: from the Hugging Face cache (downloaded if online)
-    out = export_merged(base, args.adapter, args.out, args.dtype, args.tokenizer, args.force)
-    print(f"wrote merged model to {out}")
+    if args.combine:
+        weights = args.weights or [1.0] * len(args.adapter)
+        out = export_combined(base, args.adapter, args.out, weights=weights, method=args.combine, density=args.density,
+                              svd_rank=args.svd_rank, seed=args.seed, adapter_only=args.adapter_only,
+                              dtype=args.dtype, tokenizer=args.tokenizer, force=args.force)
+        what = "combined adapter" if args.adapter_only else "merged model (adapters combined)"
+    else:
+        out = export_merged(base, args.adapter, args.out, args.dtype, args.tokenizer, args.force)
+        what = "merged model"
+    print(f"wrote {what} to {out}")
     return 0
+
+
+def weight_list(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, e.g. 0.7,0.3; got {text!r}") from None
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ the run config's schema is built on) can be read without importing torch.
 import importlib
 
 _MODULE_OF = {
-    "load_adapter": "adapter_io", "read_adapter_config": "adapter_io", "save_adapter": "adapter_io",
+    "load_adapter": "adapter_io", "read_adapter_config": "adapter_io", "read_adapter_weights": "adapter_io",
+    "save_adapter": "adapter_io", "write_adapter": "adapter_io",
+    "COMBINE_METHODS": "combine", "combine_adapters": "combine",
     "DEFAULT_TARGET_MODULES": "config", "LoraConfig": "config", "lora_scaling": "config",
     "inject_lora": "inject", "lora_modules": "inject", "lora_parameters": "inject", "lora_state_dict": "inject",
     "matches_target": "inject",

@@ -41,20 +41,25 @@ def save_adapter(
     Each file is written atomically. On XLA, call `torch_xla.sync()` first so the weights
     are the ones after the last step; the copy to CPU below waits for them.
     """
-    tensors = {
-        PEFT_PREFIX + name: tensor.to("cpu").contiguous()
-        for name, tensor in lora_state_dict(model).items()
-    }
+    tensors = {name: tensor.to("cpu").contiguous() for name, tensor in lora_state_dict(model).items()}
     if not tensors:
         raise ValueError("save_adapter: the model has no LoRA layers; nothing to save")
+    return write_adapter(directory, tensors, config, base_model_name_or_path, revision)
+
+
+def write_adapter(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], config: LoraConfig,
+                  base_model_name_or_path: str, revision: str | None = None) -> Path:
+    """Write `tensors` ({"<module path>.lora_A.weight": [r, in], ...lora_B...: [out, r]}, on the
+    CPU) and `config` in PEFT's layout; returns the directory. NaN/inf weights are refused."""
     bad = [name for name, tensor in tensors.items() if not bool(torch.isfinite(tensor).all())]
     if bad:
-        raise ValueError(f"save_adapter: refusing to write NaN/inf weights ({len(bad)} tensors, first {bad[0]!r}); "
+        raise ValueError(f"adapter: refusing to write NaN/inf weights ({len(bad)} tensors, first {bad[0]!r}); "
                          "the previous adapter on disk, if any, is left as it was")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # Weights first, config last: a directory with a config always has its weights.
-    atomic_write_bytes(directory / WEIGHTS_NAME, save(tensors, metadata={"format": "pt"}))
+    payload = {PEFT_PREFIX + name: tensor.contiguous() for name, tensor in tensors.items()}
+    atomic_write_bytes(directory / WEIGHTS_NAME, save(payload, metadata={"format": "pt"}))
     atomic_write_json(directory / CONFIG_NAME, config.to_peft_dict(base_model_name_or_path, revision))
     return directory
 
@@ -71,6 +76,39 @@ def read_adapter_config(directory: str | os.PathLike) -> tuple[LoraConfig, dict]
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     return LoraConfig.from_peft_dict(raw, source=str(path)), raw
+
+
+def read_adapter_weights(directory: str | os.PathLike) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module path: (A [r, in], B [out, r])} of the adapter in `directory`, read without a model;
+    a module with only one of its two matrices, or with matrices of other ranks, is an error."""
+    weights_path = Path(directory) / WEIGHTS_NAME
+    tensors = _read_weights(weights_path)
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        name = key.removeprefix(PEFT_PREFIX)
+        for side in ("A", "B"):
+            if name.endswith(f".lora_{side}.weight"):
+                modules.setdefault(name.removesuffix(f".lora_{side}.weight"), {})[side] = tensor
+                break
+        else:
+            raise ValueError(f"{weights_path}: {key!r} is not a LoRA matrix (lora_A.weight / lora_B.weight)")
+    pairs = {}
+    for name, sides in modules.items():
+        if set(sides) != {"A", "B"} or sides["A"].shape[0] != sides["B"].shape[1]:
+            shapes = {side: tuple(t.shape) for side, t in sides.items()}
+            raise ValueError(f"{weights_path}: module {name!r} has no matching lora_A [r, in] and lora_B [out, r] "
+                             f"(found {shapes})")
+        pairs[name] = (sides["A"], sides["B"])
+    return pairs
+
+
+def _read_weights(weights_path: Path) -> dict[str, torch.Tensor]:
+    if not weights_path.is_file():
+        raise FileNotFoundError(f"{weights_path}: adapter weights are missing")
+    try:
+        return load_file(weights_path)
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{weights_path}: unreadable safetensors file ({err})") from None
 
 
 def load_adapter(model: nn.Module, directory: str | os.PathLike) -> LoraConfig:
@@ -97,12 +135,7 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> LoraConfig:
         )
 
     weights_path = Path(directory) / WEIGHTS_NAME
-    if not weights_path.is_file():
-        raise FileNotFoundError(f"{weights_path}: adapter weights are missing")
-    try:
-        tensors = load_file(weights_path)
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"{weights_path}: unreadable safetensors file ({err})") from None
+    tensors = _read_weights(weights_path)
 
     expected = {PEFT_PREFIX + name: t for name, t in lora_state_dict(model).items()}
     missing = sorted(expected.keys() - tensors.keys())

@@ -1,0 +1,59 @@
+"""Several adapters combined into one (lora_logic/combine.py, PEFT's add_weighted_adapter), then
+written as one PEFT adapter (`export --adapter-only`) or merged into the base like any adapter."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from finetuning_pipeline.errors import ModelLoadError
+from finetuning_pipeline.model.merged_export import COMMAND, export_merged
+from lora_logic.adapter_io import read_adapter_config, read_adapter_weights, write_adapter
+from lora_logic.combine import Adapter, combine_adapters
+from utils.output_guard import claim_output, mark_written_by, staged_directory
+
+
+def read_adapters(directories: list[str]) -> tuple[list[Adapter], str, str | None]:
+    """The adapters, and the base (name or path, revision) they were all trained on: adapters of
+    different bases are refused, naming both."""
+    adapters, bases = [], {}
+    for directory in directories:
+        config, raw = read_adapter_config(directory)
+        adapters.append(Adapter(directory, config, read_adapter_weights(directory)))
+        bases[directory] = (raw.get("base_model_name_or_path"), raw.get("revision"))
+    first = directories[0]
+    for directory, base in bases.items():
+        if base != bases[first]:
+            raise ValueError(f"--adapter {directory} was trained on {base[0]} (revision {base[1]}), --adapter {first} "
+                             f"on {bases[first][0]} (revision {bases[first][1]}): adapters of different bases do "
+                             "not combine")
+    return adapters, *bases[first]
+
+
+def export_combined(base: str, directories: list[str], out: str, *, weights: list[float], method: str,
+                    density: float | None = None, svd_rank: int | None = None, seed: int = 0,
+                    adapter_only: bool = False, dtype: str = "auto", tokenizer: str | None = None,
+                    force: bool = False) -> Path:
+    """Combine the adapters in `directories` and write the result to `out`: one PEFT adapter
+    (adapter_only), else the base with it merged (merged_export.export_merged). Returns `out`."""
+    try:  # what the user gave that does not fit: one line, exit 2 (errors.py)
+        adapters, trained_on, revision = read_adapters(directories)
+        config, modules = combine_adapters(adapters, weights, method, density=density, svd_rank=svd_rank,
+                                           generator=torch.Generator().manual_seed(seed))
+    except (ValueError, FileNotFoundError) as err:
+        raise ModelLoadError(str(err)) from None
+    tensors = {}
+    for module, (lora_a, lora_b) in modules.items():
+        tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"] = lora_a, lora_b
+    if adapter_only:
+        out_path = Path(out)
+        claim_output(out_path, force=force, command=COMMAND, inputs={f"--adapter {d}": d for d in directories})
+        with staged_directory(out_path) as staging:
+            write_adapter(staging, tensors, config, trained_on or base, revision)
+            mark_written_by(staging, COMMAND)
+        return out_path
+    with tempfile.TemporaryDirectory(prefix="combined-adapter-") as combined:
+        write_adapter(combined, tensors, config, trained_on or base, revision)
+        return export_merged(base, [combined], out, dtype, tokenizer, force)

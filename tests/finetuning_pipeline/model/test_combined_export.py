@@ -1,0 +1,68 @@
+"""`python -m finetuning_pipeline.export --combine`: the combined adapter PEFT loads, the merged
+model PEFT would make, and the combinations refused with one line (exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from adapter_helpers import peft_combined, write_random_adapters
+from conftest import random_tokens, tiny_causal_lm
+
+peft = pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    return write_random_adapters(tmp_path_factory.mktemp("adapters"))
+
+
+def run_export(*args):
+    from finetuning_pipeline import export
+
+    return export.main(list(map(str, args)))
+
+
+def test_the_export_writes_a_combined_adapter_peft_loads_and_a_merged_model(adapters, tmp_path, capsys):
+    """--adapter-only: one PEFT adapter whose logits are PEFT's combined adapter's. Merged: the base
+    with that adapter merged, as PEFT's merge_and_unload of it."""
+    from transformers import AutoModelForCausalLM
+
+    from finetuning_pipeline.demo.tiny_model import write_tiny_model
+
+    base = tmp_path / "base"
+    tiny_causal_lm("llama").save_pretrained(base)
+    write_tiny_model(tmp_path / "tokenizer_source")  # a tokenizer for the merged model's directory
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tmp_path / "tokenizer_source" / name).exists():
+            (base / name).write_bytes((tmp_path / "tokenizer_source" / name).read_bytes())
+    flags = ["--base", base, "--adapter", adapters / "a1", "--adapter", adapters / "a2", "--weights", "0.7,0.3"]
+    assert run_export(*flags, "--combine", "ties", "--density", "0.5", "--adapter-only", "--out", tmp_path / "c") == 0
+    _, _, theirs = peft_combined(adapters, ["a1", "a2"], [0.7, 0.3], "ties", density=0.5)
+    theirs.set_adapter("c")
+    loaded = peft.PeftModel.from_pretrained(tiny_causal_lm("llama"), tmp_path / "c").eval()
+    tokens = random_tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, theirs.eval()(tokens).logits, rtol=0, atol=1e-5)
+
+    assert run_export(*flags, "--combine", "cat", "--out", tmp_path / "merged") == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    _, _, reference = peft_combined(adapters, ["a1", "a2"], [0.7, 0.3], "cat")
+    reference.set_adapter("c")
+    expected = reference.merge_and_unload(adapter_names=["c"]).state_dict()
+    for key, value in merged.state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+    config = json.loads((adapters / "a2" / "adapter_config.json").read_text())
+    (tmp_path / "other").mkdir()
+    for name in ("adapter_model.safetensors",):
+        (tmp_path / "other" / name).write_bytes((adapters / "a2" / name).read_bytes())
+    (tmp_path / "other" / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "x"}))
+    capsys.readouterr()
+    assert run_export("--base", base, "--adapter", adapters / "a1", "--adapter", tmp_path / "other", "--combine",
+                      "linear", "--out", tmp_path / "bad") == 2
+    assert "adapters of different bases do not combine" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run_export(*flags, "--out", tmp_path / "stacked")  # --weights without --combine
+    assert "--weights go with --combine" in capsys.readouterr().err

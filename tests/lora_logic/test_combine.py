@@ -1,0 +1,99 @@
+"""Adapters combined (lora_logic/combine.py) against PEFT's add_weighted_adapter on the same
+adapters: the deterministic methods give PEFT's matrices; DARE's random drop is held to its
+statistics; a combination that cannot be made is refused naming why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from adapter_helpers import CONFIGS, peft_combined, write_random_adapters
+
+from lora_logic import read_adapter_config, read_adapter_weights
+from lora_logic.combine import Adapter, combine_adapters, random_prune
+
+peft = pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    return write_random_adapters(tmp_path_factory.mktemp("adapters"))
+
+def ours(root, names, weights, method, **options):
+    loaded = [Adapter(name, read_adapter_config(root / name)[0], read_adapter_weights(root / name)) for name in names]
+    return combine_adapters(loaded, weights, method, **options)
+
+
+@pytest.mark.parametrize("method, options", [("linear", {}), ("cat", {}), ("svd", {}), ("ties", {"density": 0.5})])
+def test_each_method_gives_peft_s_adapter(adapters, method, options):
+    config, combined = ours(adapters, ["a1", "a2"], [0.7, -0.3], method, **options)
+    theirs_config, theirs, _ = peft_combined(adapters, ["a1", "a2"], [0.7, -0.3], method, **options)
+    assert combined.keys() == theirs.keys() and len(combined) == 2 * 3  # q (both), v (a1), o (a2) in 2 layers
+    assert (config.r, config.alpha, set(config.target_modules)) == (theirs_config.r, theirs_config.lora_alpha,
+                                                                    set(theirs_config.target_modules))
+    for module, (lora_a, lora_b) in combined.items():
+        their_a, their_b = theirs[module]
+        if method == "svd":  # the product: an SVD's factors are its to choose up to sign
+            torch.testing.assert_close(lora_b @ lora_a, their_b @ their_a, rtol=1e-5, atol=1e-6)
+        else:
+            torch.testing.assert_close((lora_a, lora_b), (their_a, their_b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["cat", "svd"])
+def test_adapters_of_different_ranks_combine_where_peft_allows_it(adapters, method):
+    config, combined = ours(adapters, ["a1", "a3"], [0.5, 0.5], method)
+    theirs_config, theirs, _ = peft_combined(adapters, ["a1", "a3"], [0.5, 0.5], method)
+    assert config.r == theirs_config.r == (12 if method == "cat" else 8)
+    for module, (lora_a, lora_b) in combined.items():
+        torch.testing.assert_close(lora_b @ lora_a, theirs[module][1] @ theirs[module][0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"--combine linear needs adapters of one rank, got r=4 \(a1\), r=8 \(a3\)"):
+        ours(adapters, ["a1", "a3"], [0.5, 0.5], "linear")
+    with pytest.raises(ValueError, match="same r value"):
+        peft_combined(adapters, ["a1", "a3"], [0.5, 0.5], "linear")
+
+
+def test_cat_is_exactly_the_weighted_sum_of_the_updates(adapters):
+    """cat keeps every update: B A = sum(w_i s_i B_i A_i), module by module."""
+    _, combined = ours(adapters, ["a1", "a2"], [0.7, -0.3], "cat")
+    parts = {name: read_adapter_weights(adapters / name) for name in ("a1", "a2")}
+    for module, (lora_a, lora_b) in combined.items():
+        expected = sum(w * CONFIGS[name].scaling * parts[name][module][1] @ parts[name][module][0]
+                       for name, w in (("a1", 0.7), ("a2", -0.3)) if module in parts[name])
+        torch.testing.assert_close(lora_b @ lora_a, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_dare_drops_at_the_density_and_keeps_the_expectation(adapters):
+    tensor = torch.randn(400, 250, generator=torch.Generator().manual_seed(0))
+    pruned = random_prune(tensor, 0.3, torch.Generator().manual_seed(1))
+    kept = pruned != 0
+    assert abs(kept.float().mean().item() - 0.3) < 4 * (0.3 * 0.7 / tensor.numel()) ** 0.5
+    torch.testing.assert_close(pruned[kept], tensor[kept] / 0.3)
+    # Over many draws dare_linear averages to linear, entry by entry (the drop is unbiased): every
+    # entry's mean within 5 standard errors of linear's value.
+    draws = [ours(adapters, ["a1", "a2"], [0.7, 0.3], "dare_linear", density=0.5,
+                  generator=torch.Generator().manual_seed(seed))[1] for seed in range(300)]
+    _, linear = ours(adapters, ["a1", "a2"], [0.7, 0.3], "linear")
+    for module, pair in linear.items():
+        for side, exact in enumerate(pair):
+            samples = torch.stack([d[module][side] for d in draws])
+            error = samples.std(0) / len(draws) ** 0.5
+            assert ((samples.mean(0) - exact).abs() <= 5 * error + 1e-7).all(), (module, side)
+    def dare_ties(seed):
+        return ours(adapters, ["a1", "a2"], [0.7, 0.3], "dare_ties", density=0.5,
+                    generator=torch.Generator().manual_seed(seed))
+
+    again, same, other = dare_ties(3), dare_ties(3), dare_ties(4)
+    module = next(iter(again[1]))
+    assert torch.equal(again[1][module][0], same[1][module][0])
+    assert not torch.equal(again[1][module][0], other[1][module][0])
+
+
+@pytest.mark.parametrize("names, weights, method, options, message", [
+    (["a1", "a2"], [1.0], "linear", {}, "--weights has 1 values for 2 adapters"),
+    (["a1", "a2"], [1.0, 1.0], "ties", {}, "--combine ties needs --density"),
+    (["a1", "a2"], [1.0, 1.0], "linear", {"density": 0.5}, "--density 0.5: it applies to ties"),
+    (["a1", "a2"], [1.0, 1.0], "dare_ties", {"density": 1.5}, r"in \(0, 1\]"),
+    (["a1", "a2"], [1.0, 1.0], "mean", {}, "--combine must be one of linear, cat, svd"),
+])
+def test_combinations_that_cannot_be_made_are_refused(adapters, names, weights, method, options, message):
+    with pytest.raises(ValueError, match=message):
+        ours(adapters, names, weights, method, **options)
