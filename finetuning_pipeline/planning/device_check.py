@@ -226,6 +226,7 @@ def run_config_for(config: RunConfig, model_path: Path, data: Path, out: Path, o
     run["checkpoint"].update(every=0, keep=1)
     run["logging"].update(every=1, progress_bar=False, tensorboard=False)
     run["logging"]["wandb"]["project"] = None
+    run["xla"]["compile_cache_dir"] = ""  # compiled here, every time: the compile seconds are what the plan takes
     if not on_tpu:  # the CPU's virtual devices are fewer than the slice's chips: keep the mesh's kind
         run["parallel"]["mesh"] = {"data": -1, "fsdp": 1} if config.parallel.mesh.fsdp == 1 else {"data": 1,
                                                                                                    "fsdp": -1}
