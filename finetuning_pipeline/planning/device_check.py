@@ -245,13 +245,28 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     on_tpu = device == "TPU"
+    checked_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    report = {"device": device, "tpu_type": config.tpu.type, "checked_at": checked_at, "measured": {}}
+    if on_tpu:
+        from utils.tpu_detect import tpu_generation
+
+        planned = parse_tpu_type(config.tpu.type).generation.name
+        here = tpu_generation()
+        if here != {"v2": "v2/v3", "v3": "v2/v3"}.get(planned, planned):
+            check = Check("TPU type", "failed", f"tpu.type={config.tpu.type}, but this host's chips are {here}",
+                          "tpu.type set to this slice's accelerator type")
+            return {**report, "data": None, "model": None, "checks": [asdict(check)], "ok": False}
     root.mkdir(parents=True, exist_ok=True)
     log = root / "tpu_check.log"
     data, tokenizer_dir, data_note = check_data(config, root, seq_len if on_tpu else min(seq_len, 128))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     small = check_model_config(model_config, len(tokenizer), full_width=on_tpu)
-    AutoModelForCausalLM.from_config(small).save_pretrained(root / "model")
+    model = AutoModelForCausalLM.from_config(small)
+    model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
+    report.update(data=data_note, log=str(log),
+                  model=f"{type(model).__name__}, {CHECK_LAYERS} layers, hidden {small.hidden_size}")
+    del model
 
     def train(name: str, overrides: dict) -> tuple[Path, str | None]:
         run = run_config_for(config, root / "model", data, root / name, on_tpu, overrides)
@@ -260,24 +275,10 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
         proc = run_trainer(path, ["--phase", "1", "--resume", "never", "--force"], config.parallel.mode, log, device)
         return root / name, None if proc.returncode == 0 else (proc.stdout + proc.stderr)[-1500:]
 
-    report = {"device": device, "tpu_type": config.tpu.type, "data": data_note, "log": str(log),
-              "checked_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "model": f"{type(AutoModelForCausalLM.from_config(small)).__name__}, {CHECK_LAYERS} layers, hidden "
-                       f"{small.hidden_size}"}
-    if on_tpu:
-        from utils.tpu_detect import tpu_generation
-
-        here, planned_generation = tpu_generation(), parse_tpu_type(config.tpu.type).generation.name
-        if here not in (planned_generation, "v2/v3" if planned_generation in ("v2", "v3") else planned_generation):
-            checks = [Check("TPU type", "failed", f"tpu.type={config.tpu.type}, but this host's chips are {here}",
-                            "tpu.type set to this slice's accelerator type")]
-            report.update(checks=[asdict(c) for c in checks], measured={}, ok=False)
-            return report
     reference, failure = train("as_configured", {})
     if failure:
-        checks = [Check("as configured", "failed", f"the run failed: {failure}")]
-        report.update(checks=[asdict(c) for c in checks], measured={}, ok=False)
-        return report
+        return {**report, "checks": [asdict(Check("as configured", "failed", f"the run failed: {failure}"))],
+                "ok": False}
     summary = json.loads((reference / "phase1" / "summary.json").read_text())
     dtype = config.model.dtype
     grad_accum = min(config.train.grad_accum, 2)
@@ -313,7 +314,8 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
 
 
 def format_report(report: dict) -> str:
-    lines = [f"tpu-check on {report['device']} ({report['model']}; {report['data']})"]
+    what = f" ({report['model']}; {report['data']})" if report["model"] else ""
+    lines = [f"tpu-check on {report['device']}{what}"]
     lines += [Check(**c).line() for c in report["checks"]]
     if report["measured"]:
         lines.append(f"  measured for the next plan: {report['measured']}")

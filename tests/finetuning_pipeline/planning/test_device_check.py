@@ -119,3 +119,29 @@ def test_without_prepared_data_the_check_fills_its_batches_from_the_bundled_text
     manifest = read_manifest(data)
     assert manifest["seq_len"] == 512 and manifest["counts"]["train"] >= 48
     assert (tokenizer / "tokenizer_config.json").is_file() and "bundled domain text at seq_len 512" in note
+
+
+def test_a_tpu_type_that_is_not_this_hosts_and_a_configured_run_that_fails_are_failed_lines(
+        tmp_path, tiny_model_dir, data, monkeypatch):
+    """Before any run: tpu.type=v5e-8 on a host whose PCI bus shows v6e chips. Then the as-configured
+    run failing (main.py's exit and output replaced): one failed line carrying its error."""
+    import subprocess
+
+    from trainer_helpers import write_run_config
+
+    import utils.tpu_detect
+    from finetuning_pipeline.planning.phase_plan import load_architecture
+
+    run = load_config(write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out"), [])
+    model_config, _ = load_architecture(str(tiny_model_dir))
+    monkeypatch.setattr(utils.tpu_detect, "tpu_generation", lambda: "v6e")
+    report = device_check.device_check(run, model_config, tmp_path / "runs", device="TPU", seq_len=64)
+    assert [(c["name"], c["status"]) for c in report["checks"]] == [("TPU type", "failed")]
+    assert "tpu.type=v5e-8, but this host's chips are v6e" in device_check.format_report(report)
+    assert not (tmp_path / "runs").exists() and report["ok"] is False
+
+    failed = subprocess.CompletedProcess([], 3, stdout="", stderr="error: phase 1 step 2: buffer deleted")
+    monkeypatch.setattr(device_check, "run_trainer", lambda *args, **kwargs: failed)
+    report = device_check.device_check(run, model_config, tmp_path / "runs", device="CPU", seq_len=64)
+    (line,) = report["checks"]
+    assert line["status"] == "failed" and line["detail"].endswith("error: phase 1 step 2: buffer deleted")
