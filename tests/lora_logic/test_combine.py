@@ -97,3 +97,12 @@ def test_dare_drops_at_the_density_and_keeps_the_expectation(adapters):
 def test_combinations_that_cannot_be_made_are_refused(adapters, names, weights, method, options, message):
     with pytest.raises(ValueError, match=message):
         ours(adapters, names, weights, method, **options)
+
+
+def test_adapters_of_layers_of_other_shapes_are_refused_naming_the_module(adapters):
+    """Two bases that share module names but not their sizes: the first module that differs is named."""
+    a1 = Adapter("a1", CONFIGS["a1"], read_adapter_weights(adapters / "a1"))
+    wider = {name: (torch.zeros(4, a.shape[1] * 2), b) for name, (a, b) in a1.modules.items()}
+    with pytest.raises(ValueError, match=r"q_proj: a1 adapts a \[\d+, \d+\] layer, wide a \[\d+, \d+\] one: "
+                                         "adapters of different bases"):
+        combine_adapters([a1, Adapter("wide", CONFIGS["a1"], wider)], [0.5, 0.5], "linear")
