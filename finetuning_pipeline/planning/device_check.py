@@ -128,9 +128,11 @@ def compare(name: str, ours: Path, theirs: Path, dtype: str, avoid: str) -> Chec
     return Check(name, "passed" if gap <= tolerance else "failed", detail, avoid)
 
 
-def variants(config: RunConfig, summary: dict, dtype: str, grad_accum: int) -> tuple[list[Variant], list[Check]]:
+def variants(config: RunConfig, summary: dict, dtype: str, grad_accum: int,
+             devices_per_chip: int = 1) -> tuple[list[Variant], list[Check]]:
     """The runs to compare with "as configured", from what it took (its summary); skipped lines
-    for the rest. grad_accum: the check's own."""
+    for the rest. grad_accum: the check's own; devices_per_chip: the replicas one chip runs (2 on
+    v2/v3), which share the global batch in the one-chip run."""
     runs, skipped = [], []
     if summary["attention"] in IMPLEMENTATION.values():
         runs.append(Variant("attention", {"model.attention": "dense"}, "model.attention=dense"))
@@ -149,7 +151,7 @@ def variants(config: RunConfig, summary: dict, dtype: str, grad_accum: int) -> t
     else:
         skipped.append(Check("bf16", "skipped", f"model.dtype={dtype}"))
     if config.parallel.mode == "dp" and summary["world_size"] > 1:
-        one_chip = summary["global_batch"] // grad_accum  # every replica's micro-batches on one chip
+        one_chip = summary["global_batch"] // (grad_accum * devices_per_chip)  # every replica's rows on one chip
         runs.append(Variant("collectives", {"parallel.single_chip": True, "train.micro_batch": one_chip},
                             "parallel.mode=fsdp (one SPMD process per host: no cross-replica sums on one host)"))
     else:
@@ -282,7 +284,8 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
     summary = json.loads((reference / "phase1" / "summary.json").read_text())
     dtype = config.model.dtype
     grad_accum = min(config.train.grad_accum, 2)
-    runs, checks = variants(config, summary, dtype, grad_accum)
+    per_chip = parse_tpu_type(config.tpu.type).generation.devices_per_chip if on_tpu else 1
+    runs, checks = variants(config, summary, dtype, grad_accum, per_chip)
     for variant in runs:
         out, failure = train(variant.check.replace(" ", "_"), variant.overrides)
         changed = " ".join(f"{k}={v}" for k, v in variant.overrides.items())

@@ -36,6 +36,8 @@ def test_every_tpu_only_path_the_run_takes_is_compared_with_it_turned_off(tmp_pa
         # 8 replicas' micro-batches on one chip: the same global batch of 16, 2 micro-batches a step
         "collectives": {"parallel.single_chip": True, "train.micro_batch": 8}}
     assert skipped == []
+    runs, _ = device_check.variants(config(tmp_path), SUMMARY, "bfloat16", grad_accum=2, devices_per_chip=2)
+    assert runs[-1].overrides["train.micro_batch"] == 4  # a v3 chip: its 2 replicas share the global batch
     plain = {**SUMMARY, "attention": "sdpa", "step_updated_state_tensors": None, "scanned_layers": False,
              "world_size": 1}
     runs, skipped = device_check.variants(config(tmp_path), plain, "float32", grad_accum=2)
