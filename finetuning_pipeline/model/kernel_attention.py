@@ -106,8 +106,9 @@ def choose_attention(setting: str, model_config, *, tpu: str | None, spmd_mesh: 
         gaps += [f"this model needs {why}, which torch_xla's flash attention does not do" for why, gap in
                  (("a sliding window", windows), ("attention soft-capping", softcap),
                   ("an SPMD mesh (its segment ids are not supported under SPMD)", spmd_mesh)) if gap]
-    if seq_len is not None and length_problem(kind, seq_len):
-        gaps.append(length_problem(kind, seq_len))
+    length_gap = length_problem(kind, seq_len) if seq_len is not None else None
+    if length_gap:
+        gaps.append(length_gap)
     if install_problem:
         gaps.append(f"the Pallas kernels cannot be traced here: {install_problem}")
     if gaps:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from finetuning_pipeline.model.kernel_attention import IMPLEMENTATION
 from finetuning_pipeline.planning.phase_plan import plan_inputs
-from finetuning_pipeline.planning.rehearsal import run_trainer, shrunken_config
+from finetuning_pipeline.planning.rehearsal import run_trainer, shrunken_config, small_run
 from finetuning_pipeline.planning.tpu_chips import Slice, parse_tpu_type
 from finetuning_pipeline.planning.tpu_plan import ModelShape, plan
 from finetuning_pipeline.run.run_layout import RunLayout
@@ -217,23 +217,14 @@ def measured_checks(summary: dict, planned: dict, slice_: Slice | None) -> tuple
 
 
 def run_config_for(config: RunConfig, model_path: Path, data: Path, out: Path, on_tpu: bool, overrides: dict) -> dict:
-    run = config.to_dict()
-    run["output_dir"] = str(out)
-    run["model"].update(path=str(model_path), tokenizer=None)
-    run["train"].update(max_steps=CHECK_STEPS, warmup_steps=2, warmup_compiles_steps=1, recompile_policy="warn",
-                        grad_accum=min(config.train.grad_accum, 2), max_wall_time=None)
+    """The check's run: rehearsal.small_run as configured, with `overrides` ({"section.key": value})."""
+    run = small_run(config, model_path=model_path, output_dir=out, data={1: data}, steps=CHECK_STEPS,
+                    on_cpu=not on_tpu)
+    run["train"]["recompile_policy"] = "warn"  # a recompile is one of the check's lines, not the end of it
     if not on_tpu:
         run["train"]["micro_batch"] = 1
-    run["eval"].update(every=0, max_batches=1)
     run["checkpoint"].update(every=0, keep=1)
-    run["logging"].update(every=1, progress_bar=False, tensorboard=False)
-    run["logging"]["wandb"]["project"] = None
     run["xla"]["compile_cache_dir"] = ""  # compiled here, every time: the compile seconds are what the plan takes
-    if not on_tpu:  # the CPU's virtual devices are fewer than the slice's chips: keep the mesh's kind
-        run["parallel"]["mesh"] = {"data": -1, "fsdp": 1} if config.parallel.mesh.fsdp == 1 else {"data": 1,
-                                                                                                   "fsdp": -1}
-    run["phase1"].update(data=str(data), max_steps=None, seq_len=None)
-    run["phase2"].update(data="", max_steps=None, seq_len=None)
     for key, value in overrides.items():
         section, name = key.split(".")
         run[section][name] = value

@@ -113,18 +113,17 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
         except ValueError as err:
             raise ConfigError(f"{err} (tpu.type={config.tpu.type})") from None
     # The chip's own figures when make tpu-check measured them on this generation, else the config's.
-    chip = {"assumed_mfu": config.tpu.assumed_mfu, "compile_s_per_layer": config.tpu.compile_s_per_layer,
-            "compile_s_scanned": config.tpu.compile_s_scanned}
     measured = measured_figures(config) or {}
-    chip.update({key: measured[name] for key, name in (("assumed_mfu", "mfu"), ("compile_s_per_layer",) * 2,
-                                                        ("compile_s_scanned",) * 2) if name in measured})
     return PlanInputs(mode=mode or config.parallel.mode, dtype=config.model.dtype, micro_batch=config.train.micro_batch,
                       grad_accum=config.train.grad_accum, seq_len=seq_len_of(config, phase),
                       checkpointing=config.model.activation_checkpointing, lora_r=config.lora.r,
                       lora_targets=list(config.lora.target_modules), lora_dropout=config.lora.dropout,
                       steps=config.max_steps(phase), fsdp_axis=fsdp_axis, loss_chunk=loss_chunk, attention=attention,
                       capture_step=config.train.capture_step,
-                      scanned_layers=model_config is not None and layers_scanned(config, model_config, mode), **chip)
+                      scanned_layers=model_config is not None and layers_scanned(config, model_config, mode),
+                      assumed_mfu=measured.get("mfu", config.tpu.assumed_mfu),
+                      compile_s_per_layer=measured.get("compile_s_per_layer", config.tpu.compile_s_per_layer),
+                      compile_s_scanned=measured.get("compile_s_scanned", config.tpu.compile_s_scanned))
 
 
 def layers_scanned(config: RunConfig, model_config, mode: str | None = None) -> bool:

@@ -53,6 +53,29 @@ def run_trainer(config_path: Path, args: list[str], mode: str, log: Path,
     return proc
 
 
+def small_run(config: RunConfig, *, model_path: Path, output_dir: Path, data: dict[int, Path], steps: int,
+              on_cpu: bool) -> dict:
+    """The run config of a few steps of a small copy of the run's model (the rehearsal's, make
+    tpu-check's): the run's own settings (LoRA, mode, dtype, attention, capture, scan), with a
+    rehearsal's length, logging (no W&B, no time budget) and outputs; phases without data off.
+    On a CPU the mesh keeps its kind only: its devices are fewer than the slice's chips (pure
+    data parallelism, or the base sharded over every chip)."""
+    run = config.to_dict()
+    run["output_dir"] = str(output_dir)
+    run["model"].update(path=str(model_path), tokenizer=None)
+    run["train"].update(max_steps=steps, grad_accum=min(config.train.grad_accum, 2), warmup_steps=2,
+                        warmup_compiles_steps=1, max_wall_time=None)
+    run["eval"].update(every=0, max_batches=1)
+    run["logging"].update(every=1, progress_bar=False, tensorboard=False)
+    run["logging"]["wandb"]["project"] = None
+    if on_cpu:
+        run["parallel"]["mesh"] = {"data": -1, "fsdp": 1} if config.parallel.mesh.fsdp == 1 else {"data": 1,
+                                                                                                   "fsdp": -1}
+    for phase in (1, 2):
+        run[f"phase{phase}"].update(data=str(data[phase]) if phase in data else "", max_steps=None, seq_len=None)
+    return run
+
+
 def rehearsal_data(config: RunConfig, phases: list[int], root: Path, data_ready: bool) -> tuple[dict, Path, str]:
     """(phase -> data dir, tokenizer dir, description): the prepared data when it checked out,
     else the bundled samples under the demo's tokenizer."""
@@ -95,20 +118,12 @@ def rehearse(config: RunConfig, model_config, root: Path, data_ready: bool, *, p
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
 
-    run = config.to_dict()
-    run["output_dir"] = str(root / "run")
-    run["model"].update(path=str(root / "model"), tokenizer=None, dtype="float32")
-    run["train"].update(max_steps=REHEARSAL_STEPS, micro_batch=1, grad_accum=min(config.train.grad_accum, 2),
-                        warmup_steps=2, warmup_compiles_steps=1, recompile_policy="error",
-                        scan_layers=scan_layers)
-    run["eval"].update(every=0, max_batches=1, micro_batch=None)
+    run = small_run(config, model_path=root / "model", output_dir=root / "run", data=data, steps=REHEARSAL_STEPS,
+                    on_cpu=True)
+    run["model"]["dtype"] = "float32"
+    run["train"].update(micro_batch=1, recompile_policy="error", scan_layers=scan_layers)
+    run["eval"]["micro_batch"] = None
     run["checkpoint"].update(every=2, keep=REHEARSAL_STEPS)
-    run["logging"].update(every=1, progress_bar=False, tensorboard=False)
-    # The rehearsal's CPU devices are fewer than the slice's chips: keep the mesh's kind only
-    # (pure data parallelism, or the base sharded over every chip).
-    run["parallel"]["mesh"] = {"data": -1, "fsdp": 1} if config.parallel.mesh.fsdp == 1 else {"data": 1, "fsdp": -1}
-    for phase in (1, 2):
-        run[f"phase{phase}"].update(data=str(data[phase]) if phase in data else "", max_steps=None, seq_len=None)
     config_path = root / "rehearsal.yaml"
     config_path.write_text(yaml.safe_dump(run))
     log = root / "rehearsal.log"

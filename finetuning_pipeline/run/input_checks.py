@@ -30,8 +30,9 @@ def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | Non
     from utils.tpu_install import libtpu_problem
     from utils.xla_runtime import device_kind
 
-    if planned_tpu is None and device_kind() == "TPU" and libtpu_problem():
-        raise ConfigError(f"PJRT_DEVICE=TPU: {libtpu_problem()}")
+    missing_runtime = libtpu_problem() if planned_tpu is None and device_kind() == "TPU" else None
+    if missing_runtime:
+        raise ConfigError(f"PJRT_DEVICE=TPU: {missing_runtime}")
     files = Path(model_dir(config.model.path, config.model.revision))  # a Hub id: its snapshot, pinned by pin_model
     if not (files / "config.json").is_file():
         raise ConfigError(f"model.path: {files} has no config.json (a local Hugging Face model directory or a "
