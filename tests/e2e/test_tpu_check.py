@@ -38,3 +38,22 @@ def test_the_self_check_runs_every_path_a_cpu_can_and_skips_the_rest(tiny_model_
         assert f"  {status[name]:>8}  {name}: " in done.stdout
     again = tpu_check(config, env=env)
     assert again.returncode == 2 and "pass --force to replace it" in again.stderr
+
+
+def test_the_self_check_of_an_fsdp_run_on_four_devices(tiny_model_dir, data, tmp_path):
+    """parallel.mode=fsdp (the mode splash attention needs): the check's runs get four virtual
+    devices, donation on; the replicas' sums are inside the SPMD graph, so that line is skipped."""
+    import os
+
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out",
+                              train={"grad_accum": 2}, parallel={"mode": "fsdp"})
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "XLA_ENABLE_PARAM_ALIASING": "1"}
+    done = tpu_check(config, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "tpu_check.json").read_text())
+    status = {c["name"]: c["status"] for c in report["checks"]}
+    assert {name: status[name] for name in ("captured step", "collectives", "recompiles", "donation")} == {
+        "captured step": "passed", "collectives": "skipped", "recompiles": "passed", "donation": "passed"}, done.stdout
+    assert "inside the SPMD graph" in done.stdout
+    summary = json.loads((tmp_path / "out" / "tpu_check" / "as_configured" / "phase1" / "summary.json").read_text())
+    assert summary["parallel"]["mode"] == "fsdp" and summary["parallel"]["sharded_base_parameters"] > 0
