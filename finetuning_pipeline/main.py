@@ -43,6 +43,7 @@ from finetuning_pipeline.run.run_layout import OutputLock, RunLayout
 from finetuning_pipeline.run.stop_signal import WallClockBudget
 from finetuning_pipeline.run_config import RunConfig, load_config
 from utils.durations import parse_duration
+from utils.stack_dump import dump_stacks_on_signal
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,9 +54,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "Unknown keys are an error. Exit status: 0 done (or stopped cleanly), 2 bad config or data, "
         "3 the run had to stop (a recompile after warm-up, diverged training, a failed checkpoint or output write, "
         "a replica that died). SIGTERM/SIGINT to any replica or to the launching process: every replica checkpoints "
-        "the same step and exits 0; the same command then resumes. Several replicas on a CPU, started the TPU host's "
-        "way: CPU_NUM_DEVICES=N ... parallel.launcher=tpu; or as processes: PJRT_DEVICE=CPU torchrun --standalone "
-        "--nproc-per-node N finetuning_pipeline/main.py ...",
+        "the same step and exits 0; the same command then resumes. SIGUSR1 to any of its processes: each of its "
+        "threads prints its stack (a run that seems hung), and the run carries on. Several replicas on a CPU, started "
+        "the TPU host's way: CPU_NUM_DEVICES=N ... parallel.launcher=tpu; or as processes: PJRT_DEVICE=CPU torchrun "
+        "--standalone --nproc-per-node N finetuning_pipeline/main.py ...",
     )
     parser.add_argument("--config", help=f"YAML run config (see finetuning_pipeline/configs/); default: ${CONFIG_ENV}, "
                         "else the embedded default (configs/demo.yaml, its paths under the repository)")
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 def train(argv: list[str] | None) -> int:
     started = time.time()  # a session budget (train.max_wall_time) counts from here
     args = parse_args(argv)
+    dump_stacks_on_signal()  # kill -USR1 PID: where each thread is (utils/stack_dump.py)
     phases = [1, 2] if args.phase == "all" else [int(args.phase)]
     config_path, overrides = choose_config(args.config, args.overrides, phases)
     config = load_config(config_path, overrides)

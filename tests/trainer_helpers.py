@@ -3,6 +3,7 @@ their own, and a loss poisoned on chosen steps."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -117,8 +118,9 @@ class Replicas:
             try:
                 codes.append(proc.wait(timeout=max(deadline - time.time(), 0.1)))
             except subprocess.TimeoutExpired:
-                self.kill()
-                raise AssertionError(f"replica {rank} still running after {timeout} s:\n{self.output(rank)}") from None
+                stacks_then_kill(self.procs)
+                raise AssertionError(f"replica {rank} still running after {timeout} s (its threads' stacks at the "
+                                     f"end):\n{self.outputs()}") from None
         return codes
 
     def output(self, rank: int) -> str:
@@ -162,8 +164,9 @@ class LaunchedRun:
         try:
             return [self.proc.wait(timeout=timeout)]
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(f"the launched run still runs after {timeout} s:\n{self.output()}") from None
+            stacks_then_kill(self.procs)
+            raise AssertionError(f"the launched run still runs after {timeout} s (its processes' thread stacks at "
+                                 f"the end):\n{self.output()}") from None
 
     def output(self, rank: int = 0) -> str:
         return self.log.read_text()
@@ -196,6 +199,31 @@ def process_alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
+
+
+def stacks_then_kill(procs) -> None:
+    """A hung run's last words: SIGUSR1 to each of its processes and their children, so each
+    writes its threads' stacks into the log (utils/stack_dump.py), then SIGKILL to all."""
+    import signal
+    import time
+
+    tree = [proc.pid for proc in procs]
+    for pid in list(tree):
+        tree += descendants(pid)
+    for sig in (signal.SIGUSR1, signal.SIGKILL):
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        time.sleep(3 if sig == signal.SIGUSR1 else 0)
+    for proc in procs:
+        proc.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    for child in child_pids(pid):
+        found += [child, *descendants(child)]
+    return found
 
 
 def child_pids(pid: int) -> list[int]:

@@ -111,9 +111,11 @@ def _worker_process(local: int, *, processes: int, replica, args: tuple, compile
 
     from finetuning_pipeline.run.parallel import use_compile_cache
     from finetuning_pipeline.run.stop_signal import PROCESS_SIGNALS
+    from utils.stack_dump import dump_stacks_on_signal
 
     launcher = os.getppid()
     PROCESS_SIGNALS.install()
+    dump_stacks_on_signal()  # a fresh interpreter: kill -USR1 shows its replica threads too
     watch_launcher(launcher, PROCESS_SIGNALS)
     use_compile_cache(compile_cache, mode, local)
     failures: dict[int, BaseException] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import time
 
@@ -58,9 +59,11 @@ def test_a_preempted_tpu_host_checkpoints_one_step_on_every_replica_and_resumes_
     config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 0})  # only the stop writes one
     run = launched(config, tmp_path / "run.log")
     seen = wait_for_replicas(run, out_of(config), 3)
+    os.kill(run.worker(), signal.SIGUSR1)  # kill -USR1: the worker's threads' stacks, and it carries on
     for pid in (run.proc.pid, run.worker()):
         os.kill(pid, signal.SIGTERM)
     assert run.wait(HANG) == [0], run.output()
+    assert len(re.findall(r" in run_replica$", run.output(), re.MULTILINE)) == 2, run.output()  # both threads' stacks
     stopped = checkpoint_steps(out_of(config))
     # The signal went out once step `seen` was logged; the replicas vote after every step, so
     # they stop after the step running then or the next (one more for the test's polling lag).
