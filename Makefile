@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 PJRT_DEVICE ?= CPU
 export PJRT_DEVICE
 
-# The run config of `make phase1` / `make phase2`; extra overrides go in ARGS, e.g.
+# The run config of `make phase1`, `make phase2`, ... `make phaseN`; extra overrides go in ARGS, e.g.
 #   make phase1 CONFIG=my.yaml ARGS="train.max_steps=500 output_dir=outputs/try2"
 DEMO_CONFIG := finetuning_pipeline/configs/demo.yaml
 CONFIG ?= $(DEMO_CONFIG)
@@ -25,7 +25,8 @@ DEMO_ANSWER := Județul Brașov se află în Transilvania.
 # The demo config's phases need the demo's base model and prepared data; other configs bring their own.
 PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 
-.PHONY: help setup test test-fast lint tiny-model demo-data demo phase1 phase2 preflight tpu-check bench bench-train bench-host bench-prepare bench-memory clean
+# phase1, phase2, ... are a pattern rule (below): make skips pattern rules for .PHONY targets.
+.PHONY: help setup test test-fast lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-prepare bench-memory clean
 
 help:
 	@echo "make setup       create .venv with the pinned stack (torch 2.9.0 + torch_xla 2.9.0) and test tools"
@@ -35,7 +36,7 @@ help:
 	@echo "make demo        the whole curriculum on the tiny model, on XLA:CPU: base model -> prepare ->"
 	@echo "                 phase 1 -> phase 2 -> merged export -> a generated answer -> loss.png (outputs/demo)"
 	@echo "make phase1      phase 1 of CONFIG (default: the demo config); extra overrides in ARGS=\"k=v ...\""
-	@echo "make phase2      phase 2 of CONFIG"
+	@echo "make phase2      phase 2 of CONFIG (make phase3, phase4, ... for a longer curriculum)"
 	@echo "make preflight   check CONFIG and plan its TPU time (HBM, step time, TPU-hours) on this CPU, with a"
 	@echo "                 rehearsal on a shrunken model; ARGS=\"tpu.type=v5e-8 parallel.mode=fsdp\" (preflight.json)"
 	@echo "make tpu-check   the first command on a TPU VM (PJRT_DEVICE=TPU make tpu-check CONFIG=...): every"
@@ -94,11 +95,9 @@ demo: $(DEMO_DATA)
 	echo "after phase 1 + phase 2 (merged model):     $$after"
 	@echo "--- outputs in $(DEMO)/: phase1/ phase2/ (adapter, checkpoints, metrics.jsonl, summary.json), merged/, loss.png"
 
-phase1: $(STAMP) $(PHASE_DEPS)
-	$(BIN)/python finetuning_pipeline/main.py --config $(CONFIG) --phase 1 $(ARGS)
-
-phase2: $(STAMP) $(PHASE_DEPS)
-	$(BIN)/python finetuning_pipeline/main.py --config $(CONFIG) --phase 2 $(ARGS)
+# phase1, phase2, phase3, ...: that phase of CONFIG's curriculum.
+phase%: $(STAMP) $(PHASE_DEPS)
+	$(BIN)/python finetuning_pipeline/main.py --config $(CONFIG) --phase $* $(ARGS)
 
 preflight: $(STAMP) $(PHASE_DEPS)
 	$(BIN)/python -m finetuning_pipeline.preflight --config $(CONFIG) $(ARGS)

@@ -1,6 +1,6 @@
 """Evaluate a model (optionally with an adapter) on prepared data: loss, perplexity, samples.
 
-    python -m finetuning_pipeline.evaluate --model DIR [--adapter DIR] --data PREPARED_DIR
+    python -m finetuning_pipeline.evaluate --model DIR [--adapter DIR ...] --data PREPARED_DIR
         [--split eval] [--micro-batch 4] [--samples 3] [--device cpu|xla]
 
 The loss is the trainer's (mean next-token loss over label tokens, packed segments kept
@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
 def evaluate(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a Hugging Face model directory or a Hub id")
-    parser.add_argument("--adapter")
+    parser.add_argument("--adapter", action="append", default=[],
+                        help="adapter directory (repeat to stack, in order: a later phase's summary lists the "
+                        "merged_adapters beneath its own)")
     parser.add_argument("--data", required=True, help="a directory written by `python -m dataset.prepare`")
     parser.add_argument("--split", default="eval", choices=("eval", "train"))
     parser.add_argument("--micro-batch", type=positive_int, default=4, help="sequences per batch (default 4)")
@@ -81,7 +83,7 @@ def evaluate(argv: list[str] | None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
     args.model = resolve_model(args.model).local_dir
-    model, _ = load_model(args.model, [args.adapter] if args.adapter else [])
+    model, _ = load_model(args.model, args.adapter)
     tokenizer = load_tokenizer(args.model, "--model")
     manifest = open_prepared(args.data, fingerprint=tokenizer_fingerprint(tokenizer))
     if args.device == "xla":

@@ -5,8 +5,9 @@ several adapters into one.
     python -m finetuning_pipeline.export --base BASE --adapter A1 --adapter A2 --weights 0.7,0.3 \
         --combine linear|cat|svd|ties|dare_linear|dare_ties [--density 0.5] [--adapter-only] --out DIR
 
-With phase2.init=merge, phase 2's adapter sits on top of phase 1's: pass both, in order
-(`--adapter .../phase1/adapter --adapter .../phase2/adapter`). The output (safetensors,
+A phase whose init merged earlier adapters sits on top of them: its summary.json lists them
+(`merged_adapters`); pass those, then its own, in order (phase2.init=merge: `--adapter
+.../phase1/adapter --adapter .../phase2/adapter`). The output (safetensors,
 config, generation config, tokenizer) loads with `AutoModelForCausalLM.from_pretrained` and
 needs neither this project nor PEFT.
 

@@ -1,6 +1,7 @@
 """Generate text from a model (optionally with an adapter), for a quick look at what training did.
 
-    python -m finetuning_pipeline.generate --model DIR [--adapter DIR] --prompt "Care este reședința județului Cluj?"
+    python -m finetuning_pipeline.generate --model DIR [--adapter DIR ...] \
+        --prompt "Care este reședința județului Cluj?"
 
 Chat models (a tokenizer with a chat template) get the prompt as a user turn; `--plain`
 continues the raw text instead. Greedy decoding by default; runs on the CPU.
@@ -20,10 +21,11 @@ from utils.hub_models import resolve_model
 from utils.tokenizer_loading import load_tokenizer
 
 
-def generate(model_dir: str, prompt: str, adapter: str | None = None, max_new_tokens: int = 64,
+def generate(model_dir: str, prompt: str, adapter: str | list[str] | None = None, max_new_tokens: int = 64,
              plain: bool = False, temperature: float = 0.0, system: str | None = None) -> str:
     # Adapters merged: inference needs one matmul per layer instead of three.
-    model, _ = load_model(model_dir, [adapter] if adapter else [])
+    adapters = [adapter] if isinstance(adapter, str) else list(adapter or [])
+    model, _ = load_model(model_dir, adapters)
     model.eval()
     tokenizer = load_tokenizer(model_dir, "--model")
     if plain or not tokenizer.chat_template:
@@ -46,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 def generate_command(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="Hugging Face model directory or Hub id (base or merged)")
-    parser.add_argument("--adapter", help="LoRA adapter directory to apply")
+    parser.add_argument("--adapter", action="append", default=[],
+                        help="LoRA adapter directory to apply (repeat to stack, in order)")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--system", help="system turn for chat models")
     parser.add_argument("--plain", action="store_true", help="continue the raw text; no chat template")

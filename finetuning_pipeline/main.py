@@ -1,10 +1,12 @@
-"""Train LoRA adapters through the two-phase curriculum on TPU (or XLA:CPU).
+"""Train LoRA adapters through a curriculum of phases on TPU (or XLA:CPU).
 
-    PJRT_DEVICE=TPU python finetuning_pipeline/main.py [--config CONFIG.yaml] [--phase 1|2|all]
+    PJRT_DEVICE=TPU python finetuning_pipeline/main.py [--config CONFIG.yaml] [--phase N|all]
         [--resume auto|never|CHECKPOINT_DIR] [--force] [--accept-changes] [key=value ...]
 
-Phase 1 continues pretraining on raw domain text (every token is trained on); phase 2 tunes
-on chat Q&A (assistant tokens only). Each phase reads data written by `python -m
+The config's phases (phase1:, phase2:, phase3:, ...) run in order, each on its own data: raw
+domain text (continued pretraining: every token is trained on) or chat/instruction Q&A
+(assistant tokens only), each starting as its `init` says (the previous phase's adapter
+continued or merged, or a fresh one on the base). Each phase reads data written by `python -m
 dataset.prepare` and writes, under output_dir/phaseN/: adapter/ (PEFT layout),
 checkpoints/, metrics.jsonl, summary.json; the run writes output_dir/loss.png.
 
@@ -61,7 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--config", help=f"YAML run config (see finetuning_pipeline/configs/); default: ${CONFIG_ENV}, "
                         "else the embedded default (configs/demo.yaml, its paths under the repository)")
-    parser.add_argument("--phase", choices=("1", "2", "all"), default="all", help="which phase(s) to run (default all)")
+    parser.add_argument("--phase", default="all", metavar="N|all",
+                        help="which phase to run: its number (1, 2, ... as the config's phaseN sections), or all "
+                        "(default: every phase in order; finished ones are skipped under --resume auto)")
     parser.add_argument("--resume", default="auto",
                         help="auto (default): continue the unfinished phase from its newest complete checkpoint and "
                         "skip finished phases; never: start fresh; or a checkpoint directory to resume from")
@@ -113,7 +117,7 @@ def run_replica(config: RunConfig, plans: list[PhasePlan], resume_command: str, 
     finished = False
     try:
         with StopOnSignal(budget) as stop, output_dir_lock(layout, parallel):
-            check_hosts_agree(layout, plans, parallel.collectives)
+            check_hosts_agree(layout, plans, parallel.collectives, config.lineage)
             for plan in plans:
                 if plan.replace and parallel.master:
                     shutil.rmtree(layout.phase_dir(plan.phase))
@@ -173,9 +177,9 @@ def train(argv: list[str] | None) -> int:
     started = time.time()  # a session budget (train.max_wall_time) counts from here
     args = parse_args(argv)
     dump_stacks_on_signal()  # kill -USR1 PID: where each thread is (utils/stack_dump.py)
-    phases = [1, 2] if args.phase == "all" else [int(args.phase)]
-    config_path, overrides = choose_config(args.config, args.overrides, phases)
+    config_path, overrides = choose_config(args.config, args.overrides, args.phase)
     config = load_config(config_path, overrides)
+    phases = selected_phases(args.phase, config)
     pin_model(config)
     check_inputs(config, phases)
     plans = plan_phases(config, phases, args.resume, args.force)
@@ -217,11 +221,22 @@ def start_replicas(config: RunConfig, args: tuple) -> None:
         run_replica(*args)
 
 
-def choose_config(given: str | None, overrides: list[str], phases: list[int] = (1, 2)) -> tuple[Path, list[str]]:
+def selected_phases(given: str, config: RunConfig) -> list[int]:
+    """--phase: every phase of the config in order ("all"), or the one numbered."""
+    numbers = config.phase_numbers()
+    if given == "all":
+        return numbers
+    if given.isdigit() and int(given) in numbers:
+        return [int(given)]
+    raise ConfigError(f"--phase {given}: expected all or a phase of the config: {', '.join(map(str, numbers))} "
+                      f"(its phase1: ... phase{numbers[-1]}: sections)")
+
+
+def choose_config(given: str | None, overrides: list[str], phase: str = "all") -> tuple[Path, list[str]]:
     """The config file and the overrides to load it with: --config; else $TPU_LORA_CONFIG; else
     the embedded default, whose relative paths are anchored at the repository (ahead of the
-    user's overrides, which keep their meaning) and whose tiny model and the data of `phases`
-    are built if missing. Says which config it chose when none was named."""
+    user's overrides, which keep their meaning) and whose tiny model and the data of the
+    phases `phase` selects are built if missing. Says which config it chose when none was named."""
     if given:
         return Path(given), overrides
     if os.environ.get(CONFIG_ENV):
@@ -231,7 +246,8 @@ def choose_config(given: str | None, overrides: list[str], phases: list[int] = (
 
     print(f"config: {DEMO_CONFIG} (the embedded default: no --config given and ${CONFIG_ENV} unset)", flush=True)
     anchored = anchored_paths(DEMO_CONFIG, REPO)
-    ensure_demo_inputs(load_config(DEMO_CONFIG, anchored + overrides), list(phases))
+    demo = load_config(DEMO_CONFIG, anchored + overrides)
+    ensure_demo_inputs(demo, selected_phases(phase, demo))
     return DEMO_CONFIG, anchored + overrides
 
 

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         checks["config"] = {"status": "passed", "detail": "keys and values valid"}
         if not phases_of(config):
-            raise ConfigError("phase1.data / phase2.data: neither is set; nothing to plan")
+            raise ConfigError("phaseN.data: no phase has data set (phase1.data, phase2.data, ...); nothing to plan")
         model_config, source = load_architecture(config.model.path, config.model.revision)
         checks["architecture"] = {"status": "passed", "detail": f"{model_config.model_type} from {source}"}
         plan_result = make_plan(config, model_config)

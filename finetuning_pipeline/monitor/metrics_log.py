@@ -65,7 +65,8 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def plot_losses(output_dir: str | Path) -> Path | None:
-    """Train and eval loss of both phases on one axis (phase 2 steps follow phase 1's)."""
+    """Train and eval loss of every phase on one axis, in order (phase N's steps follow
+    phase N-1's)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -77,7 +78,8 @@ def plot_losses(output_dir: str | Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     offset = 0
     plotted = False
-    for phase, color in ((1, "tab:blue"), (2, "tab:orange")):
+    for phase in layout.phases_on_disk():
+        color = f"C{(phase - 1) % 10}"  # matplotlib's colour cycle: phase 1 blue, phase 2 orange, ...
         records = read_metrics(layout.metrics(phase))
         train = [(r["step"] + offset, r["loss"]) for r in records if r["kind"] == "train"]
         evals = [(r["step"] + offset, r["loss"]) for r in records if r["kind"] == "eval" and r["loss"] is not None]
@@ -93,7 +95,7 @@ def plot_losses(output_dir: str | Path) -> Path | None:
     if not plotted:
         plt.close(fig)
         return None
-    ax.set_xlabel("optimizer step (phase 2 continues after phase 1)")
+    ax.set_xlabel("optimizer step (each phase continues after the one before)")
     ax.set_ylabel("loss (nats per label token)")
     ax.set_title("Training and eval loss")
     ax.legend()

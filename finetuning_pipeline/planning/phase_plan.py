@@ -55,7 +55,7 @@ def load_architecture(model_path: str, revision: str | None = None):
 
 
 def phases_of(config: RunConfig) -> list[int]:
-    return [p for p in (1, 2) if config.phase(p).data]
+    return [p for p in config.phase_numbers() if config.phase(p).data]
 
 
 def seq_len_of(config: RunConfig, phase: int) -> int:

@@ -71,7 +71,7 @@ def small_run(config: RunConfig, *, model_path: Path, output_dir: Path, data: di
     if on_cpu:
         run["parallel"]["mesh"] = {"data": -1, "fsdp": 1} if config.parallel.mesh.fsdp == 1 else {"data": 1,
                                                                                                    "fsdp": -1}
-    for phase in (1, 2):
+    for phase in config.phase_numbers():
         run[f"phase{phase}"].update(data=str(data[phase]) if phase in data else "", max_steps=None, seq_len=None)
     return run
 
@@ -155,11 +155,8 @@ def rehearse(config: RunConfig, model_config, root: Path, data_ready: bool, *, p
 
     from finetuning_pipeline.model.merged_export import export_merged
 
-    adapters = [str(out.adapter(1))] if 1 in phases else []
-    if 2 in phases and (config.phase2.init == "merge" or not adapters):
-        adapters.append(str(out.adapter(2)))
-    elif 2 in phases:
-        adapters = [str(out.adapter(2))]  # continue: phase 2's adapter carries phase 1's training
+    last = phases[-1]  # served as the run's summary says: the adapters merged beneath it, then its own
+    adapters = [str(out.adapter(n)) for n in config.lineage(last)[0]] + [str(out.adapter(last))]
     merged = export_merged(str(root / "model"), adapters, str(root / "merged"))
     AutoModelForCausalLM.from_pretrained(merged)  # plain transformers, no project code
     steps["export"] = str(merged)

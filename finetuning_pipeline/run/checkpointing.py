@@ -135,15 +135,16 @@ def resume_keys(config, phase: int, manifest: dict | None = None) -> dict:
     """What a checkpoint records to refuse a resume that would not continue the same run: the
     settings that decide the result (RunConfig.exactness_keys) and the content of the phase's
     prepared data (re-preparing into the same directory between a stop and its resume would
-    otherwise silently continue on another stream), and for a phase 2 built on phase 1's
-    adapter, that adapter's digest (phase 1 trained again makes phase 2 another run).
-    manifest: the phase's, if already read."""
+    otherwise silently continue on another stream), and the digest of each earlier phase's
+    adapter it is built on (RunConfig.lineage: an earlier phase trained again makes this phase
+    another run). manifest: the phase's, if already read."""
     keys = config.exactness_keys(phase)
     manifest = manifest if manifest is not None else read_manifest(config.phase(phase).data)
     keys[f"phase{phase}.data.content"] = content_digest(manifest)
-    if phase == 2 and config.phase2.init != "fresh":
-        weights = RunLayout(config.output_dir).adapter(1) / "adapter_model.safetensors"
-        keys["phase1.adapter"] = sha256_file(weights) if weights.is_file() else None
+    merged, continued = config.lineage(phase)
+    for earlier in merged + ([continued] if continued else []):
+        weights = RunLayout(config.output_dir).adapter(earlier) / "adapter_model.safetensors"
+        keys[f"phase{earlier}.adapter"] = sha256_file(weights) if weights.is_file() else None
     return keys
 
 

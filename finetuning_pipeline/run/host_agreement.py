@@ -2,15 +2,15 @@
 
 On a pod every host runs main.py itself and plans its phases from its own view of output_dir
 (resume_plan.py), but only the master writes checkpoints and adapters, and every replica
-loads them at a resume and at phase 2's start. So output_dir must be one directory that
-every host sees. On per-host disks the other hosts would start at step 0 while the master
-resumes at step N (their votes then pair different steps), and phase 2 would find no phase-1
-adapter on them: hours of TPU time lost before anything failed. Two checks, both host
+loads them at a resume and at the start of a phase built on an earlier one. So output_dir must
+be one directory that every host sees. On per-host disks the other hosts would start at step 0
+while the master resumes at step N (their votes then pair different steps), and phase 2 would
+find no phase-1 adapter on them: hours of TPU time lost before anything failed. Two checks, both host
 collectives (no device), before any model is loaded:
 
 1. The master writes a file with a fresh token into output_dir; every replica must read it.
 2. Every replica describes what it will run (the phases, where each starts, a digest of the
-   checkpoint and of the phase-1 adapter it will load); all must match the master's.
+   checkpoint and of the earlier phases' adapters it will load); all must match the master's.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ SHARED_STORAGE_HELP = ("On a pod, put output_dir on storage every host mounts at
 SEEN_WITHIN_S = 10.0  # a network file system may show a new file to other hosts a little late
 
 
-def check_hosts_agree(layout: RunLayout, plans: list[PhasePlan], collectives) -> None:
+def check_hosts_agree(layout: RunLayout, plans: list[PhasePlan], collectives, lineage) -> None:
     """Raises ConfigError (exit 2) on every replica when output_dir is not shared or the
-    replicas' plans differ; does nothing for a world of one."""
+    replicas' plans differ; does nothing for a world of one. lineage: RunConfig.lineage."""
     if collectives.world == 1:
         return
     check_shared_output_dir(layout.root, collectives)
-    views = collectives.gather({"host": socket.gethostname(), "plan": plan_view(layout, plans)})
+    views = collectives.gather({"host": socket.gethostname(), "plan": plan_view(layout, plans, lineage)})
     differ = [rank for rank, view in enumerate(views) if view["plan"] != views[0]["plan"]]
     if differ:
         described = "; ".join(f"replica {rank} on {views[rank]['host']}: {describe(views[rank]['plan'])}"
@@ -79,17 +79,19 @@ def sees_token(path: Path, token: str, within_s: float = SEEN_WITHIN_S) -> bool:
         time.sleep(0.25)
 
 
-def plan_view(layout: RunLayout, plans: list[PhasePlan]) -> list[dict]:
+def plan_view(layout: RunLayout, plans: list[PhasePlan], lineage) -> list[dict]:
     """What this replica will run and load: per phase, where it starts and digests of the
-    checkpoint (its COMPLETE marker, which holds every file's sha256) and phase-1 adapter."""
+    checkpoint (its COMPLETE marker, which holds every file's sha256) and of the earlier
+    phases' adapters it builds on."""
     view = []
     for plan in plans:
         checkpoint = plan.resume_from
         entry = {"phase": plan.phase, "replace": plan.replace,
                  "resume_step": int(checkpoint.name[len(PREFIX):]) if checkpoint else None,
                  "checkpoint": digest(checkpoint / COMPLETE) if checkpoint else None}
-        if plan.phase == 2:
-            entry["phase1_adapter"] = digest(layout.adapter(1) / "adapter_model.safetensors")
+        merged, continued = lineage(plan.phase)
+        entry["adapters"] = {f"phase{n}": digest(layout.adapter(n) / "adapter_model.safetensors")
+                             for n in merged + ([continued] if continued else [])}
         view.append(entry)
     return view
 
@@ -104,7 +106,8 @@ def describe(view: list[dict]) -> str:
     parts = []
     for entry in view:
         start = f"from step {entry['resume_step']} ({entry['checkpoint']})" if entry["resume_step"] else "from step 0"
-        if entry.get("phase1_adapter") is not None:
-            start += f" on phase-1 adapter {entry['phase1_adapter']}"
+        built_on = [f"{name} adapter {found}" for name, found in entry["adapters"].items() if found is not None]
+        if built_on:
+            start += " on " + " + ".join(built_on)
         parts.append(f"phase {entry['phase']} {start}")
     return ", ".join(parts)

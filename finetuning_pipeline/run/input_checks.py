@@ -1,6 +1,6 @@
 """What a run's inputs must satisfy before any device is touched: the model (a Hub id pinned to
 its commit), the prepared data against the tokenizer and the model, the LoRA targets, the
-phase-1 adapter phase 2 builds on, and an output directory that can be written. main.py runs
+adapters of earlier phases a phase builds on, and an output directory that can be written. main.py runs
 these checks before training, and preflight before planning."""
 
 from __future__ import annotations
@@ -56,8 +56,6 @@ def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | Non
             raise ConfigError(f"{key}: {data} does not exist; run `python -m dataset.prepare ... --out {data}` first")
         manifest = open_prepared(data, fingerprint=fingerprint, seq_len=config.phase(phase).seq_len,
                                  setting=f"phase{phase}.seq_len")
-        if manifest["phase"] != phase:
-            raise ConfigError(f"{key}: {data} was prepared as phase {manifest['phase']} data, not phase {phase}")
         if max_positions is not None and manifest["seq_len"] > max_positions:
             raise ConfigError(
                 f"{key}: seq_len {manifest['seq_len']} exceeds the model's max_position_embeddings {max_positions}"
@@ -73,16 +71,12 @@ def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | Non
                                  seq_len=manifest["seq_len"])
         except ValueError as err:
             raise ConfigError(f"{err} ({key} is prepared at seq_len {manifest['seq_len']})") from None
-    if 1 in phases or (2 in phases and config.phase2.init != "continue"):
-        try:  # phase 2 `continue` trains the phase-1 adapter, with its own targets
+    if any(config.lineage(phase)[1] is None for phase in phases):
+        try:  # a phase that continues an adapter trains it with that adapter's own targets
             check_lora_targets(model_config, config.lora_config())
         except ValueError as err:
             raise ConfigError(f"lora.target_modules: {err}") from None
-    if 2 in phases and 1 not in phases and config.phase2.init != "fresh":
-        adapter = RunLayout(config.output_dir).adapter(1)
-        if not (adapter / "adapter_config.json").is_file():
-            raise ConfigError(f"phase2.init={config.phase2.init} needs the phase-1 adapter ({adapter}); "
-                              "run phase 1 first, or set phase2.init=fresh")
+    check_earlier_adapters(config, phases)
     if config.logging.wandb.project:
         try:
             import wandb  # noqa: F401 - only whether it imports
@@ -90,9 +84,24 @@ def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | Non
             raise ConfigError("logging.wandb.project is set but the wandb package is not installed: pip install "
                               "'tpu-lora[wandb]' (or pip install wandb), or unset logging.wandb.project") from None
     inputs = {"model.path": str(files), "model.tokenizer": config.model.tokenizer,
-              "phase1.data": config.phase1.data, "phase2.data": config.phase2.data}
+              **{f"phase{n}.data": config.phase(n).data for n in config.phase_numbers()}}
     RunLayout(config.output_dir).check_apart_from(inputs)
     probe_output_dir(config.output_dir)
+
+
+def check_earlier_adapters(config: RunConfig, phases: list[int]) -> None:
+    """A phase that continues or merges earlier phases' adapters needs those this run does not
+    train first on disk (`--phase 3` after phases 1 and 2 finished)."""
+    layout = RunLayout(config.output_dir)
+    for phase in phases:
+        merged, continued = config.lineage(phase)
+        for earlier in merged + ([continued] if continued else []):
+            if earlier in phases and earlier < phase:
+                continue
+            adapter = layout.adapter(earlier)
+            if not (adapter / "adapter_config.json").is_file():
+                raise ConfigError(f"phase{phase}.init={config.phase(phase).init} needs the phase-{earlier} adapter "
+                                  f"({adapter}); run phase {earlier} first, or set phase{phase}.init=fresh")
 
 
 def pin_model(config: RunConfig) -> None:

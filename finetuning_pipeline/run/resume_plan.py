@@ -19,7 +19,7 @@ from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.run.checkpointing import newest_intact_checkpoint, read_json, resume_keys, verify_checkpoint
 from finetuning_pipeline.run.collectives import launch_rank
 from finetuning_pipeline.run.run_layout import RunLayout
-from finetuning_pipeline.run_config import RunConfig
+from finetuning_pipeline.run_config import RunConfig, phase_number
 
 
 @dataclass
@@ -82,7 +82,7 @@ def check_resumable(config: RunConfig, plans: list[PhasePlan], accept_changes: b
         current = resume_keys(config, plan.phase)
         changed = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
         if changed and accept_changes:
-            fixed = [k for k in changed if k not in TUNABLE_ON_RESUME]
+            fixed = [k for k in changed if not tunable_on_resume(k)]
             if fixed:
                 raise ConfigError(f"--accept-changes: {plan.resume_from} cannot continue under another "
                                   + ", ".join(f"{k} ({saved[k]!r} -> {current[k]!r})" for k in fixed)
@@ -99,8 +99,9 @@ def check_resumable(config: RunConfig, plans: list[PhasePlan], accept_changes: b
             data_key = f"phase{plan.phase}.data.content"
             hint = (f" (the prepared data in {config.phase(plan.phase).data} is not what the checkpoint trained on: "
                     "it was prepared again from other inputs or options)") if data_key in changed else ""
-            if "phase1.adapter" in changed:
-                hint += " (phase 1 was trained again since this phase-2 checkpoint was built on its adapter)"
+            for earlier in adapter_phases(changed):
+                hint += (f" (phase {earlier} was trained again since this phase-{plan.phase} checkpoint was built on "
+                         "its adapter)")
             if "model.revision" in changed:
                 hint += (f" (the Hub model's revision is another commit now: set model.revision="
                          f"{saved.get('model.revision')} to resume on the weights the checkpoint trained)")
@@ -116,15 +117,33 @@ def check_resumable(config: RunConfig, plans: list[PhasePlan], accept_changes: b
 TUNABLE_ON_RESUME = frozenset({
     "train.lr", "train.warmup_steps", "train.min_lr_ratio", "train.weight_decay", "train.betas", "train.eps",
     "train.max_grad_norm", "train.max_steps", "train.loss_chunk_tokens",
-    "phase1.lr", "phase2.lr", "phase1.max_steps", "phase2.max_steps",
 })
-# What a phase is built on: when one changed, its finished outputs no longer belong to this config.
-PHASE_INPUTS = ("model.path", "model.revision", "phase1.data.content", "phase2.data.content", "phase1.adapter")
+# The same of any phase's own section (phaseN.lr, phaseN.max_steps).
+TUNABLE_PHASE_KEYS = frozenset({"lr", "max_steps"})
+
+
+def tunable_on_resume(key: str) -> bool:
+    section, _, name = key.partition(".")
+    return key in TUNABLE_ON_RESUME or (phase_number(section) is not None and name in TUNABLE_PHASE_KEYS)
+
+
+def adapter_phases(keys) -> list[int]:
+    """The earlier phases whose adapters are among `keys` (resume keys `phaseN.adapter`)."""
+    return sorted(phase_number(k.partition(".")[0]) for k in keys
+                  if k.endswith(".adapter") and phase_number(k.partition(".")[0]) is not None)
+
+
+def is_phase_input(key: str) -> bool:
+    """What a phase is built on: when one changed, its finished outputs no longer belong to
+    this config (the base, the phase's prepared data, the earlier adapters it builds on)."""
+    section, _, name = key.partition(".")
+    return key in ("model.path", "model.revision") or (phase_number(section) is not None
+                                                       and name in ("data.content", "adapter"))
 
 
 def check_finished_phase(config: RunConfig, phase: int, say) -> None:
     """A finished phase is skipped by --resume auto, unless what it was built on changed since
-    (a re-prepared dataset, another base, phase 1 trained again under phase 2): then it is
+    (a re-prepared dataset, another base, an earlier phase it builds on trained again): then it is
     refused, naming the change. Other changed settings are pointed out, not refused."""
     layout = RunLayout(config.output_dir)
     try:
@@ -135,12 +154,13 @@ def check_finished_phase(config: RunConfig, phase: int, say) -> None:
         ) from None
     current = resume_keys(config, phase)
     changed = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
-    inputs = [k for k in changed if k in PHASE_INPUTS]
+    inputs = [k for k in changed if is_phase_input(k)]
     if inputs:
-        why = {"phase1.adapter": "phase 1 was trained again since phase 2 was built on its adapter",
-               f"phase{phase}.data.content": f"{config.phase(phase).data} was prepared again from other inputs",
+        why = {f"phase{phase}.data.content": f"{config.phase(phase).data} was prepared again from other inputs",
                "model.path": "the base model is another one",
-               "model.revision": "the base model's Hub revision is another commit"}
+               "model.revision": "the base model's Hub revision is another commit",
+               **{f"phase{n}.adapter": f"phase {n} was trained again since phase {phase} was built on its adapter"
+                  for n in adapter_phases(inputs)}}
         raise ConfigError(
             f"phase {phase} ({layout.phase_dir(phase)}) finished on other inputs: "
             + "; ".join(why.get(k, k) for k in inputs)

@@ -15,8 +15,9 @@ from finetuning_pipeline.run_config.schema import (
                                                    TrainConfig,
                                                    WandbConfig,
                                                    XlaConfig,
+                                                   phase_number,
 )
 
 __all__ = ["CheckpointConfig", "ConfigError", "EvalConfig", "LoggingConfig", "ModelConfig", "ParallelConfig",
            "PhaseConfig", "RunConfig", "TpuConfig", "TrainConfig", "WandbConfig", "XlaConfig", "load_config",
-           "read_config_file"]
+           "phase_number", "read_config_file"]

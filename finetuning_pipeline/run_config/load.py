@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from finetuning_pipeline.errors import ConfigError
-from finetuning_pipeline.run_config.schema import RunConfig
+from finetuning_pipeline.run_config.schema import PhaseConfig, RunConfig, phase_number
 from finetuning_pipeline.run_config.validate import validate
 from utils.yaml_file import read_yaml_mapping
 
@@ -52,16 +52,28 @@ def _coerce(value, annotation, key: str):
     return value
 
 
+def _build_run_config(data: dict) -> RunConfig:
+    """RunConfig from its YAML mapping: the `phaseN` sections become RunConfig.phases (two at
+    least; a phase not written is an empty one, as phase 2 of a phase-1-only config always was)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping, got {data!r}")
+    rest = {key: value for key, value in data.items() if phase_number(key) is None}
+    sections = {phase_number(key): value for key, value in data.items() if phase_number(key) is not None}
+    config = _build(RunConfig, rest, "")
+    config.phases = [_build(PhaseConfig, sections.get(n, {}), f"phase{n}.") for n in range(1, max([2, *sections]) + 1)]
+    return config
+
+
 def _build(cls, data: dict, prefix: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
+    # RunConfig.phases is written as phase1:, phase2:, ... sections (_build_run_config)
+    known = {f.name for f in dataclasses.fields(cls) if not (cls is RunConfig and f.name == "phases")}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ConfigError(
-            f"unknown key {prefix}{unknown[0]}; known keys under {prefix or 'the top level'}: {sorted(known)}"
-        )
+        shown = sorted(known) + (["phase1", "phase2", "..."] if cls is RunConfig else [])
+        raise ConfigError(f"unknown key {prefix}{unknown[0]}; known keys under {prefix or 'the top level'}: {shown}")
     kwargs = {}
     for name, value in data.items():
         annotation = hints[name]
@@ -88,11 +100,15 @@ def apply_override(data: dict, override: str) -> None:
     node = data
     cls = RunConfig
     for depth, part in enumerate(parts):
-        names = {f.name: f for f in dataclasses.fields(cls)}
-        if part not in names:
+        names = {f.name for f in dataclasses.fields(cls) if not (cls is RunConfig and f.name == "phases")}
+        if cls is RunConfig and phase_number(part) is not None:
+            annotation = PhaseConfig  # phaseN.key=value, any N: a phase the YAML lacks is added
+        elif part not in names:
             where = ".".join(parts[:depth]) or "the top level"
-            raise ConfigError(f"override {key}: unknown key {part!r} under {where}; known: {sorted(names)}")
-        annotation = typing.get_type_hints(cls)[part]
+            shown = sorted(names) + (["phase1", "phase2", "..."] if cls is RunConfig else [])
+            raise ConfigError(f"override {key}: unknown key {part!r} under {where}; known: {shown}")
+        else:
+            annotation = typing.get_type_hints(cls)[part]
         if depth == len(parts) - 1:
             node[part] = value
         else:
@@ -132,7 +148,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     try:
         for override in overrides:
             apply_override(data, override)
-        config = _build(RunConfig, data, "")
+        config = _build_run_config(data)
         validate(config)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}" if path else str(err)) from None

@@ -9,6 +9,7 @@ from YAML and overrides, `validate.py` checks what a type cannot say.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -50,7 +51,7 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    """Optimisation, shared by both phases unless a phase overrides max_steps or lr.
+    """Optimisation, shared by every phase unless a phase overrides max_steps or lr.
 
     max_steps: optimizer steps per phase.
     micro_batch: sequences per replica per forward (the per-chip batch).
@@ -224,19 +225,33 @@ class TpuConfig:
 
 @dataclass
 class PhaseConfig:
-    """data: a directory written by `python -m dataset.prepare` for this phase.
+    """One phase of the curriculum, `phaseN:` in the YAML (phase1, phase2, phase3, ...; any
+    number of them, run in order; `phaseN.key=value` overrides).
+    data: a directory written by `python -m dataset.prepare` for this phase: raw text (every
+        token trained on) or chat/instruction data (assistant tokens only), whichever it holds.
     seq_len: the sequence length the data is prepared at (optional): checked against the data's
         manifest, and what preflight plans with before the data exists.
     max_steps, lr: override train.max_steps / train.lr for this phase.
-    init (phase 2 only): "continue" trains the phase-1 adapter further; "merge" merges it into
-    the base weights and starts a fresh adapter; "fresh" starts a fresh adapter on the
-    untouched base (instruction tuning only)."""
+    init (every phase after the first; phase 1 starts a fresh adapter on the base): "continue"
+    trains the previous phase's adapter further (its own r/alpha/targets); "merge" merges it
+    into the weights it was trained on and starts a fresh adapter there; "fresh" starts a fresh
+    adapter on the untouched base. RunConfig.lineage says what a phase is built on."""
 
     data: str = ""
     seq_len: int | None = None
     max_steps: int | None = None
     lr: float | None = None
     init: PhaseInit = "continue"
+
+
+# The curriculum's sections: phase1, phase2, phase3, ... (RunConfig.phases).
+PHASE_SECTION = re.compile(r"phase([1-9][0-9]*)")
+
+
+def phase_number(section: str) -> int | None:
+    """N of a `phaseN` section name; None for any other name."""
+    match = PHASE_SECTION.fullmatch(section)
+    return int(match.group(1)) if match else None
 
 
 @dataclass
@@ -251,14 +266,44 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     tpu: TpuConfig = field(default_factory=TpuConfig)
     xla: XlaConfig = field(default_factory=XlaConfig)
-    phase1: PhaseConfig = field(default_factory=PhaseConfig)
-    phase2: PhaseConfig = field(default_factory=PhaseConfig)
+    # phase1, phase2, ...: the YAML's `phaseN:` sections in order (load.py); at least two, so
+    # the two-phase curriculum's keys always exist.
+    phases: list[PhaseConfig] = field(default_factory=lambda: [PhaseConfig(), PhaseConfig()])
+
+    @property
+    def phase1(self) -> PhaseConfig:
+        return self.phases[0]
+
+    @property
+    def phase2(self) -> PhaseConfig:
+        return self.phases[1]
 
     def lora_config(self) -> LoraConfig:
         return dataclasses.replace(self.lora)  # a copy: the caller may keep it
 
     def phase(self, number: int) -> PhaseConfig:
-        return self.phase1 if number == 1 else self.phase2
+        if not 1 <= number <= len(self.phases):
+            raise IndexError(f"phase {number}: the config has phases 1-{len(self.phases)}")
+        return self.phases[number - 1]
+
+    def phase_numbers(self) -> list[int]:
+        return list(range(1, len(self.phases) + 1))
+
+    def lineage(self, number: int) -> tuple[list[int], int | None]:
+        """What phase `number` is built on: (the phases whose adapters are merged into the base
+        beneath it, in order; the phase whose adapter it continues, or None for a fresh one).
+        Its served model is the base with `merged` merged, plus its own adapter on top."""
+        merged: list[int] = []
+        continued = None
+        for n in range(2, number + 1):
+            init = self.phase(n).init
+            if init == "continue":
+                continued = n - 1
+            elif init == "merge":
+                merged, continued = merged + [n - 1], None
+            else:
+                merged, continued = [], None
+        return merged, continued
 
     def max_steps(self, number: int) -> int:
         return self.phase(number).max_steps or self.train.max_steps
@@ -267,7 +312,11 @@ class RunConfig:
         return self.phase(number).lr or self.train.lr
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as its YAML would write it (phases as `phaseN` sections)."""
+        data = dataclasses.asdict(self)
+        for number, phase in enumerate(data.pop("phases"), start=1):
+            data[f"phase{number}"] = phase
+        return data
 
     def exactness_keys(self, phase: int) -> dict:
         """The settings a resumed phase must share with the run that saved the checkpoint for
@@ -281,6 +330,6 @@ class RunConfig:
         flat.update({f"train.{k}": v for k, v in dataclasses.asdict(self.train).items() if k not in skip})
         phase_cfg = dataclasses.asdict(self.phase(phase))
         if phase == 1:
-            phase_cfg.pop("init")
+            phase_cfg.pop("init")  # phase 1 always starts fresh
         flat.update({f"phase{phase}.{k}": v for k, v in phase_cfg.items()})
         return flat

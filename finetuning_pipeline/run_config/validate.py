@@ -20,6 +20,9 @@ def non_finite_settings(node, prefix: str = "") -> list[tuple[str, float]]:
         value, key = getattr(node, f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             found += non_finite_settings(value, f"{key}.")
+        elif isinstance(node, RunConfig) and f.name == "phases":
+            for number, phase in enumerate(value, start=1):
+                found += non_finite_settings(phase, f"phase{number}.")
         elif isinstance(value, list):
             found += [(f"{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, float) and not math.isfinite(v)]
         elif isinstance(value, float) and not math.isfinite(value):
@@ -62,8 +65,9 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"train.loss_chunk_tokens must be >= 0 (0: full logits), got {t.loss_chunk_tokens}")
     if t.warmup_compiles_steps < 0:
         raise ConfigError(f"train.warmup_compiles_steps must be >= 0, got {t.warmup_compiles_steps}")
-    if not 0 <= t.seed < 2**32 - 2:  # numpy's seed range, less the phase number added to it
-        raise ConfigError(f"train.seed must be >= 0 and < {2**32 - 2}, got {t.seed}")
+    phases = len(config.phases)
+    if not 0 <= t.seed < 2**32 - phases:  # numpy's seed range, less the phase number added to it
+        raise ConfigError(f"train.seed must be >= 0 and < {2**32 - phases}, got {t.seed}")
     if not t.eps > 0:
         raise ConfigError(f"train.eps must be > 0 (AdamW divides by sqrt(v) + eps), got {t.eps}")
     if config.eval.micro_batch is not None and config.eval.micro_batch < 1:
@@ -97,7 +101,7 @@ def validate(config: RunConfig) -> None:
     for key in ("compile_s_per_layer", "compile_s_scanned"):
         if not getattr(config.tpu, key) >= 0:
             raise ConfigError(f"tpu.{key} must be >= 0, got {getattr(config.tpu, key)}")
-    for number in (1, 2):
+    for number in config.phase_numbers():
         phase = config.phase(number)
         if phase.seq_len is not None and phase.seq_len < 2:
             raise ConfigError(f"phase{number}.seq_len must be >= 2, got {phase.seq_len}")

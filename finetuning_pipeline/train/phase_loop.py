@@ -10,7 +10,7 @@ stop vote is a host collective on a host flag.
 
 `run_phase` is the loop; each concern is a small part with its own state, and `start_phase`
 hands each part the settings it reads, not the whole RunConfig:
-  build_model (here)                    model section, lora section, phase2.init
+  build_model (here)                    model section, lora section, the phase's lineage (init)
   PhaseData (phase_data.py)             the phase's data, train (batch shape, seed), eval (batch)
   Stepper (stepper.py)                  train section, the phase's lr and max_steps
   CompileGuard (monitor/compile_guard)  no new graph after warm-up; the phase's clock
@@ -84,22 +84,23 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_model(model_settings: ModelConfig, lora: LoraConfig, *, init: str, phase1_adapter: Path):
+def build_model(model_settings: ModelConfig, lora: LoraConfig, *, merged: list[Path], continued: Path | None):
     """The base model (on CPU) with this phase's LoRA; returns (model, lora config).
 
-    init (phase2.init; phase 1 is "fresh"): `continue` trains the phase-1 adapter further (its
-    own r/alpha/targets); `merge` folds it into the base and starts `lora` fresh; `fresh`
-    ignores phase 1.
+    merged: earlier phases' adapters folded into the base weights, in order; continued: the
+    adapter this phase trains further (its own r/alpha/targets), or None to start `lora`
+    fresh (RunConfig.lineage says which, from the phases' `init`).
     """
     dtype = DTYPES[model_settings.dtype]
     files = model_dir(model_settings.path, model_settings.revision)  # a Hub id: its snapshot, pinned by main.py
-    if init == "fresh":
-        model, lora_config = load_base(files, dtype), None
+    adapters = merged + ([continued] if continued else [])
+    if adapters:
+        model, lora_config = load_model(files, adapters, dtype, keep_last=continued is not None)
     else:
-        model, lora_config = load_model(files, [phase1_adapter], dtype, keep_last=init == "continue")
+        model, lora_config = load_base(files, dtype), None
     if model_settings.activation_checkpointing:
         enable_activation_checkpointing(model)
-    if init != "continue":
+    if continued is None:
         lora_config = dataclasses.replace(lora)
         inject_lora(model, lora_config)
     return model, lora_config
@@ -132,6 +133,7 @@ class Phase:
     eval_before: dict
     sharded: list
     settings: dict  # what the phase is built on (checkpointing.resume_keys), fixed for the phase
+    merged_adapters: list[str]  # earlier phases' adapters merged into the base beneath this one's, in order
     accepted_changes: dict  # settings changed at a resume with --accept-changes: {key: [saved, now]}
 
     def evaluate(self) -> dict:
@@ -200,10 +202,11 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
 
     t, layout = config.train, RunLayout(config.output_dir)
     guard = CompileGuard(phase, t.warmup_compiles_steps, t.recompile_policy)  # counts from here
+    merged, continued = config.lineage(phase)
     with HOST_BUILD:
         seed_everything(t.seed + phase)
-        model, lora_config = build_model(config.model, config.lora, init=config.phase2.init if phase == 2 else "fresh",
-                                         phase1_adapter=layout.adapter(1))
+        model, lora_config = build_model(config.model, config.lora, merged=[layout.adapter(n) for n in merged],
+                                         continued=layout.adapter(continued) if continued else None)
         # The resumed adapter goes into the layers before they are stacked (on the host), the
         # optimizer's moments into the optimizer built on the stacks.
         state = load_checkpoint(resume_from, model=model) if resume_from else {}
@@ -244,6 +247,7 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
               stop=StopVote(parallel.collectives, stop_requested), start_step=start_step,
               resumed=resume_from is not None, eval_before=state.get("eval_before"), sharded=sharded,
               settings=resume_keys(config, phase, data.manifest),
+              merged_adapters=[str(layout.adapter(n)) for n in merged],
               accepted_changes={**state.get("accepted_changes", {}), **(accepted_changes or {})})
     if p.eval_before is None:
         p.eval_before = p.evaluate()
@@ -296,6 +300,9 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
         "resumed_from_step": p.start_step if p.resumed else None,
         "resumed_on_other_chips": p.data.chips_changed,
         "resumed_with_changes": p.accepted_changes or None,
+        # What serves this phase's adapter: the base with these merged first (export takes them
+        # as --adapter each, then this phase's).
+        "merged_adapters": p.merged_adapters,
         "settings": p.settings,
         "tokens": step * p.data.tokens_per_step,
         "label_tokens_this_run": int(label_tokens),

@@ -5,6 +5,7 @@ runs that stop and resume for real are in tests/e2e/test_resume.py."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,37 @@ def test_accept_changes_takes_optimisation_settings_only(config, tmp_path, capsy
     fixed = checkpoint(tmp_path / "other", config, **{"lora.r": 4})
     with pytest.raises(ConfigError, match=r"cannot continue under another lora.r \(4 -> 8\)"):
         check_resumable(config, [fixed], accept_changes=True)
+
+
+@pytest.fixture
+def curriculum(tiny_model_dir, data, tmp_path):
+    """Four phases: 2 continues phase 1's adapter, 3 merges phase 2's into the base, 4 continues 3's."""
+    return load_config(write_run_config(tmp_path / "four.yaml", tiny_model_dir, data, tmp_path / "out",
+                                        phase3={"data": str(data[1]), "init": "merge"},
+                                        phase4={"data": str(data[2]), "init": "continue"}))
+
+
+def test_a_finished_phase_is_redone_when_an_earlier_adapter_it_builds_on_changed(curriculum):
+    for phase in (1, 2, 3, 4):
+        finished(curriculum, phase)
+    assert plan_phases(curriculum, [1, 2, 3, 4], "auto", force=False) == []
+    shutil.rmtree(Path(curriculum.output_dir) / "phase3")
+    finished(curriculum, 3, **{"phase2.adapter": "phase 2 as it was trained before"})
+    with pytest.raises(ConfigError, match="phase 3 .* finished on other inputs: phase 2 was trained again since "
+                                          "phase 3 was built on its adapter"):
+        plan_phases(curriculum, [1, 2, 3, 4], "auto", force=False)
+    assert "phase2.adapter" in resume_keys(curriculum, 3) and "phase1.adapter" not in resume_keys(curriculum, 3)
+    # phase 4 continues phase 3's adapter, which sits on the base with phase 2's merged in
+    assert [k for k in resume_keys(curriculum, 4) if k.endswith(".adapter")] == ["phase2.adapter", "phase3.adapter"]
+
+
+def test_a_later_phases_resume_names_the_earlier_phase_trained_again_and_takes_its_own_lr(curriculum, tmp_path):
+    plan = checkpoint(tmp_path / "ckpt", curriculum, 4, **{"phase3.adapter": "another digest"})
+    with pytest.raises(ConfigError, match="phase 3 was trained again since this phase-4 checkpoint was built on"):
+        check_resumable(curriculum, [plan])
+    tuned = checkpoint(tmp_path / "tuned", curriculum, 4, **{"phase4.lr": 0.5, "phase4.max_steps": 30})
+    check_resumable(curriculum, [tuned], accept_changes=True)
+    assert tuned.accepted_changes == {"phase4.lr": [0.5, None], "phase4.max_steps": [30, None]}
+    moved = checkpoint(tmp_path / "moved", curriculum, 4, **{"phase4.data.content": "other data"})
+    with pytest.raises(ConfigError, match=r"cannot continue under another phase4.data.content"):
+        check_resumable(curriculum, [moved], accept_changes=True)

@@ -1,0 +1,85 @@
+"""A curriculum longer than two phases, end to end on XLA:CPU: each phase starts from what its
+`init` down the chain says (the previous adapter continued, merged beneath a fresh one, or the
+untouched base), the summary names the adapters a phase is served with, a later phase resumes
+bitwise from its checkpoint, and a phase run alone finds the earlier adapters on disk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+from trainer_helpers import write_run_config
+
+from finetuning_pipeline import main
+from finetuning_pipeline.evaluate import main as evaluate_main
+from finetuning_pipeline.model.merged_export import export_merged
+
+INITS = {2: "continue", 3: "merge", 4: "continue", 5: "fresh"}
+
+
+@pytest.fixture(scope="module")
+def curriculum(tiny_model_dir, data, tmp_path_factory):
+    """Five phases on one dataset (so one phase's final eval is the next one's first, wherever
+    the next one starts from where this one ended), 4 steps each."""
+    root = tmp_path_factory.mktemp("curriculum")
+    phases = {f"phase{n}": {"data": str(data[1]), "init": init} for n, init in INITS.items()}
+    config = write_run_config(root / "run.yaml", tiny_model_dir, data, root / "out", train={"max_steps": 4},
+                              eval={"every": 0, "max_batches": None}, checkpoint={"every": 2, "keep": 2},
+                              phase1={"data": str(data[1])}, **phases)
+    assert main.main(["--config", str(config)]) == 0
+    return root / "out", config
+
+
+def summary(out, phase: int) -> dict:
+    return json.loads((out / f"phase{phase}" / "summary.json").read_text())
+
+
+def test_each_phase_starts_from_what_its_init_says(curriculum):
+    out, _ = curriculum
+    s = {n: summary(out, n) for n in range(1, 6)}
+    assert all(s[n]["steps"] == 4 and s[n]["compiles_after_warmup"] == 0 for n in s)
+    # continue (2, 4) and merge (3) start from the model the phase before ended with ...
+    for n in (2, 3, 4):
+        assert s[n]["eval_loss_before"] == pytest.approx(s[n - 1]["eval_loss_after"], rel=1e-5), n
+    # ... and they train on from there; fresh (5) starts again from the untouched base.
+    assert s[4]["eval_loss_after"] < s[2]["eval_loss_after"] < s[1]["eval_loss_before"]
+    assert s[5]["eval_loss_before"] == pytest.approx(s[1]["eval_loss_before"], rel=1e-5)
+    assert [s[n]["merged_adapters"] for n in range(1, 6)] == [[], [], [str(out / "phase2" / "adapter")],
+                                                               [str(out / "phase2" / "adapter")], []]
+    assert (out / "loss.png").stat().st_size > 10_000
+
+
+def test_a_later_phase_is_served_with_the_adapters_its_summary_names(curriculum, tiny_model_dir, data, tmp_path,
+                                                                    capsys):
+    out, _ = curriculum
+    s = summary(out, 4)
+    adapters = [*s["merged_adapters"], str(out / "phase4" / "adapter")]
+    code = evaluate_main(["--model", str(tiny_model_dir), *[a for path in adapters for a in ("--adapter", path)],
+                          "--data", str(data[1]), "--json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["loss"] == pytest.approx(s["eval_loss_after"], abs=1e-4)
+    merged = export_merged(str(tiny_model_dir), adapters, str(tmp_path / "merged"))
+    assert evaluate_main(["--model", str(merged), "--data", str(data[1]), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(s["eval_loss_after"], abs=1e-4)
+
+
+def test_a_later_phase_resumes_bitwise_and_runs_alone_on_the_earlier_adapters(curriculum):
+    """Phase 4 alone, from its step-2 checkpoint: the model is rebuilt on phase 2's adapter
+    merged and phase 3's continued, the checkpoint loaded into it, and the two steps after it
+    give the uninterrupted run's adapter bit for bit."""
+    out, config = curriculum
+    adapter = out / "phase4" / "adapter" / "adapter_model.safetensors"
+    uninterrupted = load_file(adapter)
+    checkpoint = out / "phase4" / "checkpoints" / "step_00000002"
+    assert main.main(["--config", str(config), "--phase", "4", "--resume", str(checkpoint)]) == 0
+    resumed = load_file(adapter)
+    assert resumed.keys() == uninterrupted.keys()
+    assert all((resumed[k] == uninterrupted[k]).all() for k in resumed)
+    assert summary(out, 4)["resumed_from_step"] == 2
+
+
+def test_a_phase_run_alone_needs_the_adapters_it_builds_on(curriculum, tmp_path, capsys):
+    out, config = curriculum
+    code = main.main(["--config", str(config), "--phase", "4", "--resume", "never", "--force",
+                      f"output_dir={tmp_path / 'elsewhere'}"])
+    assert code == 2 and "phase4.init=continue needs the phase-2 adapter" in capsys.readouterr().err
