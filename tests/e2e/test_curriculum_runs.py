@@ -9,7 +9,7 @@ import json
 
 import pytest
 from safetensors.torch import load_file
-from trainer_helpers import write_run_config
+from trainer_helpers import LaunchedRun, write_run_config
 
 from finetuning_pipeline import main
 from finetuning_pipeline.evaluate import main as evaluate_main
@@ -83,3 +83,23 @@ def test_a_phase_run_alone_needs_the_adapters_it_builds_on(curriculum, tmp_path,
     code = main.main(["--config", str(config), "--phase", "4", "--resume", "never", "--force",
                       f"output_dir={tmp_path / 'elsewhere'}"])
     assert code == 2 and "phase4.init=continue needs the phase-2 adapter" in capsys.readouterr().err
+
+
+def test_later_phases_on_two_replica_threads_of_the_tpu_launcher(tiny_model_dir, data, tmp_path):
+    """The hard case: the TPU host's launcher (one worker process, two replica threads: the v2/v3
+    shape) runs a merge and a continue after phase 1; both threads build each later phase on
+    the adapters on disk (the hosts agree on their digests first) and start where the phase
+    before ended."""
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out", train={"max_steps": 3},
+                              eval={"every": 0, "max_batches": None}, checkpoint={"every": 0},
+                              logging={"tensorboard": False}, phase1={"data": str(data[2])},
+                              phase2={"data": str(data[2]), "init": "merge"},
+                              phase3={"data": str(data[2]), "init": "continue"})
+    run = LaunchedRun(["--config", str(config)], tmp_path / "run.log", devices=2)
+    assert run.wait(180) == [0], run.output()
+    out = tmp_path / "out"
+    s = {n: summary(out, n) for n in (1, 2, 3)}
+    assert all(s[n]["world_size"] == 2 and s[n]["compiles_after_warmup"] == 0 for n in s), s
+    for n in (2, 3):
+        assert s[n]["eval_loss_before"] == pytest.approx(s[n - 1]["eval_loss_after"], rel=1e-5), n
+    assert s[3]["merged_adapters"] == [str(out / "phase1" / "adapter")]
