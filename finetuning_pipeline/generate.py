@@ -21,11 +21,10 @@ from utils.hub_models import resolve_model
 from utils.tokenizer_loading import load_tokenizer
 
 
-def generate(model_dir: str, prompt: str, adapter: str | list[str] | None = None, max_new_tokens: int = 64,
+def generate(model_dir: str, prompt: str, adapters: list[str] = (), max_new_tokens: int = 64,
              plain: bool = False, temperature: float = 0.0, system: str | None = None) -> str:
     # Adapters merged: inference needs one matmul per layer instead of three.
-    adapters = [adapter] if isinstance(adapter, str) else list(adapter or [])
-    model, _ = load_model(model_dir, adapters)
+    model, _ = load_model(model_dir, list(adapters))
     model.eval()
     tokenizer = load_tokenizer(model_dir, "--model")
     if plain or not tokenizer.chat_template:

@@ -195,7 +195,7 @@ def train(argv: list[str] | None) -> int:
     if launch_rank() == 0:
         from finetuning_pipeline.monitor.metrics_log import plot_losses
 
-        plot = plot_losses(config.output_dir)
+        plot = plot_losses(config.output_dir, config.phase_numbers())
         if plot is not None:
             print(f"loss plot: {plot}")
     return 0

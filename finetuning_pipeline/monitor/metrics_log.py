@@ -64,9 +64,9 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
-def plot_losses(output_dir: str | Path) -> Path | None:
-    """Train and eval loss of every phase on one axis, in order (phase N's steps follow
-    phase N-1's)."""
+def plot_losses(output_dir: str | Path, phases: list[int]) -> Path | None:
+    """Train and eval loss of the run's `phases` on one axis, in order (phase N's steps follow
+    phase N-1's); a phase with no metrics yet is left out."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -78,7 +78,7 @@ def plot_losses(output_dir: str | Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     offset = 0
     plotted = False
-    for phase in layout.phases_on_disk():
+    for phase in phases:
         color = f"C{(phase - 1) % 10}"  # matplotlib's colour cycle: phase 1 blue, phase 2 orange, ...
         records = read_metrics(layout.metrics(phase))
         train = [(r["step"] + offset, r["loss"]) for r in records if r["kind"] == "train"]

@@ -142,8 +142,9 @@ def resume_keys(config, phase: int, manifest: dict | None = None) -> dict:
     manifest = manifest if manifest is not None else read_manifest(config.phase(phase).data)
     keys[f"phase{phase}.data.content"] = content_digest(manifest)
     merged, continued = config.lineage(phase)
+    layout = RunLayout(config.output_dir)
     for earlier in merged + ([continued] if continued else []):
-        weights = RunLayout(config.output_dir).adapter(earlier) / "adapter_model.safetensors"
+        weights = layout.adapter(earlier) / "adapter_model.safetensors"
         keys[f"phase{earlier}.adapter"] = sha256_file(weights) if weights.is_file() else None
     return keys
 

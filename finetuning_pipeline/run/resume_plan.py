@@ -122,23 +122,28 @@ TUNABLE_ON_RESUME = frozenset({
 TUNABLE_PHASE_KEYS = frozenset({"lr", "max_steps"})
 
 
-def tunable_on_resume(key: str) -> bool:
+def phase_key(key: str) -> tuple[int | None, str]:
+    """(N, "lr") for a resume key "phaseN.lr"; (None, key) for any other."""
     section, _, name = key.partition(".")
-    return key in TUNABLE_ON_RESUME or (phase_number(section) is not None and name in TUNABLE_PHASE_KEYS)
+    number = phase_number(section)
+    return (number, name) if number is not None else (None, key)
+
+
+def tunable_on_resume(key: str) -> bool:
+    number, name = phase_key(key)
+    return key in TUNABLE_ON_RESUME or (number is not None and name in TUNABLE_PHASE_KEYS)
 
 
 def adapter_phases(keys) -> list[int]:
     """The earlier phases whose adapters are among `keys` (resume keys `phaseN.adapter`)."""
-    return sorted(phase_number(k.partition(".")[0]) for k in keys
-                  if k.endswith(".adapter") and phase_number(k.partition(".")[0]) is not None)
+    return sorted(number for number, name in map(phase_key, keys) if number is not None and name == "adapter")
 
 
 def is_phase_input(key: str) -> bool:
     """What a phase is built on: when one changed, its finished outputs no longer belong to
     this config (the base, the phase's prepared data, the earlier adapters it builds on)."""
-    section, _, name = key.partition(".")
-    return key in ("model.path", "model.revision") or (phase_number(section) is not None
-                                                       and name in ("data.content", "adapter"))
+    number, name = phase_key(key)
+    return key in ("model.path", "model.revision") or (number is not None and name in ("data.content", "adapter"))
 
 
 def check_finished_phase(config: RunConfig, phase: int, say) -> None:

@@ -28,7 +28,6 @@ import socket
 from pathlib import Path
 
 from finetuning_pipeline.errors import ConfigError
-from finetuning_pipeline.run_config import phase_number
 from utils.output_guard import overlaps
 
 # What a run writes inside phaseN/: --resume never --force replaces a phase directory only when
@@ -67,11 +66,6 @@ class RunLayout:
         if not directory.is_dir():
             return [directory.name] if directory.exists() else []
         return sorted(p.name for p in directory.iterdir() if p.name not in PHASE_ENTRIES)
-
-    def phases_on_disk(self) -> list[int]:
-        """The phases with a directory here, in order."""
-        found = [phase_number(entry.name) for entry in self.root.glob("phase*") if entry.is_dir()]
-        return sorted(n for n in found if n is not None)
 
     def phase_dir(self, phase: int) -> Path:
         return self.root / f"phase{phase}"

@@ -52,6 +52,13 @@ def _coerce(value, annotation, key: str):
     return value
 
 
+def yaml_keys(cls) -> tuple[set[str], list[str]]:
+    """(the keys a section's mapping takes, the keys an error lists): RunConfig.phases is
+    written as phase1:, phase2:, ... sections (_build_run_config), not as a `phases` key."""
+    keys = {f.name for f in dataclasses.fields(cls) if not (cls is RunConfig and f.name == "phases")}
+    return keys, sorted(keys) + (["phase1", "phase2", "..."] if cls is RunConfig else [])
+
+
 def _build_run_config(data: dict) -> RunConfig:
     """RunConfig from its YAML mapping: the `phaseN` sections become RunConfig.phases (two at
     least; a phase not written is an empty one, as phase 2 of a phase-1-only config always was)."""
@@ -68,11 +75,9 @@ def _build(cls, data: dict, prefix: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    # RunConfig.phases is written as phase1:, phase2:, ... sections (_build_run_config)
-    known = {f.name for f in dataclasses.fields(cls) if not (cls is RunConfig and f.name == "phases")}
+    known, shown = yaml_keys(cls)
     unknown = sorted(set(data) - known)
     if unknown:
-        shown = sorted(known) + (["phase1", "phase2", "..."] if cls is RunConfig else [])
         raise ConfigError(f"unknown key {prefix}{unknown[0]}; known keys under {prefix or 'the top level'}: {shown}")
     kwargs = {}
     for name, value in data.items():
@@ -100,12 +105,11 @@ def apply_override(data: dict, override: str) -> None:
     node = data
     cls = RunConfig
     for depth, part in enumerate(parts):
-        names = {f.name for f in dataclasses.fields(cls) if not (cls is RunConfig and f.name == "phases")}
+        names, shown = yaml_keys(cls)
         if cls is RunConfig and phase_number(part) is not None:
             annotation = PhaseConfig  # phaseN.key=value, any N: a phase the YAML lacks is added
         elif part not in names:
             where = ".".join(parts[:depth]) or "the top level"
-            shown = sorted(names) + (["phase1", "phase2", "..."] if cls is RunConfig else [])
             raise ConfigError(f"override {key}: unknown key {part!r} under {where}; known: {shown}")
         else:
             annotation = typing.get_type_hints(cls)[part]

@@ -111,7 +111,7 @@ def test_export_loads_in_transformers_with_the_same_logits(finished_run, tiny_mo
     # Generation from the merged export equals generation from base + adapter.
     prompt = "Care este reședința județului Cluj?"
     assert generate(str(merged), prompt, max_new_tokens=12) == generate(
-        str(tiny_model_dir), prompt, adapter=str(out / "phase2" / "adapter"), max_new_tokens=12
+        str(tiny_model_dir), prompt, adapters=[str(out / "phase2" / "adapter")], max_new_tokens=12
     )
 
 
