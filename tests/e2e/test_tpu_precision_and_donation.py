@@ -1,8 +1,8 @@
 """The TPU's own numerics rehearsed on XLA:CPU: bf16 base weights (LoRA weights, AdamW moments and
 the loss stay fp32) with buffer donation on (XLA_ENABLE_PARAM_ALIASING=1, torch_xla's default on
 a TPU; every other CPU test turns it off for host speed), through the hard cases: the captured
-step with scanned layers and the chunked loss, a resume, fsdp on four devices, and two
-sliding-window families.
+step with scanned layers and the chunked loss, a resume, fsdp on four devices, two
+sliding-window families, and a curriculum's merge and continue.
 
 Each TPU-path run is a process of its own (aliasing is read when torch_xla starts, and this
 process runs with it off) under train.recompile_policy=error: a graph compiled after warm-up
@@ -132,3 +132,27 @@ def test_sliding_window_families_in_bf16_with_donation(family, tiny_model_dir, d
     assert main.main(["--config", str(reference), "--phase", "1"]) == 0
     train_on_tpu_path(write_config(tmp_path, model_dir, data, family, "bfloat16", **changes))
     assert_tpu_path_run(tmp_path / f"{family}_bfloat16", tmp_path / f"{family}_float32")
+
+
+def test_a_curriculum_merges_and_continues_in_bf16_with_donation(tiny_model_dir, data, tmp_path):
+    """Later phases on the TPU path: phase 2 merges phase 1's fp32 adapter into the bf16 base and
+    phase 3 continues phase 2's, every phase captured and scanned with donation on. Each starts
+    where the one before ended, up to the bf16 rounding of the merged weights, and compiles
+    nothing: a merge changes the base's values, not the graph, so phases 2 and 3 replay phase
+    1's step (whose donation is checked) and report no donation of their own (None)."""
+    config = write_config(tmp_path, tiny_model_dir, data, "curriculum", "bfloat16",
+                          train={"max_steps": 3}, eval={"every": 0, "max_batches": 2},
+                          phase2={"data": str(data[2]), "init": "merge"},
+                          phase3={"data": str(data[2]), "init": "continue"},
+                          phase1={"data": str(data[2])})
+    proc = train_in_fresh_process(config, env=TPU_PATH)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "curriculum_bfloat16"
+    s = {n: json.loads((out / f"phase{n}" / "summary.json").read_text()) for n in (1, 2, 3)}
+    for n, ran in s.items():
+        assert ran["compiles_after_warmup"] == 0 and ran["host_syncs_per_step"] == 0, n
+        assert {t.dtype for t in adapter_tensors(out, n).values()} == {torch.float32}, n
+    assert s[1]["step_donated_buffers"] == s[1]["step_updated_state_tensors"] > 0, s[1]
+    assert [(s[n]["compiles_total"], s[n]["step_donated_buffers"]) for n in (2, 3)] == [(0, None)] * 2
+    assert s[3]["eval_loss_before"] == pytest.approx(s[2]["eval_loss_after"], rel=1e-5)  # continued: no rounding
+    assert s[2]["eval_loss_before"] == pytest.approx(s[1]["eval_loss_after"], rel=1e-4)  # merged into bf16 W0
