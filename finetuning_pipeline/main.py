@@ -57,9 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "3 the run had to stop (a recompile after warm-up, diverged training, a failed checkpoint or output write, "
         "a replica that died). SIGTERM/SIGINT to any replica or to the launching process: every replica checkpoints "
         "the same step and exits 0; the same command then resumes. SIGUSR1 to any of its processes: each of its "
-        "threads prints its stack (a run that seems hung), and the run carries on. Several replicas on a CPU, started "
-        "the TPU host's way: CPU_NUM_DEVICES=N ... parallel.launcher=tpu; or as processes: PJRT_DEVICE=CPU torchrun "
-        "--standalone --nproc-per-node N finetuning_pipeline/main.py ...",
+        "threads prints its stack (a run that seems hung), and the run carries on; a crash prints them too. "
+        "Several replicas on a CPU, started the TPU host's way: CPU_NUM_DEVICES=N ... parallel.launcher=tpu; "
+        "or as processes: PJRT_DEVICE=CPU torchrun --standalone --nproc-per-node N finetuning_pipeline/main.py ...",
     )
     parser.add_argument("--config", help=f"YAML run config (see finetuning_pipeline/configs/); default: ${CONFIG_ENV}, "
                         "else the embedded default (configs/demo.yaml, its paths under the repository)")

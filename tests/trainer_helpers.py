@@ -202,19 +202,20 @@ def process_alive(pid: int) -> bool:
 
 
 def stacks_then_kill(procs) -> None:
-    """A hung run's last words: SIGUSR1 to each of its processes and their children, so each
-    writes its threads' stacks into the log (utils/stack_dump.py), then SIGKILL to all."""
+    """A hung run's last words: SIGABRT to each of its processes and their children, so each
+    writes its threads' stacks into the log as it dies (utils/stack_dump.py: faulthandler,
+    whatever its threads are blocked in), then SIGKILL to whatever is left."""
     import signal
     import time
 
     tree = [proc.pid for proc in procs]
     for pid in list(tree):
         tree += descendants(pid)
-    for sig in (signal.SIGUSR1, signal.SIGKILL):
+    for sig in (signal.SIGABRT, signal.SIGKILL):
         for pid in tree:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-        time.sleep(3 if sig == signal.SIGUSR1 else 0)
+        time.sleep(3 if sig == signal.SIGABRT else 0)
     for proc in procs:
         proc.wait()
 

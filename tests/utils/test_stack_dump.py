@@ -1,4 +1,5 @@
-"""kill -USR1 on a trainer process prints every thread's stack and the process carries on."""
+"""kill -USR1 on a trainer process prints every thread's stack and the process carries on; a fatal
+signal prints them as it dies."""
 
 from __future__ import annotations
 
@@ -38,3 +39,15 @@ def test_sigusr1_dumps_every_threads_stack_and_the_process_carries_on():
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and out.strip() == "carried on", err
     assert err.count("(most recent call first)") == 2 and "in parked_in_a_wait" in err and "<module>" in err, err
+
+
+def test_a_fatal_signal_prints_every_threads_stack_as_the_process_dies():
+    """kill -ABRT (what the tests send a hung run before killing it), or a crash: faulthandler
+    prints every thread's stack, whatever the threads are blocked in."""
+    proc = subprocess.Popen([sys.executable, "-c", WAITING], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGABRT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGABRT
+    assert "Fatal Python error: Aborted" in err and "in parked_in_a_wait" in err and "Current thread" in err, err
