@@ -1,0 +1,102 @@
+"""Adapters side by side over one frozen base (lora_logic/side_by_side.py): each adapter's rows,
+outputs, gradients, initial weights and dropout masks are those of a model of it alone."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import random_tokens, tiny_causal_lm
+
+from lora_logic import LoraConfig, inject_lora, lora_parameters, lora_state_dict
+from lora_logic.dropout import set_dropout_seed
+from lora_logic.side_by_side import (
+    SideBySideLoRALinear,
+    adapter_parameters,
+    adapter_state_dict,
+    inject_side_by_side,
+)
+
+ADAPTERS = {  # different ranks, scalings, dropout and targets
+    "sql": LoraConfig(r=4, alpha=8, dropout=0.1, target_modules=["q_proj", "v_proj"]),
+    "chat": LoraConfig(r=8, alpha=8),
+    "docs": LoraConfig(r=2, alpha=4, use_rslora=True, target_modules=["down_proj", "q_proj"]),
+}
+SEED, ROWS, SEQ = 3, 2, 12
+
+
+def loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+@pytest.fixture
+def models():
+    """The side-by-side model and one model per adapter alone, same base, same seed; every B
+    made non-zero (the same in both) so the updates are not trivially equal."""
+    base = tiny_causal_lm("llama")
+    together = copy.deepcopy(base)
+    inject_side_by_side(together, ADAPTERS, seed=SEED)
+    alone = {}
+    for name, config in ADAPTERS.items():
+        alone[name] = copy.deepcopy(base)
+        torch.manual_seed(SEED)
+        inject_lora(alone[name], config)
+    generator = torch.Generator().manual_seed(0)
+    for name in ADAPTERS:
+        for ours, theirs in zip(adapter_parameters(together, name), lora_parameters(alone[name]), strict=True):
+            with torch.no_grad():
+                theirs.normal_(0, 0.2, generator=generator)
+                ours.copy_(theirs)
+    return together, alone
+
+
+def test_each_adapter_starts_as_it_would_alone():
+    base = tiny_causal_lm("llama")
+    together = copy.deepcopy(base)
+    wrapped = inject_side_by_side(together, ADAPTERS, seed=SEED)
+    assert len(wrapped) == 2 * 7  # the union of the targets, in each of the 2 layers
+    for name, config in ADAPTERS.items():
+        alone = copy.deepcopy(base)
+        torch.manual_seed(SEED)
+        inject_lora(alone, config)
+        ours, theirs = adapter_state_dict(together, name), lora_state_dict(alone)
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
+    assert all(not p.requires_grad for n, p in together.named_parameters() if "lora_" not in n)
+
+
+def test_each_adapters_rows_outputs_and_gradients_are_its_own(models):
+    together, alone = models
+    together.train()
+    tokens = {name: random_tokens(ROWS, SEQ, seed=k) for k, name in enumerate(ADAPTERS)}
+    dropout_seed = torch.tensor([11], dtype=torch.int32)
+    set_dropout_seed(together, dropout_seed)
+    logits = together(torch.cat(list(tokens.values()))).logits
+    total = sum(loss_of(logits[k * ROWS:(k + 1) * ROWS], tokens[name]) for k, name in enumerate(ADAPTERS))
+    total.backward()
+    for k, name in enumerate(ADAPTERS):
+        model = alone[name].train()
+        set_dropout_seed(model, dropout_seed)
+        own = model(tokens[name]).logits
+        torch.testing.assert_close(logits[k * ROWS:(k + 1) * ROWS], own, rtol=1e-5, atol=1e-5)
+        loss_of(own, tokens[name]).backward()
+        for ours, theirs in zip(adapter_parameters(together, name), lora_parameters(model), strict=True):
+            torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_the_base_weights_are_read_once_for_every_adapter(models):
+    together, _ = models
+    layer = together.model.layers[0].self_attn.q_proj
+    assert isinstance(layer, SideBySideLoRALinear) and layer.adapters == layer.groups == ["sql", "chat", "docs"]
+    calls = []
+    layer.base_layer.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    together(random_tokens(3 * ROWS, SEQ))
+    assert calls == [3 * ROWS]  # one product over every adapter's rows
+
+
+def test_rows_that_do_not_split_into_the_adapters_groups_are_refused(models):
+    together, _ = models
+    with pytest.raises(ValueError, match="5 rows do not split into 3 equal groups, one per adapter"):
+        together(random_tokens(5, SEQ))
