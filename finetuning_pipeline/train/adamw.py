@@ -10,6 +10,11 @@ eps added after the square root), with three differences that matter on XLA:
   AdamW creates its state lazily, which costs one extra graph, and keeps its step count on
   the host);
 - `lr` may be a device tensor (the trainer reads it from a schedule table on the device).
+
+Adapters trained side by side (lora_logic/side_by_side.py) share one optimizer in `groups`:
+each parameter belongs to a group (its adapter), and `lr`, `apply` and the step count are
+per group ([G] tensors), so each adapter steps, skips and warms up as an optimizer of its own
+would, in the same flat update.
 """
 
 from __future__ import annotations
@@ -21,15 +26,25 @@ from utils.xla_runtime import device_zeros
 
 class MaskedAdamW:
     def __init__(self, params: list[torch.nn.Parameter], lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
+                 weight_decay: float = 0.0, groups: list[int] | None = None) -> None:
+        """groups: each parameter's group (0..G-1), for adapters side by side; None: one group."""
         self.params = list(params)
         self.sizes = [p.numel() for p in self.params]
+        numbered = groups is None or sorted(set(groups)) == list(range(max(groups) + 1))
+        if groups is not None and (len(groups) != len(self.params) or not numbered):
+            raise ValueError(f"groups: one group number per parameter, numbered from 0 without gaps; got {groups}")
+        self.group_count = max(groups) + 1 if groups else 1
         self.lr = lr
         self.beta1, self.beta2 = betas
         self.eps = eps
         self.weight_decay = weight_decay
         device, dtype = self.params[0].device, self.params[0].dtype
-        self.steps = device_zeros(1, torch.float32, device)  # updates applied so far
+        self.steps = device_zeros(self.group_count, torch.float32, device)  # updates applied so far, per group
+        # Each flat element's group, to spread a group's values over its elements (G > 1 only:
+        # one group keeps its scalar arithmetic and its graph).
+        self.element_group = None
+        if self.group_count > 1:
+            self.element_group = torch.repeat_interleave(torch.tensor(groups), torch.tensor(self.sizes)).to(device)
         # The moments of all parameters as one flat vector each: the update is then a dozen
         # operations on two vectors instead of a dozen per parameter (on XLA every operation
         # is traced on the host each step: 8.6 of a 42 ms step on the small benchmark model).
@@ -60,28 +75,33 @@ class MaskedAdamW:
         the bias correction uses at least one step, so that 0 never meets NaN or inf.
         """
         device = self.steps.device
+        shape = (self.group_count,) if self.group_count > 1 else ()
         if apply is None:
-            apply = torch.ones((), dtype=torch.bool, device=device)
+            apply = torch.ones(shape, dtype=torch.bool, device=device)
         g = self.flat_grad() if grad is None else grad
-        gate = apply.to(torch.float32).reshape(())  # 1.0 applies the update, 0.0 keeps all as it is
-        lr = self.lr.reshape(()) if isinstance(self.lr, torch.Tensor) else self.lr
-        steps = self.steps.reshape(()) + gate
+        gate = apply.to(torch.float32).reshape(shape)  # 1.0 applies the update, 0.0 keeps all as it is
+        lr = self.lr.reshape(shape) if isinstance(self.lr, torch.Tensor) else self.lr
+        steps = self.steps.reshape(shape) + gate
         counted = torch.clamp(steps, min=1.0)
         bias_correction1 = 1 - self.beta1 ** counted
         bias_correction2_sqrt = torch.sqrt(1 - self.beta2 ** counted)
-        g = torch.where(apply, g, torch.zeros_like(g))
+        each = self._per_element  # a group's value on each of its elements (identity for one group)
+        g = torch.where(each(apply), g, torch.zeros_like(g))
         # m += (1 - beta1) * gate * (g - m);  v += (1 - beta2) * gate * (g^2 - v)
-        self.exp_avg_flat.add_((g - self.exp_avg_flat) * (gate * (1 - self.beta1)))
-        self.exp_avg_sq_flat.add_((g * g - self.exp_avg_sq_flat) * (gate * (1 - self.beta2)))
+        self.exp_avg_flat.add_((g - self.exp_avg_flat) * each(gate * (1 - self.beta1)))
+        self.exp_avg_sq_flat.add_((g * g - self.exp_avg_sq_flat) * each(gate * (1 - self.beta2)))
         # p -= gate * (lr * wd * p + lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps))
-        denom = torch.sqrt(self.exp_avg_sq_flat) / bias_correction2_sqrt + self.eps
-        update = self.exp_avg_flat / denom * (gate * lr / bias_correction1)
+        denom = torch.sqrt(self.exp_avg_sq_flat) / each(bias_correction2_sqrt) + self.eps
+        update = self.exp_avg_flat / denom * each(gate * lr / bias_correction1)
         flat_params = torch.cat([p.reshape(-1) for p in self.params])
         if self.weight_decay:
-            update = update + flat_params * (gate * lr * self.weight_decay)
+            update = update + flat_params * each(gate * lr * self.weight_decay)
         for param, new in zip(self.params, self._unflatten(flat_params - update)):
             param.copy_(new)
-        self.steps.copy_(steps.reshape(1))
+        self.steps.copy_(steps.reshape(self.group_count))
+
+    def _per_element(self, values: torch.Tensor) -> torch.Tensor:
+        return values if self.element_group is None else values[self.element_group]
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [self.steps, self.exp_avg_flat, self.exp_avg_sq_flat]

@@ -73,3 +73,29 @@ def test_state_dict_round_trip():
     assert clone.steps.item() == 1
     for a, b in zip(clone.exp_avg + clone.exp_avg_sq, optimizer.exp_avg + optimizer.exp_avg_sq):
         assert torch.equal(a, b)
+
+
+def test_groups_step_as_optimizers_of_their_own():
+    """Adapters side by side: each group's own lr, skips and step count give, bit for bit, what
+    an optimizer of its parameters alone gives."""
+    params = make_params(0) + make_params(1)
+    groups = [0, 0, 1, 1]
+    together = MaskedAdamW(params, lr=torch.zeros(2), betas=(0.9, 0.99), weight_decay=0.1, groups=groups)
+    alone = [make_params(0), make_params(1)]
+    solo = [MaskedAdamW(p, lr=torch.zeros(()), betas=(0.9, 0.99), weight_decay=0.1) for p in alone]
+    for step in range(6):
+        set_grads(params, step)
+        for k in (0, 1):
+            for theirs, ours in zip(alone[k], params[2 * k:2 * k + 2]):
+                theirs.grad = ours.grad.clone()
+        lr = torch.tensor([1e-2 * (step + 1) / 6, 3e-3])
+        apply = torch.tensor([step != 2, step != 4])  # each group skips a step of its own
+        together.lr = lr
+        together.step(apply)
+        for k in (0, 1):
+            solo[k].lr = lr[k]
+            solo[k].step(apply[k])
+            for theirs, ours in zip(alone[k], params[2 * k:2 * k + 2]):
+                assert torch.equal(theirs, ours), (step, k)
+    assert together.steps.tolist() == [5.0, 5.0]
+    assert [s.steps.item() for s in solo] == [5.0, 5.0]
