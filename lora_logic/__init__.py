@@ -19,6 +19,9 @@ _MODULE_OF = {
     "ScannedLayers": "layer_scan", "per_layer_lora": "layer_scan", "scan_decoder_layers": "layer_scan",
     "stacked_lora": "layer_scan",
     "merge_and_unload": "merge", "merge_lora": "merge", "unmerge_lora": "merge",
+    "SideBySideLoRALinear": "side_by_side", "adapter_names": "side_by_side", "adapter_parameters": "side_by_side",
+    "adapter_state_dict": "side_by_side", "inject_side_by_side": "side_by_side", "load_side_by_side": "side_by_side",
+    "only_adapter": "side_by_side", "save_side_by_side": "side_by_side",
 }
 __all__ = sorted(_MODULE_OF)
 

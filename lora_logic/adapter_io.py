@@ -82,7 +82,7 @@ def read_adapter_weights(directory: str | os.PathLike) -> dict[str, tuple[torch.
     """{module path: (A [r, in], B [out, r])} of the adapter in `directory`, read without a model;
     a module with only one of its two matrices, or with matrices of other ranks, is an error."""
     weights_path = Path(directory) / WEIGHTS_NAME
-    tensors = _read_weights(weights_path)
+    tensors = read_weights_file(weights_path)
     modules: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         name = key.removeprefix(PEFT_PREFIX)
@@ -102,7 +102,7 @@ def read_adapter_weights(directory: str | os.PathLike) -> dict[str, tuple[torch.
     return pairs
 
 
-def _read_weights(weights_path: Path) -> dict[str, torch.Tensor]:
+def read_weights_file(weights_path: Path) -> dict[str, torch.Tensor]:
     if not weights_path.is_file():
         raise FileNotFoundError(f"{weights_path}: adapter weights are missing")
     try:
@@ -135,7 +135,7 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> LoraConfig:
         )
 
     weights_path = Path(directory) / WEIGHTS_NAME
-    tensors = _read_weights(weights_path)
+    tensors = read_weights_file(weights_path)
 
     expected = {PEFT_PREFIX + name: t for name, t in lora_state_dict(model).items()}
     missing = sorted(expected.keys() - tensors.keys())

@@ -19,9 +19,14 @@ draws the masks training that adapter alone draws (lora_logic/dropout.py).
 
 from __future__ import annotations
 
+import contextlib
+import os
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from lora_logic.adapter_io import PEFT_PREFIX, WEIGHTS_NAME, read_weights_file, write_adapter
 from lora_logic.config import LoraConfig, lora_scaling
 from lora_logic.dropout import SeededDropout
 from lora_logic.inject import matches_target
@@ -89,11 +94,11 @@ class SideBySideLoRALinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, adapters={self.adapters} of {self.groups}"
 
 
-def inject_side_by_side(model: nn.Module, adapters: dict[str, LoraConfig], seed: int | None = None) -> list[str]:
+def inject_side_by_side(model: nn.Module, adapters: dict[str, LoraConfig]) -> list[str]:
     """Wrap the union of the adapters' target layers in SideBySideLoRALinear and give each layer
-    the adapters that target it, adapter by adapter: with `seed`, torch's generator is seeded
-    with it before each adapter, so each adapter starts as `inject_lora` after
-    `torch.manual_seed(seed)` starts it alone. Freezes everything else; returns the wrapped names."""
+    the adapters that target it, adapter by adapter: torch's generator is put back to its state
+    on entry before each adapter, so each adapter starts as `inject_lora` here would start it
+    alone. Freezes everything else; returns the wrapped names."""
     linear_names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     wanted = {name: [t for t in config.target_modules if not any(matches_target(n, t) for n in linear_names)]
               for name, config in adapters.items()}
@@ -114,9 +119,9 @@ def inject_side_by_side(model: nn.Module, adapters: dict[str, LoraConfig], seed:
         wrapped[name] = SideBySideLoRALinear(base, list(adapters))
         wrapped[name].train(base.training)
         setattr(parent, child_name, wrapped[name])
+    rng = torch.get_rng_state()
     for adapter, config in adapters.items():
-        if seed is not None:
-            torch.manual_seed(seed)
+        torch.set_rng_state(rng)
         for salt, name in enumerate(targets[adapter]):  # inject_lora's salt: the index among its targets
             wrapped[name].add_adapter(adapter, config, dropout_salt=salt)
     return to_wrap
@@ -144,3 +149,53 @@ def adapter_state_dict(model: nn.Module, adapter: str) -> dict[str, torch.Tensor
             state[f"{name}.lora_A.weight"] = module.lora_A[adapter].weight.detach()
             state[f"{name}.lora_B.weight"] = module.lora_B[adapter].weight.detach()
     return state
+
+
+def adapter_names(model: nn.Module) -> list[str]:
+    """The adapters of a model with adapters side by side, in their rows' order ([] without)."""
+    modules = side_by_side_modules(model)
+    return list(modules[0][1].groups) if modules else []
+
+
+@contextlib.contextmanager
+def only_adapter(model: nn.Module, adapter: str):
+    """Within: every row goes through `adapter` alone (evaluating or generating with one
+    adapter of several), as a model of that adapter alone."""
+    modules = [m for _, m in side_by_side_modules(model)]
+    saved = [m.groups for m in modules]
+    for module in modules:
+        module.groups = [adapter]
+    try:
+        yield model
+    finally:
+        for module, groups in zip(modules, saved):
+            module.groups = groups
+
+
+def save_side_by_side(model: nn.Module, directory: str | os.PathLike, configs: dict[str, LoraConfig],
+                      base_model_name_or_path: str, revision: str | None = None) -> dict[str, Path]:
+    """Each adapter as a PEFT adapter of its own, `directory/<name>/`; returns the directories."""
+    return {name: write_adapter(Path(directory) / name,
+                                {k: t.to("cpu").contiguous() for k, t in adapter_state_dict(model, name).items()},
+                                config, base_model_name_or_path, revision)
+            for name, config in configs.items()}
+
+
+def load_side_by_side(model: nn.Module, directory: str | os.PathLike) -> None:
+    """The weights `save_side_by_side` wrote into the model's adapters of the same names; a
+    missing, unexpected or misshapen tensor is a ValueError naming the file, before anything is loaded."""
+    loaded = {}
+    for name in adapter_names(model):
+        path = Path(directory) / name / WEIGHTS_NAME
+        tensors = read_weights_file(path)
+        expected = {PEFT_PREFIX + k: t for k, t in adapter_state_dict(model, name).items()}
+        wrong = sorted(set(tensors) ^ set(expected)) + sorted(
+            k for k in set(tensors) & set(expected) if tensors[k].shape != expected[k].shape)
+        if wrong:
+            raise ValueError(f"{path} does not fit adapter {name!r} of this model: {len(wrong)} missing, unexpected "
+                             f"or misshapen tensors (first {wrong[0]!r})")
+        loaded[name] = (expected, tensors)
+    with torch.no_grad():
+        for expected, tensors in loaded.values():
+            for key, param in expected.items():
+                param.copy_(tensors[key].to(dtype=param.dtype))

@@ -287,12 +287,13 @@ def wait_for_step(procs: list, out: Path, step: int, timeout: float, output=lamb
     raise AssertionError(f"step {step} not reached in {timeout} s:\n{output()}")
 
 
-def poison_nan_in_steps(monkeypatch, steps: set[int], grad_accum: int, seed: int = 0, phase: int = 1) -> None:
+def poison_nan_in_steps(monkeypatch, steps: set[int], grad_accum: int, seed: int = 0, phase: int = 1,
+                        group: int | None = None) -> None:
     """Make the loss NaN in the given (1-based) steps of one replica, with no new graph, in a
     step traced once as in one traced every step: the loss is poisoned where the micro-batch's
     first random draw (made before its dropout masks) is one of the draws those steps' seeds
     give (the trainer seeds each micro-batch, trainer.micro_batch_seeds), so the decision is
-    data on the device."""
+    data on the device. group: adapters side by side, poison only that adapter's loss."""
     import torch_xla.core.xla_model as xm
 
     import finetuning_pipeline.train.step as step_module
@@ -308,15 +309,17 @@ def poison_nan_in_steps(monkeypatch, steps: set[int], grad_accum: int, seed: int
     poisoned_draws = torch.cat(draws).cpu()
     real = step_module.causal_lm_loss_sum
 
-    def poisoned(model, batch, packed=True, loss_chunk=0):
+    def poisoned(model, batch, packed=True, loss_chunk=0, groups=1):
         if not torch.is_grad_enabled():  # evaluation
-            return real(model, batch, packed, loss_chunk)
+            return real(model, batch, packed, loss_chunk, groups)
         draw = torch.rand(1, device=batch["input_ids"].device)  # first, before any dropout draws
-        loss_sum, count = real(model, batch, packed, loss_chunk)
+        loss_sum, count = real(model, batch, packed, loss_chunk, groups)
         hit = (draw == poisoned_draws.to(loss_sum.device)).any()
+        if group is not None:
+            hit = hit & (torch.arange(groups) == group).to(loss_sum.device)
         factor = torch.where(hit, torch.tensor([float("nan")]).to(loss_sum.device),
                              torch.tensor([1.0]).to(loss_sum.device))
-        return (loss_sum * factor).reshape(()), count
+        return (loss_sum * factor).reshape(loss_sum.shape), count
 
     monkeypatch.setattr(step_module, "causal_lm_loss_sum", poisoned)
 

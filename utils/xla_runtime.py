@@ -54,10 +54,12 @@ def device_counter(value: float, device) -> torch.Tensor:
     return torch.tensor([float(value)]).to(device)
 
 
-def to_host(*tensors: torch.Tensor) -> list[float]:
-    """Values of materialised device tensors, by plain transfers. (`torch.stack(...).cpu()`
-    would first compile and run a small graph of its own.)"""
-    return [t.cpu().item() for t in tensors]
+def to_host(*tensors: torch.Tensor) -> list:
+    """Values of materialised device tensors, by plain transfers: a float for a one-element
+    tensor, a list of floats for a longer one (a value per adapter side by side).
+    (`torch.stack(...).cpu()` would first compile and run a small graph of its own.)"""
+    values = [t.cpu() for t in tensors]
+    return [v.item() if v.numel() == 1 else v.tolist() for v in values]
 
 
 def peak_memory_bytes(device) -> int | None:

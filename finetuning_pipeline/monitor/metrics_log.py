@@ -43,8 +43,11 @@ class MetricsLog:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
             if self.tb is not None:
-                for key, value in record.items():
-                    if key not in ("kind", "step") and isinstance(value, (int, float)):
+                scalars = {key: value for key, value in record.items() if key not in ("kind", "step")}
+                for name, values in record.get("adapters", {}).items():  # side by side: kind/<adapter>/loss, ...
+                    scalars.update({f"{name}/{key}": value for key, value in values.items()})
+                for key, value in scalars.items():
+                    if isinstance(value, (int, float)):
                         self.tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
             if self.wandb is not None:
                 self.wandb.write(record)
@@ -81,14 +84,23 @@ def plot_losses(output_dir: str | Path, phases: list[int]) -> Path | None:
     for phase in phases:
         color = f"C{(phase - 1) % 10}"  # matplotlib's colour cycle: phase 1 blue, phase 2 orange, ...
         records = read_metrics(layout.metrics(phase))
-        train = [(r["step"] + offset, r["loss"]) for r in records if r["kind"] == "train"]
-        evals = [(r["step"] + offset, r["loss"]) for r in records if r["kind"] == "eval" and r["loss"] is not None]
-        if train:
-            ax.plot(*zip(*train), color=color, alpha=0.8, label=f"phase {phase} train")
-            plotted = True
-        if evals:
-            ax.plot(*zip(*evals), color=color, marker="o", linestyle="--", label=f"phase {phase} eval")
-            plotted = True
+        adapters = sorted({name for r in records for name in r.get("adapters", {})})
+        # Side by side: a line per adapter (the phase's colour, a marker each), else the phase's loss.
+        lines = [(f"phase {phase} {name}", name, marker) for name, marker in zip(adapters, "s^vD<>ph*x" * 10)] or [
+            (f"phase {phase}", None, None)]
+        for label, name, marker in lines:
+            def loss(r):
+                return r["loss"] if name is None else r.get("adapters", {}).get(name, {}).get("loss")
+
+            train = [(r["step"] + offset, loss(r)) for r in records if r["kind"] == "train" and loss(r) is not None]
+            evals = [(r["step"] + offset, loss(r)) for r in records if r["kind"] == "eval" and loss(r) is not None]
+            if train:
+                ax.plot(*zip(*train), color=color, alpha=0.8, marker=marker, markevery=max(1, len(train) // 8),
+                        label=f"{label} train")
+                plotted = True
+            if evals:
+                ax.plot(*zip(*evals), color=color, marker=marker or "o", linestyle="--", label=f"{label} eval")
+                plotted = True
         if records:
             offset += max(r["step"] for r in records)
             ax.axvline(offset, color="grey", linewidth=0.5)
@@ -115,16 +127,20 @@ class StepLogger:
     once its step has executed)."""
 
     def __init__(self, log: MetricsLog | None, progress, tokens_per_step: int, max_steps: int,
-                 first_loss: float | None = None) -> None:
+                 first_loss: float | None = None, adapter_losses: dict | None = None) -> None:
         self.log = log
         self.progress = progress
         self.tokens_per_step = tokens_per_step
         self.max_steps = max_steps
         self.first_loss = first_loss
+        # Side by side: each adapter's first and latest logged values ({"first": {name: values}, "last": ...}).
+        self.adapter_losses = adapter_losses or {"first": {}, "last": {}}
         self._last: tuple[float, int] | None = None
 
-    def log_train(self, step: int, values: dict) -> None:
-        """values: host floats of loss, lr, grad_norm, label_tokens, skipped_steps."""
+    def log_train(self, step: int, values: dict, adapters: dict[str, dict] | None = None) -> None:
+        """values: host floats of loss, lr, grad_norm, label_tokens, skipped_steps; adapters:
+        the same of each adapter side by side (the record's "adapters"; values then hold their
+        token-weighted mean loss and total tokens)."""
         import time
 
         now = time.perf_counter()
@@ -134,11 +150,16 @@ class StepLogger:
         self._last = (now, step)
         if self.first_loss is None:
             self.first_loss = values["loss"]
+        for name, each in (adapters or {}).items():
+            self.adapter_losses["first"].setdefault(name, each)
+            self.adapter_losses["last"][name] = each
         if self.log is None:
             return
         record = {"kind": "train", "step": step, "loss": values["loss"], "lr": values["lr"],
                   "grad_norm": values["grad_norm"], "label_tokens": int(values["label_tokens"]),
                   "skipped_steps": int(values["skipped_steps"])}
+        if adapters is not None:
+            record["adapters"] = adapters
         if rate:
             record["tokens_per_sec"] = round(rate, 1)
             record["eta_s"] = round((self.max_steps - step) * self.tokens_per_step / rate, 1)
@@ -157,7 +178,10 @@ class StepLogger:
             self.progress.update(1)
 
     def state_dict(self) -> dict:
-        return {"train_loss_first": self.first_loss}
+        state = {"train_loss_first": self.first_loss}
+        if self.adapter_losses["first"]:
+            state["adapter_losses"] = self.adapter_losses
+        return state
 
     def close(self, summary: dict | None = None) -> None:
         if self.progress is not None:

@@ -2,10 +2,11 @@
 
 A checkpoint is `phaseN/checkpoints/step_XXXXXXXX/` with
   adapter_config.json, adapter_model.safetensors   the LoRA weights (a loadable PEFT adapter)
+  adapters/<name>/                                 instead, adapters trained side by side: one each
   optimizer.pt                                     AdamW state, on CPU (moments per LoRA weight, layers unscanned)
   trainer_state.json                               step, loader position, phase, config hash
   rng.pt                                           python, numpy and torch RNG states (XLA: seeded per step)
-  COMPLETE                                         written last: {"step", "files": {name: sha256}}
+  COMPLETE                                         written last: {"step", "files": {relative path: sha256}}
 It is built in a hidden temporary directory, fsynced, renamed into place, and the parent
 directory fsynced; a crash at any moment leaves either no checkpoint or a complete one.
 Leftovers of an interrupted save (hidden temporaries, directories without COMPLETE) are
@@ -26,11 +27,21 @@ import torch
 
 from dataset.manifest import content_digest, read_manifest
 from finetuning_pipeline.run.run_layout import RunLayout
-from lora_logic import LoraConfig, load_adapter, per_layer_lora, save_adapter, stacked_lora
+from lora_logic import (
+    LoraConfig,
+    adapter_names,
+    load_adapter,
+    load_side_by_side,
+    per_layer_lora,
+    save_adapter,
+    save_side_by_side,
+    stacked_lora,
+)
 from utils.atomic_io import fsync_dir
 
 COMPLETE = "COMPLETE"
 PREFIX = "step_"
+SIDE_BY_SIDE_DIR = "adapters"
 
 
 def checkpoint_name(step: int) -> str:
@@ -95,9 +106,11 @@ def restore_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(root: str | Path, step: int, *, model, optimizer, lora_config: LoraConfig,
-                    base_model: str, trainer_state: dict, keep: int) -> Path:
-    """Write checkpoint `step` under `root` (master only; call `torch_xla.sync()` first)."""
+def save_checkpoint(root: str | Path, step: int, *, model, optimizer,
+                    lora_config: LoraConfig | dict[str, LoraConfig], base_model: str, trainer_state: dict,
+                    keep: int) -> Path:
+    """Write checkpoint `step` under `root` (master only; call `torch_xla.sync()` first).
+    lora_config: {adapter: its config} for adapters side by side."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
@@ -105,13 +118,16 @@ def save_checkpoint(root: str | Path, step: int, *, model, optimizer, lora_confi
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        save_adapter(model, staging, lora_config, base_model)
         state = optimizer.state_dict()
-        state.update({key: per_layer_lora(model, state[key]) for key in ("exp_avg", "exp_avg_sq")})
+        if isinstance(lora_config, dict):  # adapters side by side: adapters/<name>/ each (no scanned layers)
+            save_side_by_side(model, staging / SIDE_BY_SIDE_DIR, lora_config, base_model)
+        else:
+            save_adapter(model, staging, lora_config, base_model)
+            state.update({key: per_layer_lora(model, state[key]) for key in ("exp_avg", "exp_avg_sq")})
         torch.save(to_cpu(state), staging / "optimizer.pt")
         torch.save(rng_state(), staging / "rng.pt")
         (staging / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2) + "\n")
-        files = {p.name: sha256_file(p) for p in sorted(staging.iterdir())}
+        files = {p.relative_to(staging).as_posix(): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}
         for name in files:
             with open(staging / name, "rb") as f:
                 os.fsync(f.fileno())
@@ -131,16 +147,23 @@ def save_checkpoint(root: str | Path, step: int, *, model, optimizer, lora_confi
     return final
 
 
-def resume_keys(config, phase: int, manifest: dict | None = None) -> dict:
+def data_content_key(phase: int, adapter: str | None = None) -> str:
+    """The resume key of a phase's prepared data (of one of its adapters side by side)."""
+    return f"phase{phase}.{'' if adapter is None else f'adapters.{adapter}.'}data.content"
+
+
+def resume_keys(config, phase: int, manifests: dict | None = None) -> dict:
     """What a checkpoint records to refuse a resume that would not continue the same run: the
     settings that decide the result (RunConfig.exactness_keys) and the content of the phase's
     prepared data (re-preparing into the same directory between a stop and its resume would
-    otherwise silently continue on another stream), and the digest of each earlier phase's
-    adapter it is built on (RunConfig.lineage: an earlier phase trained again makes this phase
-    another run). manifest: the phase's, if already read."""
+    otherwise silently continue on another stream; `phaseN.adapters.<name>.data.content` for
+    each adapter side by side), and the digest of each earlier phase's adapter it is built on
+    (RunConfig.lineage: an earlier phase trained again makes this phase another run).
+    manifests: the phase's, if already read ({adapter or None: manifest}, as PhaseData.manifests)."""
     keys = config.exactness_keys(phase)
-    manifest = manifest if manifest is not None else read_manifest(config.phase(phase).data)
-    keys[f"phase{phase}.data.content"] = content_digest(manifest)
+    for name, data in config.data_dirs(phase).items():
+        manifest = manifests[name] if manifests is not None else read_manifest(data)
+        keys[data_content_key(phase, name)] = content_digest(manifest)
     merged, continued = config.lineage(phase)
     layout = RunLayout(config.output_dir)
     for earlier in merged + ([continued] if continued else []):
@@ -208,7 +231,10 @@ def load_checkpoint(path: str | Path, *, model) -> dict:
     returns the trainer state (step, loader position, ...)."""
     path = Path(path)
     verify_checkpoint(path)
-    load_adapter(model, path)
+    if adapter_names(model):
+        load_side_by_side(model, path / SIDE_BY_SIDE_DIR)
+    else:
+        load_adapter(model, path)
     restore_rng_state(torch.load(path / "rng.pt", weights_only=False))
     return json.loads((path / "trainer_state.json").read_text())
 
@@ -219,7 +245,8 @@ def load_optimizer_state(path: str | Path, *, model, optimizer) -> None:
     file = Path(path) / "optimizer.pt"
     state = torch.load(file, map_location="cpu", weights_only=True)
     try:
-        state.update({key: stacked_lora(model, state[key]) for key in ("exp_avg", "exp_avg_sq")})
+        if not adapter_names(model):
+            state.update({key: stacked_lora(model, state[key]) for key in ("exp_avg", "exp_avg_sq")})
         optimizer.load_state_dict(state)
     except ValueError as err:
         raise ValueError(f"{file} does not fit this model's LoRA: {err}") from None
@@ -235,7 +262,8 @@ class Checkpointer:
     master that has gone."""
 
     def __init__(
-        self, root: Path, *, every: int, keep: int, collectives, base_model: str, lora_config: LoraConfig
+        self, root: Path, *, every: int, keep: int, collectives, base_model: str,
+        lora_config: LoraConfig | dict[str, LoraConfig]
     ) -> None:
         self.root = Path(root)
         self.every = every

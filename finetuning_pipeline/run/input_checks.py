@@ -47,9 +47,9 @@ def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | Non
                                "model.tokenizer" if config.model.tokenizer else "model.path")
     fingerprint = tokenizer_fingerprint(tokenizer)
     max_positions = getattr(model_config, "max_position_embeddings", None)
-    for phase in phases:
-        key = f"phase{phase}.data"
-        data = config.phase(phase).data
+    lengths: dict[int, dict[str, int]] = {}
+    for phase, name, data in phase_data(config, phases):
+        key = f"phase{phase}.data" if name is None else f"phase{phase}.adapters.{name}.data"
         if not data:
             raise ConfigError(f"{key}: not set (a directory written by `python -m dataset.prepare`)")
         if not Path(data).is_dir():
@@ -62,6 +62,10 @@ def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | Non
             )
         if manifest["counts"]["train"] < 1:
             raise ConfigError(f"{key}: {data} has no training blocks")
+        lengths.setdefault(phase, {})[key] = manifest["seq_len"]
+        if len(set(lengths[phase].values())) > 1:  # adapters side by side share one batch shape
+            raise ConfigError(f"phase{phase}.adapters: side by side, every adapter's data has one sequence length; "
+                              f"these differ: {lengths[phase]}. Prepare them at one --seq-len")
         spmd_mesh = config.parallel.mode == "fsdp"
         try:
             if planned_tpu is None:
@@ -84,9 +88,15 @@ def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | Non
             raise ConfigError("logging.wandb.project is set but the wandb package is not installed: pip install "
                               "'tpu-lora[wandb]' (or pip install wandb), or unset logging.wandb.project") from None
     inputs = {"model.path": str(files), "model.tokenizer": config.model.tokenizer,
-              **{f"phase{n}.data": config.phase(n).data for n in config.phase_numbers()}}
+              **{f"phase{n}.data" if name is None else f"phase{n}.adapters.{name}.data": data
+                 for n, name, data in phase_data(config, config.phase_numbers())}}
     RunLayout(config.output_dir).check_apart_from(inputs)
     probe_output_dir(config.output_dir)
+
+
+def phase_data(config: RunConfig, phases: list[int]) -> list[tuple[int, str | None, str]]:
+    """(phase, adapter side by side or None, prepared data directory) of each of the phases' data."""
+    return [(phase, name, data) for phase in phases for name, data in config.data_dirs(phase).items()]
 
 
 def check_earlier_adapters(config: RunConfig, phases: list[int]) -> None:

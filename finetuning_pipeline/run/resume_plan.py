@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetuning_pipeline.errors import ConfigError
-from finetuning_pipeline.run.checkpointing import newest_intact_checkpoint, read_json, resume_keys, verify_checkpoint
+from finetuning_pipeline.run.checkpointing import (
+    data_content_key,
+    newest_intact_checkpoint,
+    read_json,
+    resume_keys,
+    verify_checkpoint,
+)
 from finetuning_pipeline.run.collectives import launch_rank
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import RunConfig, phase_number
@@ -96,9 +102,9 @@ def check_resumable(config: RunConfig, plans: list[PhasePlan], accept_changes: b
             continue
         if changed:
             details = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
-            data_key = f"phase{plan.phase}.data.content"
-            hint = (f" (the prepared data in {config.phase(plan.phase).data} is not what the checkpoint trained on: "
-                    "it was prepared again from other inputs or options)") if data_key in changed else ""
+            hint = "".join(f" (the prepared data in {data} is not what the checkpoint trained on: it was prepared "
+                           "again from other inputs or options)" for key, data in data_keys(config, plan.phase).items()
+                           if key in changed)
             for earlier in adapter_phases(changed):
                 hint += (f" (phase {earlier} was trained again since this phase-{plan.phase} checkpoint was built on "
                          "its adapter)")
@@ -123,15 +129,23 @@ TUNABLE_PHASE_KEYS = frozenset({"lr", "max_steps"})
 
 
 def phase_key(key: str) -> tuple[int | None, str]:
-    """(N, "lr") for a resume key "phaseN.lr"; (None, key) for any other."""
+    """(N, "lr") for a resume key "phaseN.lr", and for an adapter's "phaseN.adapters.<name>.lr"
+    (adapters side by side: the same settings, each adapter's own); (None, key) for any other."""
     section, _, name = key.partition(".")
     number = phase_number(section)
+    if number is not None and name.startswith("adapters."):
+        name = name.split(".", 2)[2]
     return (number, name) if number is not None else (None, key)
 
 
 def tunable_on_resume(key: str) -> bool:
     number, name = phase_key(key)
     return key in TUNABLE_ON_RESUME or (number is not None and name in TUNABLE_PHASE_KEYS)
+
+
+def data_keys(config: RunConfig, phase: int) -> dict[str, str]:
+    """The resume key of each of the phase's prepared data (resume_keys) -> its directory."""
+    return {data_content_key(phase, name): data for name, data in config.data_dirs(phase).items()}
 
 
 def adapter_phases(keys) -> list[int]:
@@ -161,7 +175,9 @@ def check_finished_phase(config: RunConfig, phase: int, say) -> None:
     changed = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
     inputs = [k for k in changed if is_phase_input(k)]
     if inputs:
-        why = {f"phase{phase}.data.content": f"{config.phase(phase).data} was prepared again from other inputs",
+        prepared_again = {key: f"{data} was prepared again from other inputs"
+                          for key, data in data_keys(config, phase).items()}
+        why = {**prepared_again,
                "model.path": "the base model is another one",
                "model.revision": "the base model's Hub revision is another commit",
                **{f"phase{n}.adapter": f"phase {n} was trained again since phase {phase} was built on its adapter"

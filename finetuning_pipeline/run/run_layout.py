@@ -7,6 +7,7 @@
       tpu_check.json              `make tpu-check`: its checks and the chip's measured figures
       tpu_check/                  the self-check's own small runs
       phaseN/adapter/             the phase's final adapter (PEFT layout)
+      phaseN/adapters/<name>/     instead, each adapter the phase trained side by side
       phaseN/checkpoints/         step_XXXXXXXX/, complete ones carry a COMPLETE marker
       phaseN/metrics.jsonl        train and eval records
       phaseN/tb/                  TensorBoard scalars
@@ -33,7 +34,8 @@ from utils.output_guard import overlaps
 # What a run writes inside phaseN/: --resume never --force replaces a phase directory only when
 # it holds nothing else.
 # wandb/ and wandb_run_id: W&B's files, when logging.wandb is set (wandb_log.py).
-PHASE_ENTRIES = frozenset({"adapter", "checkpoints", "metrics.jsonl", "tb", "summary.json", "wandb", "wandb_run_id"})
+PHASE_ENTRIES = frozenset({"adapter", "adapters", "checkpoints", "metrics.jsonl", "tb", "summary.json", "wandb",
+                           "wandb_run_id"})
 
 
 class RunLayout:
@@ -72,6 +74,10 @@ class RunLayout:
 
     def adapter(self, phase: int) -> Path:
         return self.phase_dir(phase) / "adapter"
+
+    def side_by_side_adapters(self, phase: int) -> Path:
+        """Adapters trained side by side: `<name>/` each, in PEFT's layout."""
+        return self.phase_dir(phase) / "adapters"
 
     def checkpoints(self, phase: int) -> Path:
         return self.phase_dir(phase) / "checkpoints"

@@ -4,6 +4,7 @@ key=value overrides, the validation. What the rest of the code imports comes fro
 from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.run_config.load import load_config, read_config_file
 from finetuning_pipeline.run_config.schema import (
+                                                   AdapterConfig,
                                                    CheckpointConfig,
                                                    EvalConfig,
                                                    LoggingConfig,
@@ -18,6 +19,6 @@ from finetuning_pipeline.run_config.schema import (
                                                    phase_number,
 )
 
-__all__ = ["CheckpointConfig", "ConfigError", "EvalConfig", "LoggingConfig", "ModelConfig", "ParallelConfig",
-           "PhaseConfig", "RunConfig", "TpuConfig", "TrainConfig", "WandbConfig", "XlaConfig", "load_config",
-           "phase_number", "read_config_file"]
+__all__ = ["AdapterConfig", "CheckpointConfig", "ConfigError", "EvalConfig", "LoggingConfig", "ModelConfig",
+           "ParallelConfig", "PhaseConfig", "RunConfig", "TpuConfig", "TrainConfig", "WandbConfig", "XlaConfig",
+           "load_config", "phase_number", "read_config_file"]

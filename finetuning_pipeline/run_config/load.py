@@ -32,6 +32,11 @@ def _coerce(value, annotation, key: str):
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], key)
+    if origin is dict:  # named sections (phaseN.adapters): {name: section}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of names to sections, got {value!r}")
+        return {str(name): _build(args[1], section if section is not None else {}, f"{key}.{name}.")
+                for name, section in value.items()}
     if origin is list:
         if isinstance(value, str):
             value = [value]
@@ -104,10 +109,13 @@ def apply_override(data: dict, override: str) -> None:
     parts = renamed(key).split(".")
     node = data
     cls = RunConfig
+    section_of = None
     for depth, part in enumerate(parts):
-        names, shown = yaml_keys(cls)
+        names, shown = yaml_keys(cls) if cls is not None else ((), [])
         if cls is RunConfig and phase_number(part) is not None:
             annotation = PhaseConfig  # phaseN.key=value, any N: a phase the YAML lacks is added
+        elif cls is None:  # a name in a mapping of named sections (phaseN.adapters.<name>): any name
+            annotation = section_of
         elif part not in names:
             where = ".".join(parts[:depth]) or "the top level"
             raise ConfigError(f"override {key}: unknown key {part!r} under {where}; known: {shown}")
@@ -115,6 +123,9 @@ def apply_override(data: dict, override: str) -> None:
             annotation = typing.get_type_hints(cls)[part]
         if depth == len(parts) - 1:
             node[part] = value
+        elif typing.get_origin(annotation) is dict:
+            node = node.setdefault(part, {})
+            cls, section_of = None, typing.get_args(annotation)[1]
         else:
             if not dataclasses.is_dataclass(annotation):
                 raise ConfigError(f"override {key}: {'.'.join(parts[: depth + 1])} is not a section")

@@ -224,6 +224,17 @@ class TpuConfig:
 
 
 @dataclass
+class AdapterConfig:
+    """One adapter of a phase that trains several side by side (PhaseConfig.adapters).
+    data: its prepared data (as phaseN.data); lr, max_steps: its own, else the phase's, else
+    train's. Everything else (the LoRA shape, batch, clipping, schedule shape, seed) is the run's."""
+
+    data: str = ""
+    lr: float | None = None
+    max_steps: int | None = None
+
+
+@dataclass
 class PhaseConfig:
     """One phase of the curriculum, `phaseN:` in the YAML (phase1, phase2, phase3, ...; any
     number of them, run in order; `phaseN.key=value` overrides).
@@ -235,13 +246,18 @@ class PhaseConfig:
     init (every phase after the first; phase 1 starts a fresh adapter on the base): "continue"
     trains the previous phase's adapter further (its own r/alpha/targets); "merge" merges it
     into the weights it was trained on and starts a fresh adapter there; "fresh" starts a fresh
-    adapter on the untouched base. RunConfig.lineage says what a phase is built on."""
+    adapter on the untouched base. RunConfig.lineage says what a phase is built on.
+    adapters: instead of `data`, several named adapters trained side by side in this phase over
+    one frozen base (lora_logic/side_by_side.py), each with its own data, lr and max_steps, and
+    its own output `phaseN/adapters/<name>/`. Such a phase starts fresh or on a merged base
+    (init fresh or merge), and no later phase continues or merges its adapters."""
 
     data: str = ""
     seq_len: int | None = None
     max_steps: int | None = None
     lr: float | None = None
     init: PhaseInit = "continue"
+    adapters: dict[str, AdapterConfig] = field(default_factory=dict)
 
 
 # The curriculum's sections: phase1, phase2, phase3, ... (RunConfig.phases).
@@ -306,10 +322,24 @@ class RunConfig:
         return merged, continued
 
     def max_steps(self, number: int) -> int:
+        """The phase's steps; a phase of adapters side by side runs until its longest is done."""
+        if self.phase(number).adapters:
+            return max(self.adapter_max_steps(number, name) for name in self.phase(number).adapters)
         return self.phase(number).max_steps or self.train.max_steps
 
     def lr(self, number: int) -> float:
         return self.phase(number).lr or self.train.lr
+
+    def adapter_max_steps(self, number: int, name: str) -> int:
+        return self.phase(number).adapters[name].max_steps or self.phase(number).max_steps or self.train.max_steps
+
+    def adapter_lr(self, number: int, name: str) -> float:
+        return self.phase(number).adapters[name].lr or self.lr(number)
+
+    def data_dirs(self, number: int) -> dict[str | None, str]:
+        """The phase's prepared data: {adapter name: its data} for adapters side by side, else {None: phaseN.data}."""
+        phase = self.phase(number)
+        return {name: a.data for name, a in phase.adapters.items()} if phase.adapters else {None: phase.data}
 
     def to_dict(self) -> dict:
         """The config as its YAML would write it (phases as `phaseN` sections)."""
@@ -331,5 +361,7 @@ class RunConfig:
         phase_cfg = dataclasses.asdict(self.phase(phase))
         if phase == 1:
             phase_cfg.pop("init")  # phase 1 always starts fresh
+        for name, adapter in phase_cfg.pop("adapters").items():  # each side-by-side adapter's keys on their own
+            flat.update({f"phase{phase}.adapters.{name}.{k}": v for k, v in adapter.items()})
         flat.update({f"phase{phase}.{k}": v for k, v in phase_cfg.items()})
         return flat

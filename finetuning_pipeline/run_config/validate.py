@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.run_config.schema import RunConfig
@@ -23,6 +24,9 @@ def non_finite_settings(node, prefix: str = "") -> list[tuple[str, float]]:
         elif isinstance(node, RunConfig) and f.name == "phases":
             for number, phase in enumerate(value, start=1):
                 found += non_finite_settings(phase, f"phase{number}.")
+        elif isinstance(value, dict):  # named sections (phaseN.adapters)
+            for name, section in value.items():
+                found += non_finite_settings(section, f"{key}.{name}.")
         elif isinstance(value, list):
             found += [(f"{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, float) and not math.isfinite(v)]
         elif isinstance(value, float) and not math.isfinite(value):
@@ -109,3 +113,43 @@ def validate(config: RunConfig) -> None:
             raise ConfigError(f"phase{number}.max_steps must be >= 1, got {phase.max_steps}")
         if phase.lr is not None and not phase.lr > 0:
             raise ConfigError(f"phase{number}.lr must be > 0, got {phase.lr}")
+        if phase.adapters:
+            validate_side_by_side(config, number)
+    for number in config.phase_numbers():
+        merged, continued = config.lineage(number)
+        for earlier in merged + ([continued] if continued else []):
+            if config.phase(earlier).adapters:
+                raise ConfigError(
+                    f"phase{number}.init={config.phase(number).init} builds on phase {earlier}'s adapter, but phase "
+                    f"{earlier} trains several side by side ({', '.join(config.phase(earlier).adapters)}); set "
+                    f"phase{number}.init=fresh (or merge one of them into the base with `export` and train on that)")
+
+
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+
+
+def validate_side_by_side(config: RunConfig, number: int) -> None:
+    """A phase of adapters side by side: two or more, named as directories can be, each with its
+    own data and its own lr and steps in range; fresh or on a merged base; layers unscanned."""
+    phase, key = config.phase(number), f"phase{number}.adapters"
+    if len(phase.adapters) < 2:
+        raise ConfigError(f"{key}: side by side needs two adapters or more, got {list(phase.adapters)}; for one, "
+                          f"set phase{number}.data instead")
+    if phase.data:
+        raise ConfigError(f"phase{number}.data and {key}: one or the other (each adapter side by side has its own "
+                          f"data: {key}.<name>.data); remove phase{number}.data")
+    if number > 1 and phase.init == "continue":
+        raise ConfigError(f"phase{number}.init=continue: adapters side by side start fresh, not from phase "
+                          f"{number - 1}'s adapter; set phase{number}.init=fresh, or merge to train them on the base "
+                          "with it merged")
+    if config.train.scan_layers:
+        raise ConfigError(f"train.scan_layers=true: the layers of adapters trained side by side ({key}) are not "
+                          "scanned yet; set train.scan_layers=false (or leave it unset)")
+    for name, adapter in phase.adapters.items():
+        if not ADAPTER_NAME.fullmatch(name):
+            raise ConfigError(f"{key}.{name}: an adapter's name is its output directory's: letters, digits, _ and -, "
+                              "starting with a letter or digit")
+        if adapter.max_steps is not None and adapter.max_steps < 1:
+            raise ConfigError(f"{key}.{name}.max_steps must be >= 1, got {adapter.max_steps}")
+        if adapter.lr is not None and not adapter.lr > 0:
+            raise ConfigError(f"{key}.{name}.lr must be > 0, got {adapter.lr}")

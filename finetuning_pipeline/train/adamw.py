@@ -85,7 +85,7 @@ class MaskedAdamW:
         counted = torch.clamp(steps, min=1.0)
         bias_correction1 = 1 - self.beta1 ** counted
         bias_correction2_sqrt = torch.sqrt(1 - self.beta2 ** counted)
-        each = self._per_element  # a group's value on each of its elements (identity for one group)
+        each = self.per_element
         g = torch.where(each(apply), g, torch.zeros_like(g))
         # m += (1 - beta1) * gate * (g - m);  v += (1 - beta2) * gate * (g^2 - v)
         self.exp_avg_flat.add_((g - self.exp_avg_flat) * each(gate * (1 - self.beta1)))
@@ -100,8 +100,20 @@ class MaskedAdamW:
             param.copy_(new)
         self.steps.copy_(steps.reshape(self.group_count))
 
-    def _per_element(self, values: torch.Tensor) -> torch.Tensor:
+    def per_element(self, values: torch.Tensor) -> torch.Tensor:
+        """A group's value on each of its flat elements (the values themselves for one group)."""
         return values if self.element_group is None else values[self.element_group]
+
+    def group_norms(self, flat: torch.Tensor) -> torch.Tensor:
+        """The L2 norm of each group's part of a flat vector: 0-dim for one group, else [G]."""
+        if self.element_group is None:
+            return torch.linalg.vector_norm(flat)
+        squares = torch.zeros(self.group_count, dtype=flat.dtype, device=flat.device)
+        return torch.sqrt(squares.index_add(0, self.element_group, flat * flat))
+
+    def device_constants(self) -> list[torch.Tensor]:
+        """What the update reads besides state and gradients (each element's group, side by side)."""
+        return [] if self.element_group is None else [self.element_group]
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [self.steps, self.exp_avg_flat, self.exp_avg_sq_flat]

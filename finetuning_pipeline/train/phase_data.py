@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from dataset.loader import ShardLoader
 from dataset.manifest import is_packed, read_manifest
 from finetuning_pipeline.errors import ConfigError
@@ -17,24 +19,44 @@ class PhaseData:
     and the batch arithmetic. Under fsdp a process reads the batches of all its chips; the
     global batch is the same sequence of blocks as dp over the same number of chips, and the
     cursor counts global blocks, so a run may resume on another number of chips as long as
-    the global batch is the same."""
+    the global batch is the same.
 
-    def __init__(self, data_dir: str, *, train: TrainConfig, eval: EvalConfig, parallel: Parallel) -> None:
-        """data_dir: the phase's prepared data; train: the batch shape and the data order's seed;
-        eval: the evaluation batch."""
+    Adapters side by side: a loader per adapter, each reading its data as a run of that
+    adapter alone would (same seed, same order), and each micro-batch is their micro-batches
+    one after another, in the adapters' order (the row groups of side_by_side.py)."""
+
+    def __init__(self, data_dirs: dict[str | None, str], *, train: TrainConfig, eval: EvalConfig,
+                 parallel: Parallel) -> None:
+        """data_dirs: the phase's prepared data, {None: dir}, or {adapter: its dir} side by side
+        (RunConfig.data_dirs); train: the batch shape and the data order's seed; eval: the
+        evaluation batch."""
         t = train
-        self.dir = data_dir
-        self.manifest = read_manifest(self.dir)
-        self.seq_len = self.manifest["seq_len"]
-        self.packed = is_packed(self.manifest)
-        self.pad_id = self.manifest["tokenizer"]["pad_id"]
+        self.dirs = dict(data_dirs)
+        self.manifests = {name: read_manifest(d) for name, d in self.dirs.items()}
+        lengths = {m["seq_len"] for m in self.manifests.values()}
+        if len(lengths) > 1:
+            raise ConfigError("adapters side by side share one batch shape, but their data is prepared at different "
+                              "sequence lengths (" + ", ".join(f"{self.dirs[n]}: {m['seq_len']}"
+                                                               for n, m in self.manifests.items())
+                              + "); prepare them at one --seq-len")
+        self.seq_len = lengths.pop()
+        # Text rows take the position ids 0..L-1 they have, so a batch mixing text and chat is
+        # run as packed (masks from position ids): the same result for the text rows.
+        self.packed = any(is_packed(m) for m in self.manifests.values())
+        self.pad_id = next(iter(self.manifests.values()))["tokenizer"]["pad_id"]
         self.parallel = parallel
-        self.loader = ShardLoader(self.dir, t.micro_batch * parallel.chips_per_process, seed=t.seed,
-                                  rank=parallel.rank, world_size=parallel.world)
+        self.loaders = {name: ShardLoader(d, t.micro_batch * parallel.chips_per_process, seed=t.seed,
+                                          rank=parallel.rank, world_size=parallel.world)
+                        for name, d in self.dirs.items()}
         self.eval_micro_batch = (eval.micro_batch or t.micro_batch) * parallel.chips_per_process
-        self.batches_per_step = t.grad_accum * parallel.chips * t.micro_batch  # global blocks per step
-        self.tokens_per_step = self.batches_per_step * self.seq_len
+        self.batches_per_step = t.grad_accum * parallel.chips * t.micro_batch  # global blocks per step (per adapter)
+        self.tokens_per_step = self.batches_per_step * self.seq_len * len(self.dirs)
         self.chips_changed = None
+
+    @property
+    def dir(self) -> str:
+        """The data of a phase of one adapter."""
+        return self.dirs[None]
 
     def resume(self, state: dict, resume_from: Path | None) -> int:
         """The first step to run; positions the loader at the global block it starts with."""
@@ -56,8 +78,17 @@ class PhaseData:
                     f"{start_step * saved_batch}",
                     flush=True,
                 )
-        self.loader.position = start_step * self.batches_per_step
+        for loader in self.loaders.values():
+            loader.position = start_step * self.batches_per_step
         return start_step
+
+    def batches(self):
+        """The replica's micro-batches on the host: each adapter's rows one after another."""
+        if len(self.loaders) == 1:
+            yield from next(iter(self.loaders.values()))
+            return
+        for parts in zip(*self.loaders.values()):
+            yield {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
 
     def device_batches(self, device):
         """The phase's batches on the device, prefetched by torch_xla's loader thread. That thread
@@ -71,7 +102,7 @@ class PhaseData:
 
         def read():  # runs on the loader's thread
             try:
-                yield from self.loader
+                yield from self.batches()
             except Exception as err:
                 failure.append(err)
 

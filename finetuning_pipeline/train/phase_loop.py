@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import random
 import threading
 from dataclasses import dataclass
@@ -53,7 +54,16 @@ from finetuning_pipeline.train.adamw import MaskedAdamW
 from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss
 from finetuning_pipeline.train.phase_data import PhaseData
 from finetuning_pipeline.train.stepper import Stepper
-from lora_logic import ScannedLayers, inject_lora, lora_parameters, save_adapter
+from lora_logic import (
+    ScannedLayers,
+    adapter_parameters,
+    inject_lora,
+    inject_side_by_side,
+    lora_parameters,
+    only_adapter,
+    save_adapter,
+    save_side_by_side,
+)
 from lora_logic.config import LoraConfig
 from utils.atomic_io import atomic_write_json
 from utils.hub_models import model_dir
@@ -84,12 +94,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_model(model_settings: ModelConfig, lora: LoraConfig, *, merged: list[Path], continued: Path | None):
+def build_model(model_settings: ModelConfig, lora: LoraConfig, *, merged: list[Path], continued: Path | None,
+                side_by_side: list[str] | None = None):
     """The base model (on CPU) with this phase's LoRA; returns (model, lora config).
 
     merged: earlier phases' adapters folded into the base weights, in order; continued: the
     adapter this phase trains further (its own r/alpha/targets), or None to start `lora`
     fresh (RunConfig.lineage says which, from the phases' `init`).
+    side_by_side: the names of adapters to train side by side, each a fresh `lora` that starts
+    as it would alone (lora_logic/side_by_side.py); the lora config is then {name: config}.
     """
     dtype = DTYPES[model_settings.dtype]
     files = model_dir(model_settings.path, model_settings.revision)  # a Hub id: its snapshot, pinned by main.py
@@ -100,7 +113,10 @@ def build_model(model_settings: ModelConfig, lora: LoraConfig, *, merged: list[P
         model, lora_config = load_base(files, dtype), None
     if model_settings.activation_checkpointing:
         enable_activation_checkpointing(model)
-    if continued is None:
+    if side_by_side:
+        lora_config = {name: dataclasses.replace(lora) for name in side_by_side}
+        inject_side_by_side(model, lora_config)
+    elif continued is None:
         lora_config = dataclasses.replace(lora)
         inject_lora(model, lora_config)
     return model, lora_config
@@ -135,9 +151,21 @@ class Phase:
     settings: dict  # what the phase is built on (checkpointing.resume_keys), fixed for the phase
     merged_adapters: list[str]  # earlier phases' adapters merged into the base beneath this one's, in order
     accepted_changes: dict  # settings changed at a resume with --accept-changes: {key: [saved, now]}
+    adapters: dict[str, int]  # adapters side by side, in their rows' order -> their max_steps ({}: one adapter)
 
     def evaluate(self) -> dict:
-        return evaluate_loss(self.model, self.data.dir, micro_batch=self.data.eval_micro_batch, pad_id=self.data.pad_id,
+        """The eval loss; side by side, each adapter's on its own data (alone on every row), and
+        their token-weighted mean at the top (side_by_side_results)."""
+        if not self.adapters:
+            return self._evaluate(self.data.dir)
+        each = {}
+        for name in self.adapters:
+            with only_adapter(self.model, name):
+                each[name] = self._evaluate(self.data.dirs[name])
+        return side_by_side_results(each)
+
+    def _evaluate(self, data_dir: str) -> dict:
+        return evaluate_loss(self.model, data_dir, micro_batch=self.data.eval_micro_batch, pad_id=self.data.pad_id,
                              packed=self.data.packed, device=self.device, max_batches=self.eval_max_batches,
                              loss_chunk=self.stepper.loss_chunk,
                              collectives=self.parallel.collectives, input_sharding=self.parallel.input_sharding(),
@@ -172,16 +200,19 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
             micro_batches = [next(batches) for _ in range(config.train.grad_accum)]
             p.guard.data_ready()
             results = p.stepper(step, micro_batches)
-            p.monitor.update(results["applied"])
+            p.monitor.update(results["applied"], results.get("skipped"))
             step += 1
-            log_now = step % config.logging.every == 0 or step == p.max_steps or step == p.start_step + 1
+            # (and each adapter's last step side by side: its summary's last training loss)
+            log_now = (step % config.logging.every == 0 or step == p.max_steps or step == p.start_step + 1
+                       or step in p.adapters.values())
             if log_now:
                 xm.add_step_closure(log_step, args=(p.logger, p.monitor, step, results, p.monitor.skipped,
-                                                    p.monitor.worst_bad_run))
+                                                    p.monitor.worst_bad_run, p.adapters))
             torch_xla.sync()
             p.guard.step_ended(step)
             p.logger.advance()
             if log_now:
+                stop_stepping(p, step)
                 p.monitor.check(phase, step, p.checkpointer.latest)
             if config.eval.every and step % config.eval.every == 0 and step < p.max_steps:
                 p.logger.log_eval(step, p.evaluate())
@@ -203,20 +234,24 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     t, layout = config.train, RunLayout(config.output_dir)
     guard = CompileGuard(phase, t.warmup_compiles_steps, t.recompile_policy)  # counts from here
     merged, continued = config.lineage(phase)
+    adapters = list(config.phase(phase).adapters)
     with HOST_BUILD:
         seed_everything(t.seed + phase)
         model, lora_config = build_model(config.model, config.lora, merged=[layout.adapter(n) for n in merged],
-                                         continued=layout.adapter(continued) if continued else None)
+                                         continued=layout.adapter(continued) if continued else None,
+                                         side_by_side=adapters)
         # The resumed adapter goes into the layers before they are stacked (on the host), the
         # optimizer's moments into the optimizer built on the stacks.
         state = load_checkpoint(resume_from, model=model) if resume_from else {}
-        scanned = scan_layers(model, t.scan_layers, activation_checkpointing=config.model.activation_checkpointing,
+        # (Layers of adapters side by side are not scanned: validate refuses train.scan_layers=true.)
+        scanned = scan_layers(model, False if adapters else t.scan_layers,
+                              activation_checkpointing=config.model.activation_checkpointing,
                               spmd=parallel.mesh is not None)
     checkpointer = Checkpointer(layout.checkpoints(phase), every=config.checkpoint.every, keep=config.checkpoint.keep,
                                 collectives=parallel.collectives, base_model=config.model.path, lora_config=lora_config)
     checkpointer.clean()
     sharded = parallel.place_model(model, device)
-    data = PhaseData(config.phase(phase).data, train=t, eval=config.eval, parallel=parallel)
+    data = PhaseData(config.data_dirs(phase), train=t, eval=config.eval, parallel=parallel)
     attention, why = attention_here(config.model.attention, model.config, spmd_mesh=parallel.mesh is not None,
                                     seq_len=data.seq_len)
     if attention != "dense":
@@ -224,17 +259,27 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     if parallel.master:
         print(f"phase {phase}: {why}; {scanned}", flush=True)
     model.train()
-    optimizer = MaskedAdamW(lora_parameters(model), lr=config.lr(phase), betas=tuple(t.betas), eps=t.eps,
-                            weight_decay=t.weight_decay)
+    params, groups = lora_parameters(model), None
+    if adapters:  # one optimizer, a group per adapter (adamw.py)
+        each = [adapter_parameters(model, name) for name in adapters]
+        params, groups = sum(each, []), [k for k, ps in enumerate(each) for _ in ps]
+    optimizer = MaskedAdamW(params, lr=config.lr(phase), betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
+                            groups=groups)
     if resume_from:
         load_optimizer_state(resume_from, model=model, optimizer=optimizer)
     start_step = data.resume(state, resume_from)
     guard.resume_at(start_step)
-    monitor = DivergenceMonitor(device, t.max_bad_steps)
+    monitor = DivergenceMonitor(device, t.max_bad_steps, adapters=adapters or None)
     monitor.load_state_dict(state, device)
-    stepper = Stepper(model, optimizer, t, phase=phase, lr=config.lr(phase), max_steps=config.max_steps(phase),
+    lr, max_steps = config.lr(phase), config.max_steps(phase)
+    if adapters:
+        lr = [config.adapter_lr(phase, name) for name in adapters]
+        max_steps = [config.adapter_max_steps(phase, name) for name in adapters]
+    stepper = Stepper(model, optimizer, t, phase=phase, lr=lr, max_steps=max_steps,
                       activation_checkpointing=config.model.activation_checkpointing, parallel=parallel,
                       device=device, start_step=start_step, packed=data.packed)
+    if monitor.diverged:  # adapters stopped before the checkpoint stay stopped
+        stepper.disable([adapters.index(name) for name in monitor.diverged])
     if parallel.master and stepper.capture_note:
         print(f"phase {phase}: {stepper.capture_note}", flush=True)
     logger = make_logger(config.logging, layout=layout, phase=phase, max_steps=config.max_steps(phase),
@@ -246,15 +291,17 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
               guard=guard, monitor=monitor, checkpointer=checkpointer, logger=logger,
               stop=StopVote(parallel.collectives, stop_requested), start_step=start_step,
               resumed=resume_from is not None, eval_before=state.get("eval_before"), sharded=sharded,
-              settings=resume_keys(config, phase, data.manifest),
+              settings=resume_keys(config, phase, data.manifests),
               merged_adapters=[str(layout.adapter(n)) for n in merged],
-              accepted_changes={**state.get("accepted_changes", {}), **(accepted_changes or {})})
+              accepted_changes={**state.get("accepted_changes", {}), **(accepted_changes or {})},
+              adapters={name: config.adapter_max_steps(phase, name) for name in adapters})
     if p.eval_before is None:
         p.eval_before = p.evaluate()
         p.logger.log_eval(0, p.eval_before)
     if parallel.master and p.eval_before["loss"] is None:
         print(f"phase {phase}: {describe_eval(p.eval_before)}; the summary will have no eval loss", flush=True)
-    parallel.replicate(optimizer.params + optimizer.state_tensors() + stepper.device_state() + monitor.device_state())
+    parallel.replicate(optimizer.params + optimizer.state_tensors() + optimizer.device_constants()
+                       + stepper.device_state() + monitor.device_state())
     # A resumed run's checkpoint was copied into parameters and optimizer state: run those
     # copies now, or they would join step 1's graph and make it a graph of its own.
     torch_xla.sync()
@@ -293,7 +340,11 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
                         eval_after: dict) -> dict:
     """The master's adapter, then the summary that marks the phase as done; returns the summary."""
     layout = p.layout
-    save_adapter(p.model, layout.adapter(p.number), p.lora_config, p.base_model, p.base_revision)
+    if p.adapters:
+        save_side_by_side(p.model, layout.side_by_side_adapters(p.number), p.lora_config, p.base_model,
+                          p.base_revision)
+    else:
+        save_adapter(p.model, layout.adapter(p.number), p.lora_config, p.base_model, p.base_revision)
     summary = {
         "phase": p.number,
         "steps": step,
@@ -305,10 +356,10 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
         "merged_adapters": p.merged_adapters,
         "settings": p.settings,
         "tokens": step * p.data.tokens_per_step,
-        "label_tokens_this_run": int(label_tokens),
+        "label_tokens_this_run": int(sum(label_tokens) if isinstance(label_tokens, list) else label_tokens),
         "skipped_steps": final_state["skipped_steps"],
         "train_loss_first": final_state["train_loss_first"],
-        "train_loss_last": last_loss,
+        "train_loss_last": weighted_mean(p.logger.adapter_losses["last"]) if p.adapters else last_loss,
         "eval_loss_before": p.eval_before["loss"],
         "eval_loss_after": eval_after["loss"],
         "perplexity_before": p.eval_before["perplexity"],
@@ -324,19 +375,80 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
         "seq_len": p.data.seq_len,
         "global_batch": p.data.batches_per_step,
     }
+    if p.adapters:
+        summary["skipped_steps"] = sum(final_state["skipped_steps"].values())
+        summary["adapters"] = adapter_summaries(p, final_state, eval_after)
     atomic_write_json(layout.summary(p.number), summary)  # written last: marks the phase as done
     return summary
 
 
-def log_step(logger: StepLogger, monitor: DivergenceMonitor, step: int, results: dict, skipped, worst) -> None:
+def adapter_summaries(p: Phase, final_state: dict, eval_after: dict) -> dict[str, dict]:
+    """Side by side: what each adapter's summary would say had it been trained alone."""
+    losses = p.logger.adapter_losses
+    return {name: {
+        "adapter": str(p.layout.side_by_side_adapters(p.number) / name),
+        "steps": max_steps,
+        "diverged_at_step": p.monitor.diverged.get(name),
+        "skipped_steps": final_state["skipped_steps"][name],
+        "train_loss_first": (losses["first"].get(name) or {}).get("loss"),
+        "train_loss_last": (losses["last"].get(name) or {}).get("loss"),
+        "eval_loss_before": p.eval_before["adapters"][name]["loss"],
+        "eval_loss_after": eval_after["adapters"][name]["loss"],
+        "perplexity_before": p.eval_before["adapters"][name]["perplexity"],
+        "perplexity_after": eval_after["adapters"][name]["perplexity"],
+    } for name, max_steps in p.adapters.items()}
+
+
+def log_step(logger: StepLogger, monitor: DivergenceMonitor, step: int, results: dict, skipped, worst,
+             adapters: dict[str, int]) -> None:
     # A step closure: runs once the step's graph has been issued; reading the results waits
     # for that step only, on log steps only. Every replica runs it with the same values
     # (losses are summed over replicas), so every replica takes the same stop decision.
     loss, grad_norm, tokens, skipped, worst, lr = to_host(results["loss"], results["grad_norm"], results["tokens"],
                                                           skipped, worst, results["lr"])
     monitor.observe(worst)
-    logger.log_train(step, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "label_tokens": tokens,
-                            "skipped_steps": skipped})
+    if not adapters:
+        logger.log_train(step, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "label_tokens": tokens,
+                                "skipped_steps": skipped})
+        return
+    # Side by side: each adapter's values, while it steps (an adapter whose steps are done has none).
+    each = {name: {"loss": loss[k], "lr": lr[k], "grad_norm": grad_norm[k], "label_tokens": tokens[k],
+                   "skipped_steps": skipped[k]}
+            for k, (name, max_steps) in enumerate(adapters.items()) if step <= max_steps}
+    logger.log_train(step, {"loss": weighted_mean(each), "lr": None, "grad_norm": None,
+                            "label_tokens": sum(v["label_tokens"] for v in each.values()),
+                            "skipped_steps": sum(skipped)}, adapters=each)
+
+
+def weighted_mean(each: dict[str, dict]) -> float | None:
+    """The label-token-weighted mean loss of adapters side by side (the loss of their rows together)."""
+    tokens = sum(v["label_tokens"] for v in each.values() if v["loss"] is not None)
+    if not tokens:
+        return None
+    return sum(v["loss"] * v["label_tokens"] for v in each.values() if v["loss"] is not None) / tokens
+
+
+def side_by_side_results(each: dict[str, dict]) -> dict:
+    """Evaluation results of adapters side by side: each adapter's, and their mean at the top."""
+    loss = weighted_mean(each)
+    return {"loss": loss, "perplexity": None if loss is None else math.exp(min(loss, 50.0)),
+            "label_tokens": sum(v["label_tokens"] for v in each.values()), "adapters": each}
+
+
+def stop_stepping(p: Phase, step: int) -> None:
+    """Side by side: an adapter that reached train.max_bad_steps skipped steps in a row stops
+    stepping (as it would stop alone, where the run would end); the others go on undisturbed."""
+    if not p.adapters:
+        return
+    names = list(p.adapters)
+    new = p.monitor.newly_diverged(step)
+    if new:
+        p.stepper.disable(new)
+        if p.parallel.master:
+            print(f"phase {p.number}: adapter{'s' if len(new) > 1 else ''} {', '.join(names[k] for k in new)} "
+                  f"stopped at step {step}: {p.monitor.max_bad_steps} consecutive steps had a non-finite loss or "
+                  "gradient norm (train.max_bad_steps); its weights stay as after its last good step, the other "
+                  "adapters go on. Lower its lr or check its data", flush=True)
 
 
 def make_logger(logging: LoggingConfig, *, layout: RunLayout, phase: int, max_steps: int, master: bool,
@@ -359,4 +471,5 @@ def make_logger(logging: LoggingConfig, *, layout: RunLayout, phase: int, max_st
 
             progress = tqdm(total=max_steps, initial=start_step, desc=f"phase {phase}", unit="step",
                             dynamic_ncols=True)
-    return StepLogger(log, progress, tokens_per_step, max_steps, state.get("train_loss_first"))
+    return StepLogger(log, progress, tokens_per_step, max_steps, state.get("train_loss_first"),
+                      state.get("adapter_losses"))

@@ -46,10 +46,12 @@ class Stepper:
     the sums over replicas sit between the two, as they need a host round trip under torchrun
     on a CPU. Otherwise `step.train_step` traces everything every step."""
 
-    def __init__(self, model, optimizer, train: TrainConfig, *, phase: int, lr: float, max_steps: int,
-                 activation_checkpointing: bool, parallel: Parallel, device, start_step: int, packed: bool) -> None:
+    def __init__(self, model, optimizer, train: TrainConfig, *, phase: int, lr: float | list[float],
+                 max_steps: int | list[int], activation_checkpointing: bool, parallel: Parallel, device,
+                 start_step: int, packed: bool) -> None:
         """train: the train section (seed, clipping, schedule shape, chunked loss, capture_step);
-        lr, max_steps: the phase's peak LR and length; activation_checkpointing: the model's
+        lr, max_steps: the phase's peak LR and length, or a list of each adapter's, for an
+        optimizer of adapters side by side (its groups); activation_checkpointing: the model's
         layers are recomputed in the backward (model.activation_checkpointing)."""
         t = train
         self.model, self.optimizer, self.parallel, self.device = model, optimizer, parallel, device
@@ -57,9 +59,15 @@ class Stepper:
         self.loss_chunk = resolve_chunk_tokens(t.loss_chunk_tokens, model.config)
         self.max_grad_norm = t.max_grad_norm
         self.step_count = torch.tensor([start_step]).to(device)
-        self.schedule = lr_table(peak=lr, warmup_steps=t.warmup_steps, total_steps=max_steps,
-                                 min_lr_ratio=t.min_lr_ratio).to(device)
         self.label_tokens = device_counter(0, device)
+        if isinstance(lr, list):  # adapters side by side: a column per adapter (schedule_columns)
+            schedule, active = schedule_columns(lr, max_steps, t)
+            self.schedule, self.active_table = schedule.to(device), active.to(device)
+            self.enabled = torch.ones(len(lr), dtype=torch.bool).to(device)
+            self.label_tokens = torch.zeros(len(lr)).to(device)  # per adapter (device_zeros: data, not a constant)
+        else:
+            self.schedule = lr_table(peak=lr, warmup_steps=t.warmup_steps, total_steps=max_steps,
+                                     min_lr_ratio=t.min_lr_ratio).to(device)
         self.keys: list[str] = []
         self.gradients = self.update = None
         self.capture_note = None
@@ -89,7 +97,28 @@ class Stepper:
         return len(self.gradients.updated) + len(self.update.updated)
 
     def device_state(self) -> list[torch.Tensor]:
-        return [self.step_count, self.schedule, self.label_tokens]
+        state = [self.step_count, self.schedule, self.label_tokens]
+        return state + ([self.active_table, self.enabled] if self.grouped else [])
+
+    @property
+    def grouped(self) -> bool:
+        """Adapters side by side: an LR, an active flag and results per adapter."""
+        return self.schedule.dim() == 2
+
+    def lr_and_active(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This step's LR ([1], or [K] side by side) and which adapters step (None: all)."""
+        if not self.grouped:
+            return self.schedule[self.step_count], None
+        lr, active = self.schedule[self.step_count].reshape(-1), self.active_table[self.step_count].reshape(-1)
+        self.parallel.replicate([lr, active])  # (see __call__)
+        return lr, active & self.enabled
+
+    def disable(self, groups: list[int]) -> None:
+        """Leave these adapters as they are from the next step on (they diverged): new data
+        for the step's graph, not a new graph."""
+        enabled = self.enabled.cpu()
+        enabled[groups] = False
+        self.enabled = enabled.to(self.device)
 
     def __call__(self, step: int, micro_batches: list[dict]) -> dict:
         # The random numbers of step k (LoRA and the model's dropout) depend on (seed, phase,
@@ -101,10 +130,10 @@ class Stepper:
         micro_batches = [{**batch, "lora_seed": torch.tensor([seed % 2**31], dtype=torch.int32).to(self.device)}
                          for batch, seed in zip(micro_batches, seeds)]
         if self.gradients is None:
-            self.optimizer.lr = self.schedule[self.step_count]
+            self.optimizer.lr, active = self.lr_and_active()
             results = train_step(self.model, self.optimizer, micro_batches, max_grad_norm=self.max_grad_norm,
                                  collectives=self.parallel.collectives, packed=self.packed,
-                                 loss_chunk=self.loss_chunk, seeds=seeds)
+                                 loss_chunk=self.loss_chunk, seeds=seeds, active=active)
         else:
             self.keys[:] = sorted(micro_batches[0])  # (the gradients' partial holds this list)
             inputs = [batch[k] for batch in micro_batches for k in self.keys]
@@ -114,9 +143,14 @@ class Stepper:
             sums = self.gradients(inputs)
             sums = [sums["grad"], sums["loss_total"], sums["tokens"]]
             sums = self.parallel.collectives.sum_device(sums)
-            lr = self.schedule[self.step_count]
-            results = self.update(sums + [lr])
+            lr, active = self.lr_and_active()  # (after the capture: nothing of the step may be pending then)
+            results = self.update(sums + [lr] + ([active] if active is not None else []))
             self.optimizer.lr = lr  # (the update's trace left its example there)
+        if self.grouped:
+            # Per-adapter results are sums over batch-sharded rows: under SPMD, propagation shards
+            # them on the adapter axis, and each read on the host (log steps) or next step's input
+            # would compile a resharding of its own. Replicated, like every [1] result.
+            self.parallel.replicate(list(results.values()))
         self.label_tokens = self.label_tokens + results["tokens"]
         self.step_count = self.step_count + 1
         return {**results, "lr": self.optimizer.lr}
@@ -126,7 +160,10 @@ class Stepper:
         the gradients on the first step's inputs, the update on zeros of their results' shapes."""
         sums = self.gradients.capture(inputs)
         examples = [torch.zeros(sums[k][0], dtype=sums[k][1]) for k in ("grad", "loss_total", "tokens")]
-        examples.append(torch.zeros(self.step_count.shape, dtype=self.schedule.dtype))
+        lr, active = self.lr_and_active()
+        examples.append(torch.zeros(lr.shape, dtype=lr.dtype))
+        if active is not None:
+            examples.append(torch.zeros(active.shape, dtype=active.dtype))
         self.update.capture([t.to(self.device) for t in examples])
 
 
@@ -146,13 +183,30 @@ def gradient_sums(model, optimizer: MaskedAdamW, keys: list[str], packed: bool, 
     grad, loss_total, tokens = summed_over_micro_batches(
         lambda batch: micro_batch_gradients(model, optimizer, batch, packed, loss_chunk),
         micro_batches, inputs[-1], reads=model_state(model))
-    # [1], not 0-dim: the update is traced on zeros of these shapes, and a 0-dim zero
-    # reaches the device as a constant, not as data.
-    return {"grad": grad, "loss_total": loss_total.reshape(1), "tokens": tokens.reshape(1)}
+    # [1] (or [K] side by side), not 0-dim: the update is traced on zeros of these shapes, and
+    # a 0-dim zero reaches the device as a constant, not as data.
+    return {"grad": grad, "loss_total": loss_total.reshape(-1), "tokens": tokens.reshape(-1)}
 
 
 def update_from_sums(optimizer: MaskedAdamW, max_grad_norm: float, inputs: list[torch.Tensor]) -> dict:
-    """Traced once: the summed gradient, loss and label tokens, and the LR -> the update."""
-    grad, loss_total, tokens, lr = inputs
+    """Traced once: the summed gradient, loss and label tokens, the LR (and, side by side, which
+    adapters step) -> the update."""
+    grad, loss_total, tokens, lr, *active = inputs
     optimizer.lr = lr
-    return apply_update(optimizer, grad, loss_total.reshape(()), tokens.reshape(()), max_grad_norm)
+    if optimizer.group_count == 1:
+        loss_total, tokens = loss_total.reshape(()), tokens.reshape(())
+    return apply_update(optimizer, grad, loss_total, tokens, max_grad_norm, active[0] if active else None)
+
+
+def schedule_columns(peaks: list[float], max_steps: list[int], train: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adapters side by side: ([steps, K] LR table, [steps, K] bool: adapter k steps at step
+    t), steps = the longest adapter's. Column k is adapter k's own schedule (its peak, its
+    length: what a run of it alone has); after its last step it repeats its last rate and is
+    inactive, so the adapter stays as it ended."""
+    steps = max(max_steps)
+    columns, active = [], []
+    for peak, total in zip(peaks, max_steps):
+        table = lr_table(peak=peak, warmup_steps=train.warmup_steps, total_steps=total, min_lr_ratio=train.min_lr_ratio)
+        columns.append(torch.cat([table, table[-1:].expand(steps - total)]))
+        active.append(torch.arange(steps) < total)
+    return torch.stack(columns, dim=1), torch.stack(active, dim=1)

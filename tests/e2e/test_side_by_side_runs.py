@@ -1,0 +1,176 @@
+"""Adapters trained side by side, end to end on XLA:CPU: two adapters, each with its own data
+(raw text and chat), learning rate and number of steps, in one run over one frozen base. Each
+one's per-step losses, evaluations and final weights equal a run of it alone with the same
+seeds (fp32, 1e-5): on one device (LoRA dropout on, chunked loss, captured step), on two
+replica threads of the TPU launcher (the step traced every time), and under fsdp on four SPMD
+devices with activation checkpointing. A resumed run resumes both bitwise; an adapter that
+diverges stops alone and the other trains on as if alone."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from trainer_helpers import LaunchedRun, metric_records, poison_nan_in_steps, train_in_fresh_process, write_run_config
+
+from finetuning_pipeline import main
+from finetuning_pipeline.evaluate import main as evaluate_main
+
+# Each adapter's own settings; its data is the fixture's data[phase].
+ADAPTERS = {"text": {"phase": 1, "lr": 1e-2, "max_steps": 4}, "chat": {"phase": 2, "lr": 5e-3, "max_steps": 3}}
+RUN = {"eval": {"every": 2, "max_batches": None}, "checkpoint": {"every": 2, "keep": 3},
+       "logging": {"every": 1, "progress_bar": False, "tensorboard": True}, "phase2": {"init": "fresh", "data": ""}}
+
+
+def sections(micro_batch: int, dropout: float, **train) -> dict:
+    """Global batch 8 a step (micro_batch x replicas x 2 accumulated); a 48-token loss chunk
+    leaves a ragged last chunk of each adapter's 256 tokens."""
+    return {**RUN, "lora": {"dropout": dropout},
+            "train": {"micro_batch": micro_batch, "grad_accum": 2, "loss_chunk_tokens": 48, **train},
+            "eval": {**RUN["eval"], "micro_batch": micro_batch}}
+
+
+def side_by_side_config(root: Path, model_dir, data, name: str, micro_batch: int = 4, dropout: float = 0.1,
+                        **extra) -> Path:
+    adapters = {n: {"data": str(data[a["phase"]]), "lr": a["lr"], "max_steps": a["max_steps"]}
+                for n, a in ADAPTERS.items()}
+    return write_run_config(root / f"{name}.yaml", model_dir, data, root / name,
+                            **{**sections(micro_batch, dropout), **extra},
+                            phase1={"data": "", "adapters": adapters})
+
+
+def train_alone(root: Path, model, data, dropout: float) -> Path:
+    """Each adapter trained alone on one device."""
+    for name, a in ADAPTERS.items():
+        config = write_run_config(root / f"{name}.yaml", model, data, root / name, **sections(4, dropout),
+                                  phase1={"data": str(data[a["phase"]]), "lr": a["lr"], "max_steps": a["max_steps"]})
+        assert main.main(["--config", str(config), "--phase", "1"]) == 0
+    return root
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model_dir, data, tmp_path_factory):
+    """With LoRA dropout: its masks follow each adapter's rows, the same side by side."""
+    return train_alone(tmp_path_factory.mktemp("alone"), tiny_model_dir, data, dropout=0.1)
+
+
+@pytest.fixture(scope="module")
+def alone_without_dropout(tiny_model_dir, data, tmp_path_factory):
+    """Without: dropout masks are drawn per replica's rows, so two replicas' differ from one's."""
+    return train_alone(tmp_path_factory.mktemp("alone_without_dropout"), tiny_model_dir, data, dropout=0.0)
+
+
+def assert_each_as_alone(out: Path, alone: Path, adapters=tuple(ADAPTERS), weights_alone: Path | None = None) -> dict:
+    """Every adapter's per-step loss, token count, evaluations and final weights are its run
+    alone's (the weights: of its run alone in `weights_alone` when given); returns the
+    side-by-side summary."""
+    summary = json.loads((out / "phase1" / "summary.json").read_text())
+    for name in adapters:
+        ref = metric_records(alone / name, "train")
+        ours = [r["adapters"][name] | {"step": r["step"]} for r in metric_records(out, "train")
+                if name in r["adapters"]]
+        assert [r["step"] for r in ours] == [r["step"] for r in ref] == list(range(1, ADAPTERS[name]["max_steps"] + 1))
+        for mine, theirs in zip(ours, ref):
+            assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-5), (name, mine["step"])
+            assert mine["label_tokens"] == theirs["label_tokens"] and mine["lr"] == pytest.approx(theirs["lr"])
+        ref_evals = [r["loss"] for r in metric_records(alone / name, "eval")]
+        our_evals = [r["adapters"][name]["loss"] for r in metric_records(out, "eval")][:len(ref_evals)]
+        assert our_evals == pytest.approx(ref_evals, abs=1e-5), name
+        theirs = load_file((weights_alone or alone) / name / "phase1" / "adapter" / "adapter_model.safetensors")
+        mine = load_file(out / "phase1" / "adapters" / name / "adapter_model.safetensors")
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            torch.testing.assert_close(mine[key], theirs[key], atol=1e-5, rtol=1e-5)
+        reference = json.loads((alone / name / "phase1" / "summary.json").read_text())
+        for key in ("train_loss_first", "train_loss_last", "eval_loss_before", "eval_loss_after", "skipped_steps"):
+            assert summary["adapters"][name][key] == pytest.approx(reference[key], abs=1e-5), (name, key)
+    return summary
+
+
+@pytest.fixture(scope="module")
+def together(tiny_model_dir, data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("together")
+    config = side_by_side_config(root, tiny_model_dir, data, "one_device")
+    assert main.main(["--config", str(config), "--phase", "1"]) == 0
+    return root / "one_device", config
+
+
+def test_each_adapter_trains_as_it_would_alone_on_one_device(together, alone, tiny_model_dir, data, capsys):
+    out, _ = together
+    summary = assert_each_as_alone(out, alone)
+    assert summary["steps"] == 4 and summary["compiles_after_warmup"] == 0
+    assert {n: s["steps"] for n, s in summary["adapters"].items()} == {"text": 4, "chat": 3}
+    # The adapter each writes is what `evaluate` serves: its eval loss is the summary's.
+    for name, a in ADAPTERS.items():
+        assert evaluate_main(["--model", str(tiny_model_dir), "--adapter", summary["adapters"][name]["adapter"],
+                              "--data", str(data[a["phase"]]), "--json"]) == 0
+        loss = json.loads(capsys.readouterr().out)["loss"]
+        assert loss == pytest.approx(summary["adapters"][name]["eval_loss_after"], abs=1e-4), name
+    checkpoint = out / "phase1" / "checkpoints" / "step_00000004"
+    assert sorted(p.name for p in (checkpoint / "adapters").iterdir()) == ["chat", "text"]
+    assert (out / "loss.png").stat().st_size > 10_000
+
+
+def test_a_resumed_run_resumes_every_adapter_bitwise(together, tmp_path):
+    out, config = together
+    copy = tmp_path / "resumed"
+    shutil.copytree(out, copy)
+    for name in ADAPTERS:
+        (copy / "phase1" / "adapters" / name / "adapter_model.safetensors").unlink()
+    checkpoint = copy / "phase1" / "checkpoints" / "step_00000002"
+    assert main.main(["--config", str(config), "--phase", "1", f"output_dir={copy}", "--resume", str(checkpoint)]) == 0
+    for name in ADAPTERS:
+        resumed = load_file(copy / "phase1" / "adapters" / name / "adapter_model.safetensors")
+        uninterrupted = load_file(out / "phase1" / "adapters" / name / "adapter_model.safetensors")
+        assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted), name
+    assert json.loads((copy / "phase1" / "summary.json").read_text())["resumed_from_step"] == 2
+
+
+def test_a_diverging_adapter_stops_alone_and_the_other_trains_on(alone, tiny_model_dir, data, tmp_path,
+                                                                 monkeypatch, capsys):
+    # chat's loss is NaN from step 2 on (the adapters' rows are in the YAML's order: chat, text).
+    poison_nan_in_steps(monkeypatch, steps=set(range(2, 10)), grad_accum=2, group=0)
+    config = side_by_side_config(tmp_path, tiny_model_dir, data, "diverging", dropout=0.1,
+                                 train={"micro_batch": 4, "grad_accum": 2, "loss_chunk_tokens": 48,
+                                        "max_bad_steps": 2})
+    assert main.main(["--config", str(config), "--phase", "1"]) == 0
+    assert "adapter chat stopped at step 3: 2 consecutive steps had a non-finite loss" in capsys.readouterr().out
+    summary = assert_each_as_alone(tmp_path / "diverging", alone, adapters=["text"])
+    chat = summary["adapters"]["chat"]
+    assert chat["diverged_at_step"] == 3 and chat["skipped_steps"] == 2
+    written = load_file(tmp_path / "diverging" / "phase1" / "adapters" / "chat" / "adapter_model.safetensors")
+    assert all(torch.isfinite(t).all() for t in written.values())
+
+
+def test_two_replica_threads_of_the_tpu_launcher_train_each_as_alone(alone_without_dropout, tiny_model_dir, data,
+                                                                     tmp_path):
+    config = side_by_side_config(tmp_path, tiny_model_dir, data, "threads", micro_batch=2, dropout=0.0,
+                                 train={"micro_batch": 2, "grad_accum": 2, "loss_chunk_tokens": 48,
+                                        "capture_step": False})
+    run = LaunchedRun(["--config", str(config), "--phase", "1"], tmp_path / "run.log", devices=2)
+    assert run.wait(240) == [0], run.output()
+    summary = assert_each_as_alone(tmp_path / "threads", alone_without_dropout)
+    assert summary["world_size"] == 2 and summary["compiles_after_warmup"] == 0
+
+
+def test_fsdp_on_four_devices_trains_each_as_alone(alone, tiny_model_dir, data, tmp_path):
+    """Losses against the runs alone on one device; weights against runs alone under fsdp too:
+    Adam divides by sqrt(v), so the sharded sums' other rounding moves a weight by ~1e-5 from
+    the one-device run's after 4 steps (test_fsdp.py), alone or side by side."""
+    fsdp = {"parallel": {"mode": "fsdp"},
+            "model": {"path": str(tiny_model_dir), "dtype": "float32", "activation_checkpointing": True}}
+    config = side_by_side_config(tmp_path, tiny_model_dir, data, "fsdp", micro_batch=1, dropout=0.1, **fsdp)
+    configs = [config] + [
+        write_run_config(tmp_path / f"{name}.yaml", tiny_model_dir, data, tmp_path / "alone" / name,
+                         **sections(1, 0.1), **fsdp,
+                         phase1={"data": str(data[a["phase"]]), "lr": a["lr"], "max_steps": a["max_steps"]})
+        for name, a in ADAPTERS.items()]
+    for path in configs:
+        proc = train_in_fresh_process(path, "--phase", "1", env={"CPU_NUM_DEVICES": "4"})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = assert_each_as_alone(tmp_path / "fsdp", alone, weights_alone=tmp_path / "alone")
+    assert summary["parallel"]["mode"] == "fsdp" and summary["compiles_after_warmup"] == 0
