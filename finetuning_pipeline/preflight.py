@@ -50,7 +50,7 @@ from utils.hub_models import HubModelError, model_dir
 def check_data(config: RunConfig) -> dict:
     """The trainer's own start-up checks (shards against the tokenizer, seq_len, phases), when
     the model's tokenizer and the data are on disk."""
-    from finetuning_pipeline.run.input_checks import check_inputs
+    from finetuning_pipeline.run.input_checks import check_inputs, phase_data
 
     phases = phases_of(config)
     try:
@@ -58,7 +58,8 @@ def check_data(config: RunConfig) -> dict:
     except HubModelError:  # a Hub id not downloaded yet
         on_disk = False
     missing = [] if on_disk else [f"model.path {config.model.path} (config.json)"]
-    missing += [f"phase{p}.data {config.phase(p).data}" for p in phases if not Path(config.phase(p).data).is_dir()]
+    missing += [f"phase{p}.{'data' if name is None else f'adapters.{name}.data'} {data}"
+                for p, name, data in phase_data(config, phases) if not Path(data).is_dir()]
     if missing:
         return {"status": "skipped", "detail": f"not on disk yet: {', '.join(missing)}; run preflight again once "
                 "the model is downloaded and the data prepared"}
@@ -95,6 +96,13 @@ def format_report(report: dict) -> str:
         lines.append(f"      parallel: {phase['parallel_advice']}")
         if "sessions" in phase:
             lines.append(f"      sessions: {phase['sessions']} of train.max_wall_time={report['max_wall_time']}")
+        if "one_after_another" in phase:
+            apart, saved = phase["one_after_another"], phase["one_after_another"]["tpu_hours_saved"]
+            why = (f"saves {saved:.2f}: one compile" if saved >= 0 else
+                   f"costs {-saved:.2f} more: an adapter with fewer steps than the longest still runs its rows")
+            lines.append(f"      side by side: {phase['inputs']['adapters']} adapters in {phase['tpu_hours']:.2f} "
+                         f"TPU-hours; one after another {apart['tpu_hours']:.2f} ({why}; the plan counts FLOPs, so "
+                         "the base's weights read once for all adapters are not credited: see the README)")
     lines.append(f"  total: {p['tpu_hours']:.2f} TPU-hours on {p['tpu_type']}; fits: {p['fits']}")
     return "\n".join(lines)
 

@@ -6,6 +6,7 @@ of every phase (tpu_plan.py has the model). Used by preflight and by make tpu-ch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -55,16 +56,19 @@ def load_architecture(model_path: str, revision: str | None = None):
 
 
 def phases_of(config: RunConfig) -> list[int]:
-    return [p for p in config.phase_numbers() if config.phase(p).data]
+    """The phases with data (or adapters side by side, each with its own)."""
+    return [p for p in config.phase_numbers() if config.phase(p).data or config.phase(p).adapters]
 
 
 def seq_len_of(config: RunConfig, phase: int) -> int:
-    data = config.phase(phase).data
+    """The phase's sequence length: its prepared data's (side by side: one for all its adapters), else
+    phaseN.seq_len."""
+    data = next(iter(config.data_dirs(phase).values()))
     if (Path(data) / MANIFEST_NAME).is_file():
         return read_manifest(data)["seq_len"]
     if config.phase(phase).seq_len:
         return config.phase(phase).seq_len
-    raise ConfigError(f"phase{phase}.seq_len: {config.phase(phase).data} is not prepared yet, so set the sequence "
+    raise ConfigError(f"phase{phase}.seq_len: {data} is not prepared yet, so set the sequence "
                       f"length to plan with (e.g. phase{phase}.seq_len=2048)")
 
 
@@ -118,9 +122,11 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
                       grad_accum=config.train.grad_accum, seq_len=seq_len_of(config, phase),
                       checkpointing=config.model.activation_checkpointing, lora_r=config.lora.r,
                       lora_targets=list(config.lora.target_modules), lora_dropout=config.lora.dropout,
-                      steps=config.max_steps(phase), fsdp_axis=fsdp_axis, loss_chunk=loss_chunk, attention=attention,
+                      steps=config.max_steps(phase), adapters=max(1, len(config.phase(phase).adapters)),
+                      fsdp_axis=fsdp_axis, loss_chunk=loss_chunk, attention=attention,
                       capture_step=config.train.capture_step,
-                      scanned_layers=model_config is not None and layers_scanned(config, model_config, mode),
+                      scanned_layers=(model_config is not None and not config.phase(phase).adapters
+                                      and layers_scanned(config, model_config, mode)),  # (side by side: unscanned)
                       assumed_mfu=measured.get("mfu", config.tpu.assumed_mfu),
                       compile_s_per_layer=measured.get("compile_s_per_layer", config.tpu.compile_s_per_layer),
                       compile_s_scanned=measured.get("compile_s_scanned", config.tpu.compile_s_scanned))
@@ -136,6 +142,22 @@ def layers_scanned(config: RunConfig, model_config, mode: str | None = None) -> 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
     return scan_decision(model, config.train.scan_layers, (mode or config.parallel.mode) == "fsdp") is None
+
+
+def one_after_another(config: RunConfig, phase: int, shape, tpu, inputs: PlanInputs, together: dict,
+                      model_config) -> dict:
+    """Adapters side by side against the same adapters trained one after another, each a run of
+    its own steps with a compile of its own: the TPU-hours side by side saves. The plan's step
+    time is its FLOPs at the assumed MFU, which side by side does not change per token, so what
+    it saves here are the compiles (and model loads, not counted); the base's weights read once
+    for K adapters per step are not credited (`make bench-side-by-side` measures that on a CPU)."""
+    scanned = layers_scanned(config, model_config)  # alone, an adapter's layers may be scanned
+    alone = [plan(shape, tpu, dataclasses.replace(inputs, adapters=1, steps=config.adapter_max_steps(phase, name),
+                                                  scanned_layers=scanned))
+             for name in config.phase(phase).adapters]
+    hours = round(sum(p["tpu_hours"] for p in alone), 3)
+    return {"tpu_hours": hours, "tpu_hours_saved": round(hours - together["tpu_hours"], 3),
+            "hbm_per_chip_gib": max(p["hbm_per_chip_gib"] for p in alone)}
 
 
 def make_plan(config: RunConfig, model_config) -> dict:
@@ -158,6 +180,9 @@ def make_plan(config: RunConfig, model_config) -> dict:
             planned["chip_hours"] = round(planned["tpu_hours"] * planned["inputs"]["chips"], 2)
         if not phases[f"phase{phase}"]["fits"]:
             phases[f"phase{phase}"]["to_fit"] = suggestions(shape, tpu, inputs)
+        if inputs.adapters > 1:
+            phases[f"phase{phase}"]["one_after_another"] = one_after_another(config, phase, shape, tpu, inputs,
+                                                                            phases[f"phase{phase}"], model_config)
     first = next(iter(phases.values()))
     return {
         "tpu_type": config.tpu.type,

@@ -72,8 +72,20 @@ def small_run(config: RunConfig, *, model_path: Path, output_dir: Path, data: di
         run["parallel"]["mesh"] = {"data": -1, "fsdp": 1} if config.parallel.mesh.fsdp == 1 else {"data": 1,
                                                                                                    "fsdp": -1}
     for phase in config.phase_numbers():
-        run[f"phase{phase}"].update(data=str(data[phase]) if phase in data else "", max_steps=None, seq_len=None)
+        section = run[f"phase{phase}"]
+        section.update(max_steps=None, seq_len=None)
+        if section["adapters"]:  # side by side: every adapter on the rehearsal's data of the phase
+            section["adapters"] = {name: {**adapter, "data": str(data[phase]), "max_steps": None}
+                                   for name, adapter in section["adapters"].items()}
+        else:
+            section["data"] = str(data[phase]) if phase in data else ""
     return run
+
+
+def trained_adapter(config: RunConfig, out: RunLayout, phase: int) -> Path:
+    """The phase's adapter, or its first adapter side by side."""
+    names = list(config.phase(phase).adapters)
+    return out.side_by_side_adapters(phase) / names[0] if names else out.adapter(phase)
 
 
 def rehearsal_data(config: RunConfig, phases: list[int], root: Path, data_ready: bool) -> tuple[dict, Path, str]:
@@ -81,18 +93,20 @@ def rehearsal_data(config: RunConfig, phases: list[int], root: Path, data_ready:
     else the bundled samples under the demo's tokenizer."""
     if data_ready:
         tokenizer = Path(config.model.tokenizer or model_dir(config.model.path, config.model.revision))
-        return {p: Path(config.phase(p).data) for p in phases}, tokenizer, "prepared data (phaseN.data)"
+        # (adapters side by side rehearse on their first adapter's data)
+        return ({p: Path(next(iter(config.data_dirs(p).values()))) for p in phases}, tokenizer,
+                "prepared data (phaseN.data)")
     from dataset import prepare
     from dataset.samples import ALPACA, CHAT_QA, DOMAIN_TEXT
     from finetuning_pipeline.demo.tiny_model import write_tiny_model
 
     tokenizer = write_tiny_model(root / "tokenizer")
-    inputs = {1: [DOMAIN_TEXT], 2: [CHAT_QA, ALPACA]}
+    inputs = {1: [DOMAIN_TEXT], 2: [CHAT_QA, ALPACA]}  # phase 1 text, every later phase chat
     data = {}
     for phase in phases:
         data[phase] = root / f"data{phase}"
         args = ["--tokenizer", str(tokenizer), "--seq-len", "128", "--out", str(data[phase]), "--quiet"]
-        for path in inputs[phase]:
+        for path in inputs[min(phase, 2)]:
             args += ["--input", str(path)]
         if prepare.main(args) != 0:
             raise RuntimeError("preparing the bundled samples failed")
@@ -141,7 +155,7 @@ def rehearse(config: RunConfig, model_config, root: Path, data_ready: bool, *, p
                        for p, s in summaries.items()}
 
     first = phases[0]
-    adapter_file = out.adapter(first) / "adapter_model.safetensors"
+    adapter_file = trained_adapter(config, out, first) / "adapter_model.safetensors"
     uninterrupted = load_file(adapter_file)
     checkpoint = out.checkpoints(first) / "step_00000002"
     proc = run_trainer(config_path, ["--phase", str(first), "--resume", str(checkpoint)], mode, log)
@@ -156,7 +170,7 @@ def rehearse(config: RunConfig, model_config, root: Path, data_ready: bool, *, p
     from finetuning_pipeline.model.merged_export import export_merged
 
     last = phases[-1]  # served as the run's summary says: the adapters merged beneath it, then its own
-    adapters = [str(out.adapter(n)) for n in config.lineage(last)[0]] + [str(out.adapter(last))]
+    adapters = [str(out.adapter(n)) for n in config.lineage(last)[0]] + [str(trained_adapter(config, out, last))]
     merged = export_merged(str(root / "model"), adapters, str(root / "merged"))
     AutoModelForCausalLM.from_pretrained(merged)  # plain transformers, no project code
     steps["export"] = str(merged)

@@ -25,6 +25,10 @@ gradients only, no weight gradients): 4N with N the matmul parameters (lm_head i
 embeddings not); attention 12 * layers * seq_len * width (QK^T and AV on the full square the
 masked kernel computes, forward plus twice that backward); the LoRA branch 6 * r * (in + out)
 per adapted layer. Activation checkpointing adds one more forward (2N + 4 * layers * seq_len * width).
+
+Adapters side by side (PlanInputs.adapters = K): each micro-batch holds micro_batch rows of
+each adapter, so activations, logits and FLOPs are those of K * micro_batch rows, and each
+adapter has its LoRA and optimizer; the weights are held once.
 """
 
 from __future__ import annotations
@@ -142,13 +146,14 @@ class PlanInputs:
     capture_step: bool = True  # train.capture_step: one micro-batch compiled, whatever grad_accum
     scanned_layers: bool = False  # train.scan_layers as resolved for the model: one layer compiled
     compile_s_scanned: float = 0.0  # compile seconds of a phase with scanned layers (tpu.compile_s_scanned)
+    adapters: int = 1  # adapters trained side by side: micro_batch rows of each, and a LoRA and optimizer each
 
 
 def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
     """The HBM, speed and cost plan of one phase; see the module docstring."""
     devices = tpu.devices
     act_bytes = DTYPE_BYTES[inputs.dtype]
-    tokens = inputs.micro_batch * inputs.seq_len  # per device per micro-batch
+    tokens = inputs.micro_batch * inputs.seq_len * inputs.adapters  # per device per micro-batch
     weights_full = shape.total_params * act_bytes
     if inputs.mode == "fsdp":
         shards = devices if inputs.fsdp_axis == -1 else inputs.fsdp_axis
@@ -156,7 +161,7 @@ def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
     else:
         weights = weights_full
     lora_params = shape.lora_params(inputs.lora_r, inputs.lora_targets)
-    lora_and_optimizer = lora_params * 16
+    lora_and_optimizer = lora_params * 16 * inputs.adapters
     per_layer = activation_bytes_per_token_layer(shape, inputs.seq_len, act_bytes, inputs.lora_dropout > 0,
                                                  inputs.attention != "dense")
     if inputs.checkpointing:

@@ -116,6 +116,8 @@ def validate(config: RunConfig) -> None:
         if phase.adapters:
             validate_side_by_side(config, number)
     for number in config.phase_numbers():
+        if not (config.phase(number).data or config.phase(number).adapters):
+            continue  # a phase not written (phase 2 of a phase-1-only config) builds on nothing
         merged, continued = config.lineage(number)
         for earlier in merged + ([continued] if continued else []):
             if config.phase(earlier).adapters:

@@ -171,3 +171,29 @@ def test_a_9b_model_at_32k_context_fits_a_v6e_8_only_with_kernel_attention(tmp_p
     assert phase["hbm_breakdown_gib"]["logits"] < 1  # one chunk of 256 tokens x 256k vocabulary
     if attention == "dense":
         assert phase["hbm_breakdown_gib"]["activations"] > 60  # the [heads, L, L] scores of a layer
+
+
+def test_adapters_side_by_side_are_planned_against_the_same_adapters_one_after_another(tmp_path):
+    """The shipped four-adapter config: K adapters' rows and K LoRAs with their optimizers on
+    one base held once; one after another costs the same steps plus K compiles. An adapter with
+    fewer steps than the longest makes side by side cost more (its rows still run)."""
+    config = CONFIGS / "qwen25_05b_four_adapters_v3_8.yaml"
+    code, report = run_preflight(tmp_path, config)
+    assert code == 0
+    phase = report["phases"]["phase1"]
+    assert phase["inputs"]["adapters"] == 4 and not phase["inputs"]["scanned_layers"]
+    code, alone = run_preflight(tmp_path / "alone", config, "phase1.adapters={}", "phase1.data=d")
+    assert code == 0
+    one = alone["phases"]["phase1"]
+    assert one["inputs"]["adapters"] == 1
+    assert phase["tokens_per_step"] == 4 * one["tokens_per_step"]
+    assert phase["hbm_breakdown_gib"]["weights"] == one["hbm_breakdown_gib"]["weights"]
+    assert phase["hbm_breakdown_gib"]["lora_and_optimizer"] == pytest.approx(
+        4 * one["hbm_breakdown_gib"]["lora_and_optimizer"], abs=2e-3)
+    apart = phase["one_after_another"]
+    assert apart["tpu_hours"] == pytest.approx(4 * one["tpu_hours"], abs=2e-3)
+    # Side by side compiles once, its layers unscanned (not yet supported side by side); each run alone its own.
+    assert apart["tpu_hours_saved"] == pytest.approx(
+        (4 * one["compile_s"] - phase["compile_s"]) / 3600, abs=2e-3)
+    _, uneven = run_preflight(tmp_path / "uneven", config, "phase1.adapters.docs.max_steps=500")
+    assert uneven["phases"]["phase1"]["one_after_another"]["tpu_hours_saved"] < 0

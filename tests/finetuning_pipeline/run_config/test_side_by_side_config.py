@@ -96,3 +96,10 @@ def test_a_merge_chain_through_a_side_by_side_phase_is_refused(tmp_path):
 def test_an_unknown_key_of_an_adapter_in_the_yaml_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown key phase1\.adapters\.sql\.nope"):
         side_by_side(tmp_path, text=SIDE_BY_SIDE.replace("sql: {data: d_sql,", "sql: {data: d_sql, nope: 1,"))
+
+
+def test_a_side_by_side_phase_alone_needs_no_later_phase_written(tmp_path):
+    """Phase 2 not written is empty (init continue by default): it builds on nothing, so a
+    side-by-side phase 1 alone is a config of its own."""
+    config = side_by_side(tmp_path, text=SIDE_BY_SIDE.replace("phase2: {data: d2, init: fresh}\n", ""))
+    assert config.phase(2).data == "" and config.phase(2).init == "continue"
