@@ -31,5 +31,11 @@ def test_the_notebook_runs_the_demo_top_to_bottom(tmp_path, monkeypatch):
     for phase in (1, 2):
         assert json.loads((out / f"phase{phase}" / "summary.json").read_text())["steps"] == 3
     assert (out / "merged" / "model.safetensors").is_file() and (out / "loss.png").is_file()
+    # Two adapters side by side in one run, each written as its own adapter.
+    assert "side by side: text: eval loss" in printed and "side by side: chat: eval loss" in printed
+    side_by_side = json.loads((out / "side_by_side" / "phase1" / "summary.json").read_text())
+    assert {name: s["steps"] for name, s in side_by_side["adapters"].items()} == {"text": 3, "chat": 3}
+    for name in ("text", "chat"):
+        assert (out / "side_by_side" / "phase1" / "adapters" / name / "adapter_model.safetensors").is_file()
     assert any(output.get("output_type") == "execute_result" and "image/png" in output.get("data", {})
                for output in notebook.cells[-1].outputs)  # the loss plot is shown
