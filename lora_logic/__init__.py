@@ -21,7 +21,7 @@ _MODULE_OF = {
     "merge_and_unload": "merge", "merge_lora": "merge", "unmerge_lora": "merge",
     "SideBySideLoRALinear": "side_by_side", "adapter_names": "side_by_side", "adapter_parameters": "side_by_side",
     "adapter_state_dict": "side_by_side", "inject_side_by_side": "side_by_side", "load_side_by_side": "side_by_side",
-    "only_adapter": "side_by_side", "save_side_by_side": "side_by_side",
+    "lora_parameters_by_adapter": "side_by_side", "only_adapter": "side_by_side", "save_side_by_side": "side_by_side",
 }
 __all__ = sorted(_MODULE_OF)
 

@@ -82,8 +82,8 @@ class ScannedLayers(nn.Module):
         for name, _ in template.named_buffers():
             self.register_buffer(self.keys[name], torch.stack([layer.get_buffer(name) for layer in layers]),
                                  persistent=False)
-        self.lora_names = [f"{name}.{part}" for name, m in template.named_modules() if isinstance(m, LoRALinear)
-                           for part in ("lora_A.weight", "lora_B.weight")]
+        # The trainable weights: LoRA's A and B (of each adapter, side by side), in module order.
+        self.lora_names = [name for name, param in template.named_parameters() if param.requires_grad]
         self.dropouts = [name for name, m in template.named_modules() if isinstance(m, SeededDropout)]
         self.salt_keys = {name: "salt:" + name.replace(".", ":") for name in self.dropouts}
         for name, key in self.salt_keys.items():
@@ -121,7 +121,8 @@ class ScannedLayers(nn.Module):
         return calls[index]
 
     def lora_parameters(self) -> list[nn.Parameter]:
-        """The stacked LoRA weights ([layers, r, in] and [layers, out, r]), A then B per target."""
+        """The stacked LoRA weights ([layers, r, in] and [layers, out, r]), A then B per target
+        (side by side: each adapter's A, then each one's B, per target)."""
         return [self.get_parameter(self.keys[name]) for name in self.lora_names]
 
     def lora_state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -280,9 +281,13 @@ def _structure(layer: nn.Module) -> dict:
 # -- the layout of LoRA tensors with scanned layers: per layer (checkpoints) or stacked (the optimizer)
 def _lora_groups(model: nn.Module) -> Iterator[tuple[int, int | None]]:
     """(tensors in lora_parameters, layers stacked in each or None) per LoRA owner, in order."""
+    from lora_logic.side_by_side import SideBySideLoRALinear  # (it imports this module's users)
+
     for _, module in model.named_modules():
         if isinstance(module, LoRALinear):
             yield 2, None
+        elif isinstance(module, SideBySideLoRALinear):
+            yield 2 * len(module.adapters), None
         elif isinstance(module, ScannedLayers):
             yield len(module.lora_names), module.count
 

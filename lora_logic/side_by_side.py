@@ -31,6 +31,7 @@ from lora_logic.config import LoraConfig, lora_scaling
 from lora_logic.dropout import SeededDropout
 from lora_logic.inject import matches_target
 from lora_logic.layer import init_lora_A_, init_lora_B_
+from lora_logic.layer_scan import ScannedLayers
 
 
 class SideBySideLoRALinear(nn.Module):
@@ -128,26 +129,60 @@ def inject_side_by_side(model: nn.Module, adapters: dict[str, LoraConfig]) -> li
 
 
 def side_by_side_modules(model: nn.Module) -> list[tuple[str, SideBySideLoRALinear]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, SideBySideLoRALinear)]
+    """The model's SideBySideLoRALinear layers, those of scanned layers' template too (it holds
+    their settings, not their weights: see layer_scan.py)."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, SideBySideLoRALinear):
+            found.append((name, module))
+        elif isinstance(module, ScannedLayers):
+            found += [(f"{name}.<template>.{n}", m) for n, m in module.template.named_modules()
+                      if isinstance(m, SideBySideLoRALinear)]
+    return found
+
+
+def adapter_of(parameter_name: str) -> str:
+    """The adapter of a side-by-side weight, from its name ("...q_proj.lora_A.<adapter>.weight")."""
+    parts = parameter_name.split(".")
+    where = max(i for i, part in enumerate(parts) if part in ("lora_A", "lora_B"))
+    return parts[where + 1]
+
+
+def lora_parameters_by_adapter(model: nn.Module) -> tuple[list[nn.Parameter], list[str]]:
+    """The model's trainable LoRA weights in module order (layer_scan's layout: a scanned
+    stack each, per_layer_lora's order unscanned), and the adapter of each."""
+    params, owners = [], []
+    for _, module in model.named_modules():
+        if isinstance(module, SideBySideLoRALinear):
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        elif isinstance(module, ScannedLayers):
+            named = list(zip(module.lora_names, module.lora_parameters()))
+        else:
+            continue
+        params += [p for _, p in named]
+        owners += [adapter_of(n) for n, _ in named]
+    return params, owners
 
 
 def adapter_parameters(model: nn.Module, adapter: str) -> list[nn.Parameter]:
     """One adapter's trainable weights (A then B of each layer it adapts), in layer order."""
-    params = []
-    for _, module in side_by_side_modules(model):
-        if adapter in module.lora_A:
-            params += [module.lora_A[adapter].weight, module.lora_B[adapter].weight]
-    return params
+    params, owners = lora_parameters_by_adapter(model)
+    return [p for p, owner in zip(params, owners) if owner == adapter]
 
 
 def adapter_state_dict(model: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
     """One adapter's weights under the names a model of it alone has (lora_state_dict's
-    "<module path>.lora_A.weight"), so adapter_io writes it as a PEFT adapter of its own."""
+    "<module path>.lora_A.weight"), so adapter_io writes it as a PEFT adapter of its own.
+    Scanned layers give each layer's weights, as host copies (ScannedLayers.lora_state_dict)."""
     state = {}
-    for name, module in side_by_side_modules(model):
-        if adapter in module.lora_A:
+    for name, module in model.named_modules():
+        if isinstance(module, SideBySideLoRALinear) and adapter in module.lora_A:
             state[f"{name}.lora_A.weight"] = module.lora_A[adapter].weight.detach()
             state[f"{name}.lora_B.weight"] = module.lora_B[adapter].weight.detach()
+        elif isinstance(module, ScannedLayers):
+            for key, tensor in module.lora_state_dict(name).items():
+                if adapter_of(key) == adapter:
+                    state[key.replace(f".{adapter}.weight", ".weight")] = tensor
     return state
 
 

@@ -125,8 +125,7 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
                       steps=config.max_steps(phase), adapters=max(1, len(config.phase(phase).adapters)),
                       fsdp_axis=fsdp_axis, loss_chunk=loss_chunk, attention=attention,
                       capture_step=config.train.capture_step,
-                      scanned_layers=(model_config is not None and not config.phase(phase).adapters
-                                      and layers_scanned(config, model_config, mode)),  # (side by side: unscanned)
+                      scanned_layers=model_config is not None and layers_scanned(config, model_config, mode),
                       assumed_mfu=measured.get("mfu", config.tpu.assumed_mfu),
                       compile_s_per_layer=measured.get("compile_s_per_layer", config.tpu.compile_s_per_layer),
                       compile_s_scanned=measured.get("compile_s_scanned", config.tpu.compile_s_scanned))

@@ -118,12 +118,12 @@ def save_checkpoint(root: str | Path, step: int, *, model, optimizer,
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        state = optimizer.state_dict()
-        if isinstance(lora_config, dict):  # adapters side by side: adapters/<name>/ each (no scanned layers)
+        if isinstance(lora_config, dict):  # adapters side by side: adapters/<name>/ each
             save_side_by_side(model, staging / SIDE_BY_SIDE_DIR, lora_config, base_model)
         else:
             save_adapter(model, staging, lora_config, base_model)
-            state.update({key: per_layer_lora(model, state[key]) for key in ("exp_avg", "exp_avg_sq")})
+        state = optimizer.state_dict()
+        state.update({key: per_layer_lora(model, state[key]) for key in ("exp_avg", "exp_avg_sq")})
         torch.save(to_cpu(state), staging / "optimizer.pt")
         torch.save(rng_state(), staging / "rng.pt")
         (staging / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2) + "\n")
@@ -245,8 +245,7 @@ def load_optimizer_state(path: str | Path, *, model, optimizer) -> None:
     file = Path(path) / "optimizer.pt"
     state = torch.load(file, map_location="cpu", weights_only=True)
     try:
-        if not adapter_names(model):
-            state.update({key: stacked_lora(model, state[key]) for key in ("exp_avg", "exp_avg_sq")})
+        state.update({key: stacked_lora(model, state[key]) for key in ("exp_avg", "exp_avg_sq")})
         optimizer.load_state_dict(state)
     except ValueError as err:
         raise ValueError(f"{file} does not fit this model's LoRA: {err}") from None

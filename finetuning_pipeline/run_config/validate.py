@@ -132,7 +132,7 @@ ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 def validate_side_by_side(config: RunConfig, number: int) -> None:
     """A phase of adapters side by side: two or more, named as directories can be, each with its
-    own data and its own lr and steps in range; fresh or on a merged base; layers unscanned."""
+    own data and its own lr and steps in range; fresh or on a merged base."""
     phase, key = config.phase(number), f"phase{number}.adapters"
     if len(phase.adapters) < 2:
         raise ConfigError(f"{key}: side by side needs two adapters or more, got {list(phase.adapters)}; for one, "
@@ -144,9 +144,6 @@ def validate_side_by_side(config: RunConfig, number: int) -> None:
         raise ConfigError(f"phase{number}.init=continue: adapters side by side start fresh, not from phase "
                           f"{number - 1}'s adapter; set phase{number}.init=fresh, or merge to train them on the base "
                           "with it merged")
-    if config.train.scan_layers:
-        raise ConfigError(f"train.scan_layers=true: the layers of adapters trained side by side ({key}) are not "
-                          "scanned yet; set train.scan_layers=false (or leave it unset)")
     for name, adapter in phase.adapters.items():
         if not ADAPTER_NAME.fullmatch(name):
             raise ConfigError(f"{key}.{name}: an adapter's name is its output directory's: letters, digits, _ and -, "

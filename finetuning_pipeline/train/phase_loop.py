@@ -56,10 +56,10 @@ from finetuning_pipeline.train.phase_data import PhaseData
 from finetuning_pipeline.train.stepper import Stepper
 from lora_logic import (
     ScannedLayers,
-    adapter_parameters,
     inject_lora,
     inject_side_by_side,
     lora_parameters,
+    lora_parameters_by_adapter,
     only_adapter,
     save_adapter,
     save_side_by_side,
@@ -243,9 +243,7 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
         # The resumed adapter goes into the layers before they are stacked (on the host), the
         # optimizer's moments into the optimizer built on the stacks.
         state = load_checkpoint(resume_from, model=model) if resume_from else {}
-        # (Layers of adapters side by side are not scanned: validate refuses train.scan_layers=true.)
-        scanned = scan_layers(model, False if adapters else t.scan_layers,
-                              activation_checkpointing=config.model.activation_checkpointing,
+        scanned = scan_layers(model, t.scan_layers, activation_checkpointing=config.model.activation_checkpointing,
                               spmd=parallel.mesh is not None)
     checkpointer = Checkpointer(layout.checkpoints(phase), every=config.checkpoint.every, keep=config.checkpoint.keep,
                                 collectives=parallel.collectives, base_model=config.model.path, lora_config=lora_config)
@@ -261,8 +259,8 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     model.train()
     params, groups = lora_parameters(model), None
     if adapters:  # one optimizer, a group per adapter (adamw.py)
-        each = [adapter_parameters(model, name) for name in adapters]
-        params, groups = sum(each, []), [k for k, ps in enumerate(each) for _ in ps]
+        params, owners = lora_parameters_by_adapter(model)
+        groups = [adapters.index(owner) for owner in owners]
     optimizer = MaskedAdamW(params, lr=config.lr(phase), betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
                             groups=groups)
     if resume_from:

@@ -1,10 +1,10 @@
 """Adapters trained side by side, end to end on XLA:CPU: two adapters, each with its own data
 (raw text and chat), learning rate and number of steps, in one run over one frozen base. Each
 one's per-step losses, evaluations and final weights equal a run of it alone with the same
-seeds (fp32, 1e-5): on one device (LoRA dropout on, chunked loss, captured step), on two
-replica threads of the TPU launcher (the step traced every time), and under fsdp on four SPMD
-devices with activation checkpointing. A resumed run resumes both bitwise; an adapter that
-diverges stops alone and the other trains on as if alone."""
+seeds (fp32, 1e-5): on one device (LoRA dropout on, chunked loss, captured step), with the
+layers scanned and recomputed, on two replica threads of the TPU launcher (the step traced every
+time), and under fsdp on four SPMD devices with activation checkpointing. A resumed run
+resumes both bitwise; an adapter that diverges stops alone and the other trains on as if alone."""
 
 from __future__ import annotations
 
@@ -128,6 +128,30 @@ def test_a_resumed_run_resumes_every_adapter_bitwise(together, tmp_path):
         uninterrupted = load_file(out / "phase1" / "adapters" / name / "adapter_model.safetensors")
         assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted), name
     assert json.loads((copy / "phase1" / "summary.json").read_text())["resumed_from_step"] == 2
+
+
+def test_scanned_layers_with_activation_checkpointing_train_each_as_alone_and_resume_bitwise(alone, tiny_model_dir,
+                                                                                           data, tmp_path):
+    """The decoder layers as one XLA loop over their stacked weights (each adapter's A and B
+    stacked with the base's), recomputed in the backward: each adapter is still its run alone,
+    and a resume from a checkpoint (its optimizer state stored per layer) is bitwise."""
+    config = side_by_side_config(tmp_path, tiny_model_dir, data, "scanned",
+                                 train={"micro_batch": 4, "grad_accum": 2, "loss_chunk_tokens": 48,
+                                        "scan_layers": True},
+                                 model={"path": str(tiny_model_dir), "dtype": "float32",
+                                        "activation_checkpointing": True})
+    assert main.main(["--config", str(config), "--phase", "1"]) == 0
+    out = tmp_path / "scanned"
+    summary = assert_each_as_alone(out, alone)
+    assert summary["scanned_layers"] and summary["compiles_after_warmup"] == 0
+    uninterrupted = {name: load_file(out / "phase1" / "adapters" / name / "adapter_model.safetensors")
+                     for name in ADAPTERS}
+    checkpoint = out / "phase1" / "checkpoints" / "step_00000002"
+    assert main.main(["--config", str(config), "--phase", "1", "--resume", str(checkpoint)]) == 0
+    assert json.loads((out / "phase1" / "summary.json").read_text())["resumed_from_step"] == 2
+    for name in ADAPTERS:
+        resumed = load_file(out / "phase1" / "adapters" / name / "adapter_model.safetensors")
+        assert all(torch.equal(resumed[k], uninterrupted[name][k]) for k in resumed), name
 
 
 def test_a_diverging_adapter_stops_alone_and_the_other_trains_on(alone, tiny_model_dir, data, tmp_path,

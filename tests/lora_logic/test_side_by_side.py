@@ -1,5 +1,6 @@
 """Adapters side by side over one frozen base (lora_logic/side_by_side.py): each adapter's rows,
-outputs, gradients, initial weights and dropout masks are those of a model of it alone."""
+outputs, gradients, initial weights and dropout masks are those of a model of it alone; one
+adapter on every row is a model of it alone; each is written and read as a PEFT adapter."""
 
 from __future__ import annotations
 
@@ -10,13 +11,18 @@ import torch
 import torch.nn.functional as F
 from conftest import random_tokens, tiny_causal_lm
 
-from lora_logic import LoraConfig, inject_lora, lora_parameters, lora_state_dict
+from lora_logic import LoraConfig, inject_lora, load_adapter, lora_parameters, lora_state_dict
 from lora_logic.dropout import set_dropout_seed
 from lora_logic.side_by_side import (
     SideBySideLoRALinear,
+    adapter_names,
     adapter_parameters,
     adapter_state_dict,
     inject_side_by_side,
+    load_side_by_side,
+    lora_parameters_by_adapter,
+    only_adapter,
+    save_side_by_side,
 )
 
 ADAPTERS = {  # different ranks, scalings, dropout and targets
@@ -104,3 +110,37 @@ def test_rows_that_do_not_split_into_the_adapters_groups_are_refused(models):
     together, _ = models
     with pytest.raises(ValueError, match="5 rows do not split into 3 equal groups, one per adapter"):
         together(random_tokens(5, SEQ))
+
+
+def test_one_adapter_alone_on_every_row_is_a_model_of_it_alone(models):
+    """only_adapter (evaluation, generation): every row through one adapter, as its model alone."""
+    together, alone = models
+    together.eval()
+    tokens = random_tokens(ROWS, SEQ, seed=5)
+    for name in ADAPTERS:
+        with only_adapter(together, name):
+            ours = together(tokens).logits
+        torch.testing.assert_close(ours, alone[name].eval()(tokens).logits, rtol=1e-5, atol=1e-5)
+    assert adapter_names(together) == list(ADAPTERS)  # the rows' groups are back
+
+
+def test_each_adapter_is_written_as_its_own_peft_adapter_and_read_back(models, tmp_path):
+    together, alone = models
+    written = save_side_by_side(together, tmp_path, ADAPTERS, "tiny-base")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(ADAPTERS)
+    for name, directory in written.items():
+        fresh = copy.deepcopy(alone[name])
+        for p in lora_parameters(fresh):
+            torch.nn.init.zeros_(p)
+        load_adapter(fresh, directory)  # a PEFT adapter of one adapter: what a model of it alone loads
+        assert all(torch.equal(a, b) for a, b in zip(lora_parameters(fresh), lora_parameters(alone[name])))
+    copy_of = copy.deepcopy(together)
+    for p in lora_parameters_by_adapter(copy_of)[0]:
+        torch.nn.init.zeros_(p)
+    load_side_by_side(copy_of, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(lora_parameters_by_adapter(copy_of)[0],
+                                                  lora_parameters_by_adapter(together)[0]))
+    (tmp_path / "docs" / "adapter_model.safetensors").write_bytes(
+        (tmp_path / "chat" / "adapter_model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=r"docs/adapter_model\.safetensors does not fit adapter 'docs'"):
+        load_side_by_side(copy_of, tmp_path)

@@ -181,7 +181,7 @@ def test_adapters_side_by_side_are_planned_against_the_same_adapters_one_after_a
     code, report = run_preflight(tmp_path, config)
     assert code == 0
     phase = report["phases"]["phase1"]
-    assert phase["inputs"]["adapters"] == 4 and not phase["inputs"]["scanned_layers"]
+    assert phase["inputs"]["adapters"] == 4 and phase["inputs"]["scanned_layers"]
     code, alone = run_preflight(tmp_path / "alone", config, "phase1.adapters={}", "phase1.data=d")
     assert code == 0
     one = alone["phases"]["phase1"]
@@ -192,8 +192,6 @@ def test_adapters_side_by_side_are_planned_against_the_same_adapters_one_after_a
         4 * one["hbm_breakdown_gib"]["lora_and_optimizer"], abs=2e-3)
     apart = phase["one_after_another"]
     assert apart["tpu_hours"] == pytest.approx(4 * one["tpu_hours"], abs=2e-3)
-    # Side by side compiles once, its layers unscanned (not yet supported side by side); each run alone its own.
-    assert apart["tpu_hours_saved"] == pytest.approx(
-        (4 * one["compile_s"] - phase["compile_s"]) / 3600, abs=2e-3)
+    assert apart["tpu_hours_saved"] == pytest.approx(3 * one["compile_s"] / 3600, abs=2e-3)  # one compile, not 4
     _, uneven = run_preflight(tmp_path / "uneven", config, "phase1.adapters.docs.max_steps=500")
     assert uneven["phases"]["phase1"]["one_after_another"]["tpu_hours_saved"] < 0
