@@ -43,12 +43,8 @@ class MetricsLog:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
             if self.tb is not None:
-                scalars = {key: value for key, value in record.items() if key not in ("kind", "step")}
-                for name, values in record.get("adapters", {}).items():  # side by side: kind/<adapter>/loss, ...
-                    scalars.update({f"{name}/{key}": value for key, value in values.items()})
-                for key, value in scalars.items():
-                    if isinstance(value, (int, float)):
-                        self.tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+                for key, value in record_scalars(record).items():
+                    self.tb.add_scalar(key, value, record["step"])
             if self.wandb is not None:
                 self.wandb.write(record)
 
@@ -58,6 +54,16 @@ class MetricsLog:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish(summary)
+
+
+def record_scalars(record: dict) -> dict[str, float]:
+    """A record's numbers as TensorBoard and W&B plot them: "train/loss", ..., and side by side
+    each adapter's, "train/<adapter>/loss", ... (flags, text and missing values left out)."""
+    values = {key: value for key, value in record.items() if key not in ("kind", "step", "adapters")}
+    for name, each in record.get("adapters", {}).items():
+        values.update({f"{name}/{key}": value for key, value in each.items()})
+    return {f"{record['kind']}/{key}": value for key, value in values.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
 def read_metrics(path: str | Path) -> list[dict]:

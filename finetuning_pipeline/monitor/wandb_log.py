@@ -15,6 +15,8 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
+from finetuning_pipeline.monitor.metrics_log import record_scalars
+
 
 class WandbLog:
     """One phase's W&B run: `write` a metrics record, `finish` with the phase summary (or None)."""
@@ -32,9 +34,7 @@ class WandbLog:
         id_file.write_text(run_id)
 
     def write(self, record: dict) -> None:
-        values = {f"{record['kind']}/{key}": value for key, value in record.items()
-                  if key not in ("kind", "step") and isinstance(value, (int, float)) and not isinstance(value, bool)}
-        self.run.log(values, step=record["step"])
+        self.run.log(record_scalars(record), step=record["step"])
 
     def finish(self, summary: dict | None) -> None:
         if summary is not None:

@@ -119,6 +119,7 @@ class Stepper:
         enabled = self.enabled.cpu()
         enabled[groups] = False
         self.enabled = enabled.to(self.device)
+        self.parallel.replicate([self.enabled])  # as at the start (an unmarked input is another graph under SPMD)
 
     def __call__(self, step: int, micro_batches: list[dict]) -> dict:
         # The random numbers of step k (LoRA and the model's dropout) depend on (seed, phase,
@@ -160,10 +161,13 @@ class Stepper:
         the gradients on the first step's inputs, the update on zeros of their results' shapes."""
         sums = self.gradients.capture(inputs)
         examples = [torch.zeros(sums[k][0], dtype=sums[k][1]) for k in ("grad", "loss_total", "tokens")]
-        lr, active = self.lr_and_active()
-        examples.append(torch.zeros(lr.shape, dtype=lr.dtype))
-        if active is not None:
-            examples.append(torch.zeros(active.shape, dtype=active.dtype))
+        # The LR ([1], or [K] side by side) and which adapters step: shapes only, so that nothing
+        # is pending at the capture (lr_and_active would trace a lookup).
+        adapters = self.schedule.shape[1] if self.grouped else None
+        examples.append(torch.zeros(self.step_count.shape if adapters is None else (adapters,),
+                                    dtype=self.schedule.dtype))
+        if adapters is not None:
+            examples.append(torch.zeros(adapters, dtype=torch.bool))
         self.update.capture([t.to(self.device) for t in examples])
 
 
