@@ -2,7 +2,7 @@
 the loss stay fp32) with buffer donation on (XLA_ENABLE_PARAM_ALIASING=1, torch_xla's default on
 a TPU; every other CPU test turns it off for host speed), through the hard cases: the captured
 step with scanned layers and the chunked loss, a resume, fsdp on four devices, two
-sliding-window families, and a curriculum's merge and continue.
+sliding-window families, a curriculum's merge and continue, and adapters side by side.
 
 Each TPU-path run is a process of its own (aliasing is read when torch_xla starts, and this
 process runs with it off) under train.recompile_policy=error: a graph compiled after warm-up
@@ -20,7 +20,8 @@ import shutil
 import pytest
 import torch
 from model_families import FAMILIES
-from trainer_helpers import adapter_tensors, train_in_fresh_process, train_losses, write_run_config
+from safetensors.torch import load_file
+from trainer_helpers import adapter_tensors, metric_records, train_in_fresh_process, train_losses, write_run_config
 
 from finetuning_pipeline import main
 
@@ -156,3 +157,26 @@ def test_a_curriculum_merges_and_continues_in_bf16_with_donation(tiny_model_dir,
     assert [(s[n]["compiles_total"], s[n]["step_donated_buffers"]) for n in (2, 3)] == [(0, None)] * 2
     assert s[3]["eval_loss_before"] == pytest.approx(s[2]["eval_loss_after"], rel=1e-5)  # continued: no rounding
     assert s[2]["eval_loss_before"] == pytest.approx(s[1]["eval_loss_after"], rel=1e-4)  # merged into bf16 W0
+
+
+def test_adapters_side_by_side_in_bf16_with_donation(tiny_model_dir, data, tmp_path):
+    """Two adapters side by side (raw text and chat, their own lr) on the TPU path: captured,
+    scanned, the chunked loss; every per-adapter state tensor (step counts, flags, counters)
+    donated, nothing compiled after warm-up, each adapter's losses within LOSS_TOLERANCE of the
+    same run in fp32, and each written in fp32."""
+    adapters = {"text": {"data": str(data[1])}, "chat": {"data": str(data[2]), "lr": 5e-3}}
+    changes = {"phase1": {"data": "", "adapters": adapters}, "phase2": {"data": "", "init": "fresh"}}
+    reference = write_config(tmp_path, tiny_model_dir, data, "side_by_side", "float32", **changes)
+    assert main.main(["--config", str(reference), "--phase", "1"]) == 0
+    train_on_tpu_path(write_config(tmp_path, tiny_model_dir, data, "side_by_side", "bfloat16", **changes))
+    out, fp32 = tmp_path / "side_by_side_bfloat16", tmp_path / "side_by_side_float32"
+    ran = summary(out)
+    assert ran["compiles_after_warmup"] == 0 and ran["host_syncs_per_step"] == 0 and ran["scanned_layers"]
+    assert ran["step_donated_buffers"] == ran["step_updated_state_tensors"] > 0, ran
+    for name in adapters:
+        ours, theirs = ([r["adapters"][name]["loss"] for r in metric_records(run)] for run in (out, fp32))
+        assert len(ours) == len(theirs) == 8
+        gaps = [abs(a - b) for a, b in zip(ours, theirs)]
+        assert 0 < max(gaps) <= LOSS_TOLERANCE, (name, gaps)
+        written = load_file(out / "phase1" / "adapters" / name / "adapter_model.safetensors")
+        assert {t.dtype for t in written.values()} == {torch.float32}, name
