@@ -50,12 +50,13 @@ def measure(layers: int, grad_accum: int, mode: str, steps: int) -> dict:
     import torch_xla.core.xla_model as xm
     from transformers import MistralConfig, MistralForCausalLM
 
+    from finetuning_pipeline.distributed.parallel import Parallel
     from finetuning_pipeline.model.scan_choice import scan_layers
-    from finetuning_pipeline.run.parallel import Parallel
     from finetuning_pipeline.run_config import load_config
     from finetuning_pipeline.train.adamw import MaskedAdamW
     from finetuning_pipeline.train.stepper import Stepper
-    from lora_logic import inject_lora, lora_parameters
+    from lora_logic.adapters import lora_parameters
+    from lora_logic.inject import inject_lora
     from utils.xla_counters import read_counters
     from utils.xla_runtime import init_xla_device
 

@@ -66,13 +66,11 @@ def build_model(shape: dict, root: Path) -> Path:
 
 
 def prepare_data(model_dir: Path, seq_len: int, out: Path) -> Path:
-    from dataset import prepare
+    from dataset.prepare import PrepareOptions, prepare
     from dataset.samples import DOMAIN_TEXT
 
-    args = ["--input", str(DOMAIN_TEXT), "--tokenizer", str(model_dir), "--seq-len", str(seq_len),
-            "--out", str(out), "--quiet", "--eval-fraction", "0.05"]
-    if prepare.main(args) != 0:
-        raise SystemExit("prepare failed")
+    prepare(PrepareOptions(inputs=[str(DOMAIN_TEXT)], tokenizer=str(model_dir), seq_len=seq_len, out=str(out),
+                           quiet=True, eval_fraction=0.05))
     return out
 
 

@@ -441,6 +441,13 @@ class Progress:
 
 
 # -- command line ------------------------------------------------------------------------------
+def prepare(options: PrepareOptions) -> dict:
+    """Prepare `options.inputs` into `options.out` (the command's work, for code that calls it);
+    returns the stats it wrote to stats.json. Bad input raises DataError, OutputConflict,
+    TokenizerError or HubModelError, each naming the file, the record or the option."""
+    return Preparation(options).run()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dataset.prepare",
@@ -530,7 +537,7 @@ def summary(stats: dict, out: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         options = options_from_args(argv)
-        stats = Preparation(options).run()
+        stats = prepare(options)
     except (DataError, OutputConflict, TokenizerError, HubModelError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

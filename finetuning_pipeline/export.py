@@ -27,8 +27,8 @@ import argparse
 import sys
 
 from finetuning_pipeline.errors import run_command
-from finetuning_pipeline.model.combined_export import export_combined
-from finetuning_pipeline.model.merged_export import DTYPES, export_merged
+from finetuning_pipeline.exporters.combined import export_combined
+from finetuning_pipeline.exporters.merged import DTYPES, export_merged
 from lora_logic.combine import COMBINE_METHODS
 from utils.hub_models import resolve_model
 

@@ -13,7 +13,7 @@ checkpoints/, metrics.jsonl, summary.json; the run writes output_dir/loss.png.
 Without --config, the config named by $TPU_LORA_CONFIG, else the embedded default (the demo's,
 with its paths under the repository wherever the command is started from; its tiny model and
 data are built first if missing). On a TPU the replicas are started the TPU host's way
-(run/launch.py: a process per chip, a replica thread per device); `parallel.launcher=tpu` takes
+(distributed/launch.py: a process per chip, a replica thread per device); `parallel.launcher=tpu` takes
 that same path on a CPU. On a CPU the world is otherwise one replica, run in this process, or
 N replicas started by `PJRT_DEVICE=CPU torchrun --standalone --nproc-per-node N
 finetuning_pipeline/main.py ...` (they talk through gloo on the loopback: collectives.py).
@@ -36,9 +36,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: python finetuning_pipeline/main.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from finetuning_pipeline.distributed.collectives import launch_rank, torchrun_world
 from finetuning_pipeline.errors import ConfigError, OutputWriteError, run_command
 from finetuning_pipeline.run.checkpointing import complete_checkpoints
-from finetuning_pipeline.run.collectives import launch_rank, torchrun_world
 from finetuning_pipeline.run.input_checks import check_inputs, pin_model
 from finetuning_pipeline.run.resume_plan import PhasePlan, check_resumable, plan_phases
 from finetuning_pipeline.run.run_layout import OutputLock, RunLayout
@@ -107,8 +107,8 @@ def run_replica(config: RunConfig, plans: list[PhasePlan], resume_command: str, 
     """Entry point of each replica (one per chip under dp, one per host under fsdp), on the
     main thread of its process or on a launcher's worker thread. Every replica runs the same
     phases and stops after the same one."""
-    from finetuning_pipeline.run.host_agreement import check_hosts_agree
-    from finetuning_pipeline.run.parallel import start
+    from finetuning_pipeline.distributed.host_agreement import check_hosts_agree
+    from finetuning_pipeline.distributed.parallel import start
     from finetuning_pipeline.run.stop_signal import StopOnSignal
 
     parallel, device = start(config.parallel.mode, (config.parallel.mesh.data, config.parallel.mesh.fsdp),
@@ -182,8 +182,9 @@ def train(argv: list[str] | None) -> int:
     phases = selected_phases(args.phase, config)
     pin_model(config)
     check_inputs(config, phases)
-    plans = plan_phases(config, phases, args.resume, args.force)
-    check_resumable(config, plans, args.accept_changes)
+    say = print if launch_rank() == 0 else (lambda *args: None)  # torchrun: the plan's notes once
+    plans = plan_phases(config, phases, args.resume, args.force, say)
+    check_resumable(config, plans, args.accept_changes, say)
     budget = WallClockBudget(parse_duration(config.train.max_wall_time) if config.train.max_wall_time else None,
                              started, label=config.train.max_wall_time or "")
     if plans:
@@ -202,9 +203,9 @@ def train(argv: list[str] | None) -> int:
 
 
 def start_replicas(config: RunConfig, args: tuple) -> None:
-    """run_replica on every replica of this host, started as parallel.launcher says (run/launch.py)."""
-    from finetuning_pipeline.run.launch import apply_single_chip, launch_replicas, resolve_launcher
-    from finetuning_pipeline.run.parallel import use_compile_cache
+    """run_replica on every replica of this host, started as parallel.launcher says (distributed/launch.py)."""
+    from finetuning_pipeline.distributed.launch import apply_single_chip, launch_replicas, resolve_launcher
+    from finetuning_pipeline.distributed.parallel import use_compile_cache
     from utils.xla_runtime import device_kind
 
     kind = device_kind()

@@ -32,6 +32,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dataset.errors import DataError
+from finetuning_pipeline.checks.rehearsal import rehearse
 from finetuning_pipeline.model.loading import check_lora_targets
 from finetuning_pipeline.planning.phase_plan import (
     layers_scanned,
@@ -40,7 +41,6 @@ from finetuning_pipeline.planning.phase_plan import (
     phases_of,
     planned_generation,
 )
-from finetuning_pipeline.planning.rehearsal import rehearse
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import ConfigError, RunConfig, load_config
 from utils.atomic_io import atomic_write_json
@@ -58,8 +58,7 @@ def check_data(config: RunConfig) -> dict:
     except HubModelError:  # a Hub id not downloaded yet
         on_disk = False
     missing = [] if on_disk else [f"model.path {config.model.path} (config.json)"]
-    missing += [f"phase{p}.{'data' if name is None else f'adapters.{name}.data'} {data}"
-                for p, name, data in phase_data(config, phases) if not Path(data).is_dir()]
+    missing += [f"{key} {data}" for _, key, data in phase_data(config, phases) if not Path(data).is_dir()]
     if missing:
         return {"status": "skipped", "detail": f"not on disk yet: {', '.join(missing)}; run preflight again once "
                 "the model is downloaded and the data prepared"}
@@ -102,7 +101,7 @@ def format_report(report: dict) -> str:
                    f"costs {-saved:.2f} more: an adapter with fewer steps than the longest still runs its rows")
             lines.append(f"      side by side: {phase['inputs']['adapters']} adapters in {phase['tpu_hours']:.2f} "
                          f"TPU-hours; one after another {apart['tpu_hours']:.2f} ({why}; the plan counts FLOPs, so "
-                         "the base's weights read once for all adapters are not credited: see the README)")
+                         "the base's weights read once for all adapters are not credited: see docs/several-tasks.md)")
     lines.append(f"  total: {p['tpu_hours']:.2f} TPU-hours on {p['tpu_type']}; fits: {p['fits']}")
     return "\n".join(lines)
 

@@ -7,7 +7,7 @@ On a 2-layer copy of the configured model (the real width on a TPU), in the conf
 mode and dtype, it trains a few steps as configured and once per TPU-only path with that path
 turned off, and prints one line per check: kernel vs dense attention, captured vs traced step,
 scanned vs looped layers, bf16 vs fp32, the replicas' sums vs one chip, no recompile and no host
-sync, buffer donation, HBM in use vs the plan, compile seconds and MFU (planning/device_check.py).
+sync, buffer donation, HBM in use vs the plan, compile seconds and MFU (checks/device_check.py).
 A failed line names the setting that avoids it. On a CPU it runs what a CPU can and says what it
 skipped.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetuning_pipeline.planning.device_check import device_check, format_report, write_report
+from finetuning_pipeline.checks.device_check import device_check, format_report, write_report
 from finetuning_pipeline.planning.phase_plan import load_architecture, seq_len_of
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import ConfigError, load_config
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     try:
         config = load_config(args.config, args.overrides)
-        if not config.phase1.data and not config.phase1.seq_len:
+        if not config.phase(1).data and not config.phase(1).seq_len:
             raise ConfigError("phase1.seq_len: the check trains at phase 1's sequence length; set phase1.data or "
                               "phase1.seq_len")
         seq_len = seq_len_of(config, 1)

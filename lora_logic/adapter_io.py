@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -19,8 +20,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 from torch import nn
 
-from lora_logic.config import LoraConfig
-from lora_logic.inject import inject_lora, lora_modules, lora_state_dict
+from lora_logic.adapters import adapter_names, lora_modules, lora_state_dict
+from lora_logic.config import DEFAULT_ADAPTER, LoraConfig, adapter_set
+from lora_logic.inject import inject_lora
 from utils.atomic_io import atomic_write_bytes, atomic_write_json
 
 CONFIG_NAME = "adapter_config.json"
@@ -28,23 +30,41 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
-def save_adapter(
+def save_adapters(
     model: nn.Module,
-    directory: str | os.PathLike,
-    config: LoraConfig,
+    directories: str | os.PathLike | Mapping[str, str | os.PathLike],
+    configs: LoraConfig | Mapping[str, LoraConfig],
     base_model_name_or_path: str,
     revision: str | None = None,
-) -> Path:
-    """Write the model's LoRA weights (fp32, on CPU) and config to `directory`; returns it.
-    revision: the base's Hub commit, when the base is a Hub id.
+) -> dict[str, Path]:
+    """Write each adapter of `configs` ({name: config}; a LoraConfig alone: the model's only
+    adapter) as a PEFT adapter of its own in its directory of `directories` ({name: directory};
+    one directory for a set of one): fp32 weights on the CPU and the config. Returns the
+    directories. revision: the base's Hub commit, when the base is a Hub id.
 
     Each file is written atomically. On XLA, call `torch_xla.sync()` first so the weights
     are the ones after the last step; the copy to CPU below waits for them.
     """
-    tensors = {name: tensor.to("cpu").contiguous() for name, tensor in lora_state_dict(model).items()}
-    if not tensors:
-        raise ValueError("save_adapter: the model has no LoRA layers; nothing to save")
-    return write_adapter(directory, tensors, config, base_model_name_or_path, revision)
+    configs = adapter_set(configs)
+    directories = _per_adapter(directories, list(configs))
+    written = {}
+    for name, config in configs.items():
+        tensors = {key: tensor.to("cpu").contiguous() for key, tensor in lora_state_dict(model, name).items()}
+        if not tensors:
+            raise ValueError(f"save_adapters: the model has no LoRA weights of adapter {name!r}; nothing to save")
+        written[name] = write_adapter(directories[name], tensors, config, base_model_name_or_path, revision)
+    return written
+
+
+def _per_adapter(directories, names: list[str]) -> dict[str, Path]:
+    """{adapter: its directory} from a mapping, or from one directory for a set of one adapter."""
+    if not isinstance(directories, Mapping):
+        if len(names) != 1:
+            raise ValueError(f"{len(names)} adapters ({', '.join(names)}) need a directory each, got one")
+        return {names[0]: Path(directories)}
+    if list(directories) != names:
+        raise ValueError(f"directories for adapters {list(directories)}, but the adapters are {names}")
+    return {name: Path(d) for name, d in directories.items()}
 
 
 def write_adapter(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], config: LoraConfig,
@@ -111,33 +131,61 @@ def read_weights_file(weights_path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{weights_path}: unreadable safetensors file ({err})") from None
 
 
-def load_adapter(model: nn.Module, directory: str | os.PathLike) -> LoraConfig:
-    """Load a PEFT-layout adapter into `model`; returns its config.
+def load_adapters(model: nn.Module, directories: str | os.PathLike | Mapping[str, str | os.PathLike]
+                  ) -> dict[str, LoraConfig]:
+    """Load PEFT-layout adapters into `model`: {adapter: its directory}, or one directory for a
+    model's only adapter (DEFAULT_ADAPTER). Returns {adapter: its config}.
 
-    A model without LoRA layers is injected first with the adapter's own config. Every key
-    and shape is checked: a missing, unexpected or misshapen tensor is an error that lists
-    them, and nothing is loaded unless everything fits.
+    A model without LoRA layers is injected first with the adapters' own configs (several:
+    side by side, in the mapping's order). Every key and shape is checked: a missing,
+    unexpected or misshapen tensor is an error that lists them, and nothing is loaded unless
+    every adapter fits.
     """
-    config, _ = read_adapter_config(directory)
+    if not isinstance(directories, Mapping):
+        directories = {DEFAULT_ADAPTER: directories}
+    directories = {name: Path(d) for name, d in directories.items()}
+    configs = {name: read_adapter_config(d)[0] for name, d in directories.items()}
     modules = list(lora_modules(model))
     if not modules:
-        inject_lora(model, config)
+        inject_lora(model, configs)
         modules = list(lora_modules(model))
+    names = adapter_names(model)
+    if set(names) != set(directories):
+        raise ValueError(f"the model's adapters are {names}, the adapters to load {list(directories)}; "
+                         "load them into a fresh base model")
     merged = [name for name, m in modules if m.merged]
     if merged:
-        raise ValueError(f"load_adapter: {len(merged)} LoRA layers are merged (e.g. {merged[0]!r}); unmerge first")
-    mismatched = [name for name, m in modules if m.r != config.r or m.scaling != config.scaling]
-    if mismatched:
-        m = dict(modules)[mismatched[0]]
-        raise ValueError(
-            f"{Path(directory) / CONFIG_NAME}: r={config.r}, scaling={config.scaling:g} but the model's LoRA "
-            f"layer {mismatched[0]!r} has r={m.r}, scaling={m.scaling:g}; load into a fresh base model"
-        )
+        raise ValueError(f"load_adapters: {len(merged)} LoRA layers are merged (e.g. {merged[0]!r}); unmerge first")
+    loaded = []
+    for adapter, directory in directories.items():
+        config = configs[adapter]
+        mismatched = [(name, m) for name, m in modules
+                      if adapter in m.lora_A and (m.r[adapter] != config.r or m.scaling[adapter] != config.scaling)]
+        if mismatched:
+            name, m = mismatched[0]
+            raise ValueError(
+                f"{directory / CONFIG_NAME}: r={config.r}, scaling={config.scaling:g} but the model's LoRA layer "
+                f"{name!r} has r={m.r[adapter]}, scaling={m.scaling[adapter]:g}; load into a fresh base model"
+            )
+        weights_path = directory / WEIGHTS_NAME
+        tensors = read_weights_file(weights_path)
+        expected = {PEFT_PREFIX + name: t for name, t in lora_state_dict(model, adapter).items()}
+        problems = _misfits(expected, tensors)
+        if problems:
+            fits = f"this model ({type(model).__name__})"
+            if len(directories) > 1:
+                fits = f"adapter {adapter!r} of this model"
+            raise ValueError(f"{weights_path} does not fit {fits}: " + " | ".join(problems))
+        loaded.append((expected, tensors))
+    with torch.no_grad():
+        for expected, tensors in loaded:
+            for key, param in expected.items():
+                param.copy_(tensors[key].to(dtype=param.dtype))
+    return configs
 
-    weights_path = Path(directory) / WEIGHTS_NAME
-    tensors = read_weights_file(weights_path)
 
-    expected = {PEFT_PREFIX + name: t for name, t in lora_state_dict(model).items()}
+def _misfits(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The missing, unexpected and misshapen tensors of a file against the model's, as lines."""
     missing = sorted(expected.keys() - tensors.keys())
     unexpected = sorted(tensors.keys() - expected.keys())
     misshapen = sorted(
@@ -150,12 +198,4 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> LoraConfig:
         if items:
             shown = "; ".join(items[:5]) + (f"; ... ({len(items) - 5} more)" if len(items) > 5 else "")
             problems.append(f"{len(items)} {label}: {shown}")
-    if problems:
-        raise ValueError(
-            f"{weights_path} does not fit this model ({type(model).__name__}): " + " | ".join(problems)
-        )
-
-    with torch.no_grad():
-        for key, param in expected.items():
-            param.copy_(tensors[key].to(dtype=param.dtype))
-    return config
+    return problems

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 DEFAULT_TARGET_MODULES = (
@@ -14,6 +15,11 @@ DEFAULT_TARGET_MODULES = (
     "up_proj",
     "down_proj",
 )
+
+
+# The name of a model's only adapter: PEFT's own ("default"), which it also strips from the keys
+# it saves, so a set of one adapter reads and writes as PEFT's single adapter does.
+DEFAULT_ADAPTER = "default"
 
 
 def lora_scaling(alpha: float, r: int, use_rslora: bool) -> float:
@@ -133,3 +139,13 @@ class LoraConfig:
             )
         except KeyError as missing:
             raise ValueError(f"{source}: required field {missing} is missing") from None
+
+
+def adapter_set(adapters: "LoraConfig | Mapping[str, LoraConfig]") -> dict[str, LoraConfig]:
+    """A set of adapters, {name: config} in their order: a LoraConfig alone is the set of one
+    adapter named DEFAULT_ADAPTER (PEFT's `get_peft_model(model, config)` names it so too)."""
+    if isinstance(adapters, LoraConfig):
+        return {DEFAULT_ADAPTER: adapters}
+    if not adapters:
+        raise ValueError("a set of adapters needs at least one {name: LoraConfig}")
+    return dict(adapters)

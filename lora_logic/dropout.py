@@ -73,7 +73,8 @@ class SeededDropout(nn.Module):
 
 def set_dropout_seed(model: nn.Module, seed: torch.Tensor | None) -> None:
     """Seed every SeededDropout in `model` (an int32 tensor [1] on the model's device); None
-    returns them to RNG dropout. Reaches the template of scanned layers too (layer_scan.py)."""
+    returns them to RNG dropout. Reaches the template of scanned layers too (any module with
+    `seeded_dropouts()`: finetuning_pipeline/model/layer_scan.py)."""
     for module in model.modules():
         if isinstance(module, SeededDropout):
             module.seed = seed

@@ -1,4 +1,20 @@
-"""`LoRALinear`: a frozen `nn.Linear` plus a trainable low-rank update."""
+"""`LoRALinear`: a frozen `nn.Linear` plus trainable low-rank updates, one per adapter.
+
+The adapters are keyed by name, PEFT's own in-memory layout (`lora_A[name]`, `lora_B[name]`,
+`lora_dropout[name]`, `scaling[name]`). A model with one adapter is a set of one: its only
+name is DEFAULT_ADAPTER and every row of a batch goes through it. Adapters trained side by
+side split a batch's rows into equal groups, one per adapter, in the order `groups` gives
+(the same in every layer of the model); each row goes through the frozen base once and
+through its own group's adapter:
+
+    y = W0 x + b0                                                   (all rows at once)
+    y[k*b:(k+1)*b] += scaling_k * B_k A_k dropout_k(x[k*b:(k+1)*b])  (group k: adapter k)
+
+so the base's weights are read once for every adapter (what makes a small-batch step, bound
+by reading those weights, cheaper than K steps of K models), and each adapter's gradients
+are those of its own rows' loss only. A layer that some adapter of the model does not target
+leaves that adapter's rows to the base.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +23,7 @@ import math
 import torch
 from torch import nn
 
-from lora_logic.config import lora_scaling
+from lora_logic.config import DEFAULT_ADAPTER, LoraConfig, lora_scaling
 from lora_logic.dropout import SeededDropout
 
 
@@ -22,11 +38,18 @@ def init_lora_B_(weight: torch.Tensor) -> None:
     nn.init.zeros_(weight)
 
 
+def scaling_buffer(adapter: str) -> str:
+    """The name of an adapter's scaling tensor among the layer's buffers."""
+    return f"lora_scaling_{adapter}"
+
+
 class LoRALinear(nn.Module):
-    """y = W0 x + b0 + scaling * B(A(dropout(x))), with W0, b0 frozen and A, B trainable.
+    """y = W0 x + b0 + scaling * B(A(dropout(x))) per adapter, with W0, b0 frozen and each
+    adapter's A, B trainable.
 
     Wraps (does not subclass) `base_layer`, so any `nn.Linear` (bias or not, any dtype) works
     and the base stays reachable as `self.base_layer`, the name PEFT gives it too.
+    groups: the model's adapters in the order of their rows in a batch (one adapter: every row).
 
     Shapes: x [..., in] -> A: [r, in] -> [..., r] -> B: [out, r] -> [..., out]. The update is
     applied as two thin matmuls; the [out, in] product B A is only formed by `merge()`.
@@ -41,82 +64,119 @@ class LoRALinear(nn.Module):
     the branch. `merge()`/`unmerge()` are idempotent and never write NaN/inf into W0.
     """
 
-    def __init__(
-        self,
-        base_layer: nn.Linear,
-        r: int,
-        alpha: float,
-        dropout: float = 0.0,
-        use_rslora: bool = False,
-        lora_dtype: torch.dtype = torch.float32,
-        dropout_salt: int = 0,
-    ) -> None:
+    def __init__(self, base_layer: nn.Linear, groups: list[str] | tuple[str, ...] = (DEFAULT_ADAPTER,)) -> None:
         super().__init__()
         if not isinstance(base_layer, nn.Linear):
             raise TypeError(f"LoRALinear wraps nn.Linear, got {type(base_layer).__name__}")
-        if r <= 0:
-            raise ValueError(f"r must be positive, got {r}")
+        if not groups:
+            raise ValueError("LoRALinear needs the model's adapters (groups), at least one")
         self.base_layer = base_layer
-        self.r = r
-        self.alpha = alpha
-        self.use_rslora = use_rslora
-        self.scaling = lora_scaling(alpha, r, use_rslora)
+        self.groups = list(groups)
         self.in_features = base_layer.in_features
         self.out_features = base_layer.out_features
-        # Seeded (lora_logic/dropout.py): the mask follows the micro-batch's seed, so a step
-        # traced once and replayed, or a recomputed layer, draws the same one.
-        self.lora_dropout = SeededDropout(dropout, dropout_salt) if dropout > 0 else nn.Identity()
-        device = base_layer.weight.device
-        self.lora_A = nn.Linear(self.in_features, r, bias=False, device=device, dtype=lora_dtype)
-        self.lora_B = nn.Linear(r, self.out_features, bias=False, device=device, dtype=lora_dtype)
-        # The scaling as a tensor that moves with the module: on XLA a Python float in an
-        # operation becomes a scalar looked up and wrapped at every trace (16 us per operation
-        # against 5 for a tensor operand, measured), in the forward and again in the backward.
-        self.register_buffer("scaling_tensor", torch.tensor(self.scaling, dtype=lora_dtype, device=device),
-                             persistent=False)
-        self.reset_lora_parameters()
+        self.lora_A = nn.ModuleDict()
+        self.lora_B = nn.ModuleDict()
+        self.lora_dropout = nn.ModuleDict()
+        self.r: dict[str, int] = {}
+        self.scaling: dict[str, float] = {}
         for p in self.base_layer.parameters():
             p.requires_grad_(False)
         self.merged = False
 
-    def reset_lora_parameters(self) -> None:
-        init_lora_A_(self.lora_A.weight)
-        init_lora_B_(self.lora_B.weight)
+    @property
+    def adapters(self) -> list[str]:
+        """The adapters this layer holds (those of `groups` that target it), in the order added."""
+        return list(self.lora_A)
+
+    def add_adapter(self, name: str, config: LoraConfig, dropout_salt: int = 0,
+                    lora_dtype: torch.dtype = torch.float32) -> None:
+        """A new adapter: A Kaiming-uniform from torch's generator, B zeros (seed the generator
+        first for a reproducible init). dropout_salt tells this layer's dropout masks from the
+        other layers' (lora_logic/dropout.py)."""
+        if name in self.lora_A or name not in self.groups:
+            raise ValueError(f"adapter {name!r}: already here, or not one of the model's adapters {self.groups}")
+        if self.merged:
+            raise ValueError(f"adapter {name!r}: the layer's adapters are merged; unmerge first")
+        device = self.base_layer.weight.device
+        self.lora_A[name] = nn.Linear(self.in_features, config.r, bias=False, device=device, dtype=lora_dtype)
+        self.lora_B[name] = nn.Linear(config.r, self.out_features, bias=False, device=device, dtype=lora_dtype)
+        init_lora_A_(self.lora_A[name].weight)
+        init_lora_B_(self.lora_B[name].weight)
+        # Seeded (lora_logic/dropout.py): the mask follows the micro-batch's seed, so a step
+        # traced once and replayed, or a recomputed layer, draws the same one.
+        self.lora_dropout[name] = SeededDropout(config.dropout, dropout_salt) if config.dropout > 0 else nn.Identity()
+        for module in (self.lora_A[name], self.lora_B[name], self.lora_dropout[name]):
+            module.train(self.training)  # the layer's mode: no live dropout in eval
+        self.r[name] = config.r
+        self.scaling[name] = lora_scaling(config.alpha, config.r, config.use_rslora)
+        # The scaling as a tensor that moves with the module: on XLA a Python float in an
+        # operation becomes a scalar looked up and wrapped at every trace (16 us per operation
+        # against 5 for a tensor operand, measured), in the forward and again in the backward.
+        self.register_buffer(scaling_buffer(name), torch.tensor(self.scaling[name], dtype=lora_dtype, device=device),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_layer(x)
+        y = self.base_layer(x)  # every group's rows at once: the base's weights read once
         if self.merged:
             return y
-        h = self.lora_dropout(x)
-        a = self.lora_A.weight.to(h.dtype)  # [r, in]
+        if len(self.groups) == 1:  # one adapter on every row: no slicing
+            name = self.groups[0]
+            return y + self._update(name, x).view(y.shape) if name in self.lora_A else y
+        rows = x.shape[0] // len(self.groups)
+        if rows * len(self.groups) != x.shape[0]:
+            raise ValueError(f"{x.shape[0]} rows do not split into {len(self.groups)} equal groups, one per adapter "
+                             f"({', '.join(self.groups)})")
+        out = []
+        for k, name in enumerate(self.groups):
+            y_k = y[k * rows:(k + 1) * rows]
+            if name in self.lora_A:
+                y_k = y_k + self._update(name, x[k * rows:(k + 1) * rows]).view(y_k.shape)
+            out.append(y_k)
+        return torch.cat(out)
+
+    def _update(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """scaling * B A dropout(x) of one adapter, [rows*seq, out]."""
+        h = self.lora_dropout[name](x)
+        a = self.lora_A[name].weight.to(h.dtype)  # [r, in]
         # Scale B ([out, r]), not the [batch, seq, out] product: the same update, one
         # activation-sized multiplication fewer in the forward and in the backward.
-        b = (self.lora_B.weight * self.scaling_tensor).to(h.dtype)  # [out, r]
+        b = (self.lora_B[name].weight * getattr(self, scaling_buffer(name))).to(h.dtype)  # [out, r]
         # Two 2-D products on the activations flattened once: F.linear on [batch, seq, in]
         # flattens and restores around each product, operations that XLA traces on the host
         # at every step, forward and backward (14 wrapped 64-wide layers: 6.6 -> 5.2 ms of tracing).
-        update = (h.reshape(-1, self.in_features) @ a.t()) @ b.t()  # [batch*seq, out]
-        return y + update.view(y.shape)
+        return (h.reshape(-1, self.in_features) @ a.t()) @ b.t()
 
-    def delta_weight(self) -> torch.Tensor:
-        """scaling * B A in fp32, [out, in]: what `merge()` adds to W0."""
-        return (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
+    def delta_weight(self, name: str) -> torch.Tensor:
+        """scaling * B A of adapter `name` in fp32, [out, in]: what `merge()` adds to W0."""
+        return (self.lora_B[name].weight.float() @ self.lora_A[name].weight.float()) * self.scaling[name]
+
+    def _merged_adapter(self, action: str) -> str | None:
+        """The adapter a merge folds in: the one every row goes through (None: it does not adapt
+        this layer). Adapters side by side serve different rows, so no one weight holds them."""
+        if len(self.groups) != 1:
+            raise ValueError(f"cannot {action} adapters side by side ({', '.join(self.groups)}): each serves its own "
+                             "rows; write them (save_adapters) and merge each into a base of its own")
+        return self.groups[0] if self.groups[0] in self.lora_A else None
 
     @torch.no_grad()
     def merge(self) -> None:
         """Fold the update into W0 (for export/inference). A no-op when already merged."""
+        name = self._merged_adapter("merge")
         if self.merged:
             return
-        self._write_base(self.base_layer.weight.float() + self.delta_weight(), "merge")
+        if name is not None:
+            self._write_base(self.base_layer.weight.float() + self.delta_weight(name), "merge")
         self.merged = True
 
     @torch.no_grad()
     def unmerge(self) -> None:
         """Subtract the update from W0 again. Exact up to rounding in W0's dtype: with a bf16
         base, W0 comes back within one bf16 rounding step, not bitwise."""
+        name = self._merged_adapter("unmerge")
         if not self.merged:
             return
-        self._write_base(self.base_layer.weight.float() - self.delta_weight(), "unmerge")
+        if name is not None:
+            self._write_base(self.base_layer.weight.float() - self.delta_weight(name), "unmerge")
         self.merged = False
 
     def _write_base(self, new_weight: torch.Tensor, action: str) -> None:
@@ -130,7 +190,6 @@ class LoRALinear(nn.Module):
         self.base_layer.weight.copy_(new_weight)
 
     def extra_repr(self) -> str:
-        return (
-            f"in={self.in_features}, out={self.out_features}, r={self.r}, "
-            f"scaling={self.scaling:g}, merged={self.merged}"
-        )
+        each = ", ".join(f"{n}: r={self.r[n]} scaling={self.scaling[n]:g}" for n in self.adapters)
+        groups = f" of {self.groups}" if self.groups != self.adapters else ""
+        return f"in={self.in_features}, out={self.out_features}, adapters={{{each}}}{groups}, merged={self.merged}"

@@ -5,23 +5,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lora_logic.inject import lora_modules
+from lora_logic.adapters import lora_modules
 
 
 def merge_lora(model: nn.Module) -> int:
-    """W0 <- W0 + scaling * B A in every LoRA layer; returns how many layers changed.
+    """W0 <- W0 + scaling * B A in every LoRA layer (a model of one adapter: adapters side by side
+    serve different rows, so none merges); returns how many layers changed.
 
     Idempotent (merged layers are skipped). Every adapter weight is checked for NaN/inf
     before the first base weight is touched, so a corrupt adapter leaves the model unmerged.
     """
     modules = list(lora_modules(model))
     if not modules:
-        raise ValueError("merge_lora: the model has no LoRA layers (call inject_lora or load_adapter first)")
+        raise ValueError("merge_lora: the model has no LoRA layers (call inject_lora or load_adapters first)")
     with torch.no_grad():
         bad = [
             name
             for name, m in modules
-            if not (bool(torch.isfinite(m.lora_A.weight).all()) and bool(torch.isfinite(m.lora_B.weight).all()))
+            if not all(bool(torch.isfinite(p).all()) for p in [*m.lora_A.parameters(), *m.lora_B.parameters()])
         ]
     if bad:
         raise ValueError(

@@ -6,7 +6,10 @@ from __future__ import annotations
 import torch
 from conftest import tiny_causal_lm
 
-from lora_logic import LoraConfig, inject_lora, lora_modules, save_adapter
+from lora_logic.adapter_io import save_adapters
+from lora_logic.adapters import lora_parameters
+from lora_logic.config import LoraConfig
+from lora_logic.inject import inject_lora
 
 BASE = "tiny-llama"
 # Two adapters of rank 4 with other scalings and partly other targets (v_proj: a1 only, o_proj:
@@ -23,10 +26,9 @@ def write_random_adapters(root):
         inject_lora(model, config)
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            for _, module in lora_modules(model):
-                module.lora_A.weight.copy_(torch.randn(module.lora_A.weight.shape, generator=generator) * 0.2)
-                module.lora_B.weight.copy_(torch.randn(module.lora_B.weight.shape, generator=generator) * 0.2)
-        save_adapter(model, root / name, config, BASE)
+            for param in lora_parameters(model):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+        save_adapters(model, root / name, config, BASE)
     return root
 
 

@@ -18,7 +18,9 @@ from transformers import (
     Qwen3Config,
 )
 
-from lora_logic import LoraConfig, inject_lora, lora_modules
+from lora_logic.adapters import lora_modules
+from lora_logic.config import LoraConfig
+from lora_logic.inject import inject_lora
 
 VOCAB, LENGTH, WINDOW = 96, 32, 6
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -49,7 +51,7 @@ def family_model(name: str) -> torch.nn.Module:
     inject_lora(model, LoraConfig(r=4, alpha=8, **({"target_modules": targets} if targets else {})))
     with torch.no_grad():
         for _, module in lora_modules(model):
-            module.lora_B.weight.normal_(std=0.05)
+            module.lora_B["default"].weight.normal_(std=0.05)
     return model.train()
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import sys
 from pathlib import Path
 
 import torch
 import yaml
 
-from dataset import prepare
+from dataset.prepare import PrepareOptions, prepare
 from dataset.samples import ALPACA, CHAT_QA, DOMAIN_TEXT
 
 SEQ_LEN = 64
@@ -24,10 +25,8 @@ def prepare_demo_data(tokenizer_dir: Path, root: Path) -> dict[int, Path]:
     out = {}
     for phase, files in inputs.items():
         out[phase] = root / f"phase{phase}"
-        args = ["--tokenizer", str(tokenizer_dir), "--seq-len", str(SEQ_LEN), "--out", str(out[phase]), "--quiet"]
-        for f in files:
-            args += ["--input", str(f)]
-        assert prepare.main(args) == 0
+        prepare(PrepareOptions(inputs=[str(f) for f in files], tokenizer=str(tokenizer_dir), seq_len=SEQ_LEN,
+                               out=str(out[phase]), quiet=True))
     return out
 
 
@@ -75,6 +74,15 @@ def publish_to_hub_cache(cache: Path, repo_id: str, commit: str, files: Path, *r
     for ref in refs:
         (repo / "refs" / ref).write_text(commit)
     return snapshot
+
+
+def kill_choices(test: str) -> random.Random:
+    """The random choices of a test that kills a run (the step, the victim), seeded so that a
+    failure replays: by KILL_SEED (default 0) and the test's name. `KILL_SEED=7 make test`
+    tries others; the seed is printed, so a failing run's log says how to replay it."""
+    seed = int(os.environ.get("KILL_SEED", "0"))
+    print(f"{test}: kill choices seeded by KILL_SEED={seed}")
+    return random.Random(f"{seed}:{test}")
 
 
 def free_port() -> int:

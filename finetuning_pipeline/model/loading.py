@@ -12,7 +12,10 @@ from pathlib import Path
 import torch
 
 from finetuning_pipeline.errors import ModelLoadError
-from lora_logic import LoraConfig, inject_lora, load_adapter, merge_and_unload
+from lora_logic.adapter_io import load_adapters
+from lora_logic.config import LoraConfig
+from lora_logic.inject import inject_lora
+from lora_logic.merge import merge_and_unload
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,25 +46,27 @@ def check_lora_targets(model_config, lora_config: LoraConfig) -> dict:
     return {"wrapped_modules": len(wrapped), "architecture": type(model).__name__}
 
 
-def add_adapter(model, adapter: str | Path, *, merge: bool) -> LoraConfig:
-    """Load the PEFT-layout adapter in `adapter` into `model`; with merge, fold it into the base
-    weights (W0 += scaling B A, in the model's dtype) and drop the LoRA layers."""
+def add_adapter(model, adapter: str | Path, *, merge: bool) -> dict[str, LoraConfig]:
+    """Load the PEFT-layout adapter in `adapter` into `model` as its only adapter; with merge,
+    fold it into the base weights (W0 += scaling B A, in the model's dtype) and drop the LoRA
+    layers. Returns the set of one, {DEFAULT_ADAPTER: its config}."""
     try:
-        config = load_adapter(model, adapter)
+        configs = load_adapters(model, adapter)
         if merge:
             merge_and_unload(model)
     except (FileNotFoundError, ValueError, OSError) as err:
         raise ModelLoadError(f"adapter {adapter}: {err}") from None
-    return config
+    return configs
 
 
 def load_model(path: str | Path, adapters: list[str | Path] = (), dtype: torch.dtype = torch.float32,
                keep_last: bool = False):
     """The base in `path` with `adapters` merged in order. keep_last: the last adapter stays a
-    trainable LoRA (not merged). Returns (model, the last adapter's LoraConfig or None)."""
+    trainable LoRA (not merged). Returns (model, the last adapter's set of one {DEFAULT_ADAPTER:
+    its LoraConfig}, or None without adapters)."""
     model = load_base(path, dtype)
-    config = None
+    configs = None
     for index, adapter in enumerate(adapters):
         last = index == len(adapters) - 1
-        config = add_adapter(model, adapter, merge=not (keep_last and last))
-    return model, config
+        configs = add_adapter(model, adapter, merge=not (keep_last and last))
+    return model, configs

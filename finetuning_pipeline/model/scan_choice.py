@@ -1,7 +1,7 @@
 """Whether a phase runs its decoder layers as one XLA loop (train.scan_layers; the loop itself
-is lora_logic/layer_scan.py), and what in a model prevents it.
+is finetuning_pipeline/model/layer_scan.py), and what in a model prevents it.
 
-Scanned, one layer is traced and compiled whatever the depth (README, "Host time per step and
+Scanned, one layer is traced and compiled whatever the depth (docs/benchmarks.md, "Host time per step and
 compile time"). Not every model can be: its layers must be identical but for their weights (a
 Gemma 3's sliding and full layers are not), and random numbers of the model's own dropout
 cannot be drawn inside the loop (each layer would draw the same masks); and under
@@ -13,7 +13,7 @@ model.attention "auto" does.
 from __future__ import annotations
 
 from finetuning_pipeline.errors import ConfigError
-from lora_logic.layer_scan import scan_decoder_layers, scannable_layers
+from finetuning_pipeline.model.layer_scan import scan_decoder_layers, scannable_layers
 
 
 def model_dropouts(settings) -> dict[str, float]:

@@ -6,7 +6,7 @@ HBM per device (a chip, or a v3 TensorCore), each term an estimate with its assu
   devices, and two decoder layers' worth are whole at once (the all-gathered layer in use
   and the next one, prefetched);
 - LoRA and optimizer: fp32 master weights, gradients and AdamW's two moments (16 bytes per
-  LoRA parameter), replicated in both modes (see finetuning_pipeline/run/parallel.py);
+  LoRA parameter), replicated in both modes (see finetuning_pipeline/distributed/parallel.py);
 - activations of one micro-batch kept for the backward: per layer and token, the hidden-size
   and MLP-size tensors a decoder layer saves, the attention score and probability matrices
   (XLA's attention materialises [heads, seq_len] per token), and the LoRA dropout masks when

@@ -1,2 +1,1 @@
-"""A run's bookkeeping: output layout, input checks, checkpoints, resume plan, stop signals,
-replicas (launch, parallel modes, collectives, the hosts' agreement)."""
+"""A run's bookkeeping: output layout, input checks, checkpoints, resume plan, stop signals."""

@@ -26,22 +26,21 @@ import numpy as np
 import torch
 
 from dataset.manifest import content_digest, read_manifest
-from finetuning_pipeline.run.run_layout import RunLayout
-from lora_logic import (
-    LoraConfig,
-    adapter_names,
-    load_adapter,
-    load_side_by_side,
-    per_layer_lora,
-    save_adapter,
-    save_side_by_side,
-    stacked_lora,
-)
+from finetuning_pipeline.run.run_layout import RunLayout, adapter_dirs
+from lora_logic.adapter_io import load_adapters, save_adapters
+from lora_logic.adapters import adapter_names, per_layer_lora, stacked_lora
+from lora_logic.config import LoraConfig, adapter_set
 from utils.atomic_io import fsync_dir
 
 COMPLETE = "COMPLETE"
 PREFIX = "step_"
 SIDE_BY_SIDE_DIR = "adapters"
+
+
+def checkpoint_adapters(path: Path, names: list[str]) -> dict[str, Path]:
+    """Where a checkpoint holds each adapter: one in the checkpoint itself (a loadable PEFT
+    adapter), adapters side by side in `adapters/<name>/` each."""
+    return adapter_dirs(names, path, path / SIDE_BY_SIDE_DIR)
 
 
 def checkpoint_name(step: int) -> str:
@@ -110,7 +109,8 @@ def save_checkpoint(root: str | Path, step: int, *, model, optimizer,
                     lora_config: LoraConfig | dict[str, LoraConfig], base_model: str, trainer_state: dict,
                     keep: int) -> Path:
     """Write checkpoint `step` under `root` (master only; call `torch_xla.sync()` first).
-    lora_config: {adapter: its config} for adapters side by side."""
+    lora_config: the model's set of adapters, {name: config} (a LoraConfig alone: its one adapter)."""
+    lora_config = adapter_set(lora_config)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
@@ -118,10 +118,7 @@ def save_checkpoint(root: str | Path, step: int, *, model, optimizer,
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        if isinstance(lora_config, dict):  # adapters side by side: adapters/<name>/ each
-            save_side_by_side(model, staging / SIDE_BY_SIDE_DIR, lora_config, base_model)
-        else:
-            save_adapter(model, staging, lora_config, base_model)
+        save_adapters(model, checkpoint_adapters(staging, list(lora_config)), lora_config, base_model)
         state = optimizer.state_dict()
         state.update({key: per_layer_lora(model, state[key]) for key in ("exp_avg", "exp_avg_sq")})
         torch.save(to_cpu(state), staging / "optimizer.pt")
@@ -147,9 +144,9 @@ def save_checkpoint(root: str | Path, step: int, *, model, optimizer,
     return final
 
 
-def data_content_key(phase: int, adapter: str | None = None) -> str:
-    """The resume key of a phase's prepared data (of one of its adapters side by side)."""
-    return f"phase{phase}.{'' if adapter is None else f'adapters.{adapter}.'}data.content"
+def data_content_key(config, phase: int, adapter: str) -> str:
+    """The resume key of the prepared data of one of a phase's adapters (RunConfig.data_key's)."""
+    return f"{config.data_key(phase, adapter)}.content"
 
 
 def resume_keys(config, phase: int, manifests: dict | None = None) -> dict:
@@ -159,11 +156,11 @@ def resume_keys(config, phase: int, manifests: dict | None = None) -> dict:
     otherwise silently continue on another stream; `phaseN.adapters.<name>.data.content` for
     each adapter side by side), and the digest of each earlier phase's adapter it is built on
     (RunConfig.lineage: an earlier phase trained again makes this phase another run).
-    manifests: the phase's, if already read ({adapter or None: manifest}, as PhaseData.manifests)."""
+    manifests: the phase's, if already read ({adapter: manifest}, as PhaseData.manifests)."""
     keys = config.exactness_keys(phase)
     for name, data in config.data_dirs(phase).items():
         manifest = manifests[name] if manifests is not None else read_manifest(data)
-        keys[data_content_key(phase, name)] = content_digest(manifest)
+        keys[data_content_key(config, phase, name)] = content_digest(manifest)
     merged, continued = config.lineage(phase)
     layout = RunLayout(config.output_dir)
     for earlier in merged + ([continued] if continued else []):
@@ -231,10 +228,7 @@ def load_checkpoint(path: str | Path, *, model) -> dict:
     returns the trainer state (step, loader position, ...)."""
     path = Path(path)
     verify_checkpoint(path)
-    if adapter_names(model):
-        load_side_by_side(model, path / SIDE_BY_SIDE_DIR)
-    else:
-        load_adapter(model, path)
+    load_adapters(model, checkpoint_adapters(path, adapter_names(model)))
     restore_rng_state(torch.load(path / "rng.pt", weights_only=False))
     return json.loads((path / "trainer_state.json").read_text())
 
@@ -262,7 +256,7 @@ class Checkpointer:
 
     def __init__(
         self, root: Path, *, every: int, keep: int, collectives, base_model: str,
-        lora_config: LoraConfig | dict[str, LoraConfig]
+        lora_config: dict[str, LoraConfig]
     ) -> None:
         self.root = Path(root)
         self.every = every

@@ -23,7 +23,7 @@ def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | Non
     from dataset.loader import open_prepared
     from dataset.manifest import tokenizer_fingerprint
     from finetuning_pipeline.model.attention_masks import mask_windows
-    from finetuning_pipeline.model.chunked_loss import resolve_chunk_tokens
+    from finetuning_pipeline.model.causal_lm_loss import resolve_chunk_tokens
     from finetuning_pipeline.model.kernel_attention import attention_here, choose_attention
     from finetuning_pipeline.model.loading import check_lora_targets
     from utils.tokenizer_loading import load_tokenizer
@@ -48,8 +48,7 @@ def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | Non
     fingerprint = tokenizer_fingerprint(tokenizer)
     max_positions = getattr(model_config, "max_position_embeddings", None)
     lengths: dict[int, dict[str, int]] = {}
-    for phase, name, data in phase_data(config, phases):
-        key = f"phase{phase}.data" if name is None else f"phase{phase}.adapters.{name}.data"
+    for phase, key, data in phase_data(config, phases):
         if not data:
             raise ConfigError(f"{key}: not set (a directory written by `python -m dataset.prepare`)")
         if not Path(data).is_dir():
@@ -88,15 +87,15 @@ def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | Non
             raise ConfigError("logging.wandb.project is set but the wandb package is not installed: pip install "
                               "'tpu-lora[wandb]' (or pip install wandb), or unset logging.wandb.project") from None
     inputs = {"model.path": str(files), "model.tokenizer": config.model.tokenizer,
-              **{f"phase{n}.data" if name is None else f"phase{n}.adapters.{name}.data": data
-                 for n, name, data in phase_data(config, config.phase_numbers())}}
+              **{key: data for _, key, data in phase_data(config, config.phase_numbers())}}
     RunLayout(config.output_dir).check_apart_from(inputs)
     probe_output_dir(config.output_dir)
 
 
-def phase_data(config: RunConfig, phases: list[int]) -> list[tuple[int, str | None, str]]:
-    """(phase, adapter side by side or None, prepared data directory) of each of the phases' data."""
-    return [(phase, name, data) for phase in phases for name, data in config.data_dirs(phase).items()]
+def phase_data(config: RunConfig, phases: list[int]) -> list[tuple[int, str, str]]:
+    """(phase, the config key that sets it, prepared data directory) of each of the phases' data."""
+    return [(phase, config.data_key(phase, name), data) for phase in phases
+            for name, data in config.data_dirs(phase).items()]
 
 
 def check_earlier_adapters(config: RunConfig, phases: list[int]) -> None:

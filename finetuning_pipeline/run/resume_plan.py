@@ -23,7 +23,6 @@ from finetuning_pipeline.run.checkpointing import (
     resume_keys,
     verify_checkpoint,
 )
-from finetuning_pipeline.run.collectives import launch_rank
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import RunConfig, phase_number
 
@@ -36,10 +35,10 @@ class PhasePlan:
     accepted_changes: dict | None = None  # --accept-changes: {setting: [saved, now]} at the resume
 
 
-def plan_phases(config: RunConfig, phases: list[int], resume: str, force: bool) -> list[PhasePlan]:
-    """Which phases to run and where each starts, from --resume and what is on disk."""
+def plan_phases(config: RunConfig, phases: list[int], resume: str, force: bool, say=print) -> list[PhasePlan]:
+    """Which phases to run and where each starts, from --resume and what is on disk.
+    say: where the plan's notes go (print on the master process, nowhere on the others)."""
     layout = RunLayout(config.output_dir)
-    say = print if launch_rank() == 0 else (lambda *args: None)
     if resume == "auto":
         plans = []
         for phase in phases:
@@ -76,7 +75,7 @@ def plan_phases(config: RunConfig, phases: list[int], resume: str, force: bool) 
     return [PhasePlan(phase, checkpoint)] + [PhasePlan(p, None) for p in phases if p > phase]
 
 
-def check_resumable(config: RunConfig, plans: list[PhasePlan], accept_changes: bool = False) -> None:
+def check_resumable(config: RunConfig, plans: list[PhasePlan], accept_changes: bool = False, say=print) -> None:
     """Refuse to resume a checkpoint under settings, or on prepared data, that would change
     the result, naming each change. (Keys a checkpoint does not record, from an older version,
     are not compared.) With accept_changes, optimisation settings may differ: the plan records
@@ -95,10 +94,9 @@ def check_resumable(config: RunConfig, plans: list[PhasePlan], accept_changes: b
                                   + ": the checkpoint's weights, data position or random streams belong to the old "
                                   "one. Restore it, or start over with --resume never --force")
             plan.accepted_changes = {k: [saved[k], current[k]] for k in changed}
-            if launch_rank() == 0:
-                print(f"phase {plan.phase}: resuming {plan.resume_from} with changed settings ("
-                      + ", ".join(f"{k}: {saved[k]!r} -> {current[k]!r}" for k in changed)
-                      + "); the run is no longer the one an uninterrupted run would give (recorded in the summary)")
+            say(f"phase {plan.phase}: resuming {plan.resume_from} with changed settings ("
+                + ", ".join(f"{k}: {saved[k]!r} -> {current[k]!r}" for k in changed)
+                + "); the run is no longer the one an uninterrupted run would give (recorded in the summary)")
             continue
         if changed:
             details = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
@@ -145,7 +143,7 @@ def tunable_on_resume(key: str) -> bool:
 
 def data_keys(config: RunConfig, phase: int) -> dict[str, str]:
     """The resume key of each of the phase's prepared data (resume_keys) -> its directory."""
-    return {data_content_key(phase, name): data for name, data in config.data_dirs(phase).items()}
+    return {data_content_key(config, phase, name): data for name, data in config.data_dirs(phase).items()}
 
 
 def adapter_phases(keys) -> list[int]:

@@ -29,6 +29,7 @@ import socket
 from pathlib import Path
 
 from finetuning_pipeline.errors import ConfigError
+from lora_logic.config import DEFAULT_ADAPTER
 from utils.output_guard import overlaps
 
 # What a run writes inside phaseN/: --resume never --force replaces a phase directory only when
@@ -78,6 +79,11 @@ class RunLayout:
     def side_by_side_adapters(self, phase: int) -> Path:
         """Adapters trained side by side: `<name>/` each, in PEFT's layout."""
         return self.phase_dir(phase) / "adapters"
+
+    def adapters(self, phase: int, names: list[str]) -> dict[str, Path]:
+        """Where a phase's set of adapters is written: its one adapter in `adapter/`, adapters
+        side by side in `adapters/<name>/` each."""
+        return adapter_dirs(names, self.adapter(phase), self.side_by_side_adapters(phase))
 
     def checkpoints(self, phase: int) -> Path:
         return self.phase_dir(phase) / "checkpoints"
@@ -157,3 +163,11 @@ class OutputLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def adapter_dirs(names: list[str], alone: Path, side_by_side: Path) -> dict[str, Path]:
+    """{adapter: its directory}: a run's one adapter (DEFAULT_ADAPTER) in `alone`, adapters side by
+    side in `side_by_side/<name>/` each (the layout of a phase's outputs and of a checkpoint)."""
+    if names == [DEFAULT_ADAPTER]:
+        return {DEFAULT_ADAPTER: alone}
+    return {name: side_by_side / name for name in names}

@@ -37,7 +37,7 @@ class ProcessSignals:
         """On the main thread: catch the stop signals until `restore()`."""
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("stop signal handlers can only be installed on a process's main thread; start the "
-                               "replicas with finetuning_pipeline.run.launch, which installs them per process")
+                               "replicas with finetuning_pipeline.distributed.launch, which installs them per process")
         self.event.clear()
         self.received = None
         for sig in SIGNALS:
@@ -108,7 +108,7 @@ class StopOnSignal:
             raise RuntimeError(
                 "this replica runs on a worker thread and its process catches no stop signal: a "
                 "preemption would kill it without a checkpoint. Start replicas with "
-                "finetuning_pipeline.run.launch (it installs the handlers on each process's main thread)"
+                "finetuning_pipeline.distributed.launch (it installs the handlers on each process's main thread)"
             )
         return self
 

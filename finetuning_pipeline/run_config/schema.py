@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lora_logic.config import LoraConfig
+from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
 
 Dtype = Literal["bfloat16", "float32", "float16"]
 Attention = Literal["auto", "dense", "splash", "flash"]
@@ -68,7 +68,7 @@ class TrainConfig:
         without a signal): the run checkpoints and exits 0 before it is spent, and the same
         command continues in the next session. None: no budget.
     loss_chunk_tokens: tokens per chunk of the output projection and loss, so the full
-        [tokens, vocab] logits never exist (finetuning_pipeline/model/chunked_loss.py). None (default):
+        [tokens, vocab] logits never exist (finetuning_pipeline/model/causal_lm_loss.py). None (default):
         about 256 MiB of fp32 logits per chunk for the model types the chunked loss is verified
         on, full logits otherwise; 0: full logits.
     warmup_compiles_steps: steps after which no new graph may compile (the recompile guard);
@@ -79,7 +79,7 @@ class TrainConfig:
         time do not grow with grad_accum. false traces every step (the reference path: the
         same numbers, for debugging).
     scan_layers: run the decoder layers as one XLA loop over their weights stacked once
-        (lora_logic/layer_scan.py): one layer is traced and compiled whatever the depth, so
+        (finetuning_pipeline/model/layer_scan.py): one layer is traced and compiled whatever the depth, so
         compile time does not grow with the number of layers. Unset (the default): scanned
         where the model allows it (identical layers, no dropout of the model's own,
         parallel.mode dp) and has 16 layers or more, the layer loop otherwise, and the log
@@ -173,10 +173,10 @@ class ParallelConfig:
     """mode: "dp": one process per chip, each with the whole model, gradients all-reduced (for
     models that fit one chip's HBM). "fsdp": one SPMD process per host over a (data, fsdp)
     mesh of every chip (see mesh). Both give the same steps for the same global batch; see
-    finetuning_pipeline/run/parallel.py and the README for which to choose.
+    finetuning_pipeline/distributed/parallel.py and docs/training.md for which to choose.
     host_timeout_s: how long a replica waits for the others at a host collective (a stop
     vote, a checkpoint) before it gives up and exits (a hung peer; a dead one fails at once).
-    launcher: how the replicas are started (finetuning_pipeline/run/launch.py). "auto": the TPU
+    launcher: how the replicas are started (finetuning_pipeline/distributed/launch.py). "auto": the TPU
     host's way on a TPU (a process per chip, a replica thread per device), this process (or
     torchrun's processes) on a CPU. "tpu": the TPU host's way on a CPU too, the rehearsal of a
     TPU run (CPU_NUM_DEVICES=2: two replica threads in one process, as on TPU v2/v3).
@@ -248,7 +248,7 @@ class PhaseConfig:
     into the weights it was trained on and starts a fresh adapter there; "fresh" starts a fresh
     adapter on the untouched base. RunConfig.lineage says what a phase is built on.
     adapters: instead of `data`, several named adapters trained side by side in this phase over
-    one frozen base (lora_logic/side_by_side.py), each with its own data, lr and max_steps, and
+    one frozen base (lora_logic/layer.py), each with its own data, lr and max_steps, and
     its own output `phaseN/adapters/<name>/`. Such a phase starts fresh or on a merged base
     (init fresh or merge), and no later phase continues or merges its adapters."""
 
@@ -285,14 +285,6 @@ class RunConfig:
     # phase1, phase2, ...: the YAML's `phaseN:` sections in order (load.py); at least two, so
     # the two-phase curriculum's keys always exist.
     phases: list[PhaseConfig] = field(default_factory=lambda: [PhaseConfig(), PhaseConfig()])
-
-    @property
-    def phase1(self) -> PhaseConfig:
-        return self.phases[0]
-
-    @property
-    def phase2(self) -> PhaseConfig:
-        return self.phases[1]
 
     def lora_config(self) -> LoraConfig:
         return dataclasses.replace(self.lora)  # a copy: the caller may keep it
@@ -336,10 +328,20 @@ class RunConfig:
     def adapter_lr(self, number: int, name: str) -> float:
         return self.phase(number).adapters[name].lr or self.lr(number)
 
-    def data_dirs(self, number: int) -> dict[str | None, str]:
-        """The phase's prepared data: {adapter name: its data} for adapters side by side, else {None: phaseN.data}."""
+    def adapters(self, number: int) -> dict[str, LoraConfig]:
+        """The phase's set of adapters, {name: its LoRA settings} in the order of their rows:
+        those it trains side by side, or its one adapter (DEFAULT_ADAPTER). Each takes `lora`."""
+        names = list(self.phase(number).adapters) or [DEFAULT_ADAPTER]
+        return {name: dataclasses.replace(self.lora) for name in names}
+
+    def data_dirs(self, number: int) -> dict[str, str]:
+        """The phase's prepared data, {adapter: its data}, in the adapters' order."""
         phase = self.phase(number)
-        return {name: a.data for name, a in phase.adapters.items()} if phase.adapters else {None: phase.data}
+        return {name: a.data for name, a in phase.adapters.items()} if phase.adapters else {DEFAULT_ADAPTER: phase.data}
+
+    def data_key(self, number: int, adapter: str) -> str:
+        """The config key that sets an adapter's data: phaseN.data, or phaseN.adapters.<name>.data."""
+        return f"phase{number}.adapters.{adapter}.data" if self.phase(number).adapters else f"phase{number}.data"
 
     def to_dict(self) -> dict:
         """The config as its YAML would write it (phases as `phaseN` sections)."""

@@ -11,7 +11,7 @@ eps added after the square root), with three differences that matter on XLA:
   the host);
 - `lr` may be a device tensor (the trainer reads it from a schedule table on the device).
 
-Adapters trained side by side (lora_logic/side_by_side.py) share one optimizer in `groups`:
+Adapters trained side by side (lora_logic/layer.py) share one optimizer in `groups`:
 each parameter belongs to a group (its adapter), and `lr`, `apply` and the step count are
 per group ([G] tensors), so each adapter steps, skips and warms up as an optimizer of its own
 would, in the same flat update.

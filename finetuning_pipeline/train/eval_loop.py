@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 
 from dataset.loader import iter_eval_batches
-from finetuning_pipeline.model.chunked_loss import auto_chunk_tokens
-from finetuning_pipeline.run.collectives import Collectives
+from finetuning_pipeline.distributed.collectives import Collectives
+from finetuning_pipeline.model.causal_lm_loss import auto_chunk_tokens
 from finetuning_pipeline.train.step import eval_sums
 from utils.xla_runtime import device_counter, to_host
 

@@ -9,8 +9,8 @@ import torch
 
 from dataset.loader import ShardLoader
 from dataset.manifest import is_packed, read_manifest
+from finetuning_pipeline.distributed.parallel import Parallel
 from finetuning_pipeline.errors import ConfigError
-from finetuning_pipeline.run.parallel import Parallel
 from finetuning_pipeline.run_config import EvalConfig, TrainConfig
 
 
@@ -23,11 +23,11 @@ class PhaseData:
 
     Adapters side by side: a loader per adapter, each reading its data as a run of that
     adapter alone would (same seed, same order), and each micro-batch is their micro-batches
-    one after another, in the adapters' order (the row groups of side_by_side.py)."""
+    one after another, in the adapters' order (the row groups of lora_logic/layer.py)."""
 
-    def __init__(self, data_dirs: dict[str | None, str], *, train: TrainConfig, eval: EvalConfig,
+    def __init__(self, data_dirs: dict[str, str], *, train: TrainConfig, eval: EvalConfig,
                  parallel: Parallel) -> None:
-        """data_dirs: the phase's prepared data, {None: dir}, or {adapter: its dir} side by side
+        """data_dirs: the phase's prepared data, {adapter: its dir}, in the adapters' order
         (RunConfig.data_dirs); train: the batch shape and the data order's seed; eval: the
         evaluation batch."""
         t = train
@@ -52,11 +52,6 @@ class PhaseData:
         self.batches_per_step = t.grad_accum * parallel.chips * t.micro_batch  # global blocks per step (per adapter)
         self.tokens_per_step = self.batches_per_step * self.seq_len * len(self.dirs)
         self.chips_changed = None
-
-    @property
-    def dir(self) -> str:
-        """The data of a phase of one adapter."""
-        return self.dirs[None]
 
     def resume(self, state: dict, resume_from: Path | None) -> int:
         """The first step to run; positions the loader at the global block it starts with."""

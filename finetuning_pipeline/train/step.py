@@ -12,62 +12,10 @@ batch of k*b (a mean of per-micro-batch means would weight short micro-batches m
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from dataset.encode import IGNORE_INDEX
-from finetuning_pipeline.model.attention_masks import attention_masks
-from finetuning_pipeline.model.chunked_loss import chunked_loss_sum
-from finetuning_pipeline.model.kernel_attention import kernel_masks, segment_ids, uses_kernel
-from finetuning_pipeline.run.collectives import Collectives
+from finetuning_pipeline.distributed.collectives import Collectives
+from finetuning_pipeline.model.causal_lm_loss import causal_lm_loss_sum
 from lora_logic.dropout import set_dropout_seed
-from lora_logic.side_by_side import adapter_names
-
-
-def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], packed: bool = True,
-                       loss_chunk: int = 0, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of next-token losses over label tokens, number of label tokens), fp32, on device.
-    groups > 1: the rows are that many equal groups, one per adapter trained side by side
-    (lora_logic/side_by_side.py): both are [groups], each group's loss computed on its rows
-    alone, as a run of that adapter alone computes it on its batch.
-
-    packed: the block holds separate samples (phase 2): positions restart per sample and each
-    sample attends to itself only. Otherwise (phase 1: one stream of text, positions 0..L-1)
-    the masks are [1, 1, L, L], broadcast over the batch (cheaper than [B, 1, L, L]: 12% of a
-    step on the benchmark's large model). Each layer type gets its own mask (attention_masks.py).
-    loss_chunk: tokens per chunk of the output projection and loss (chunked_loss.py); 0 builds
-    the full logits.
-    """
-    input_ids = batch["input_ids"].long()
-    labels = batch["labels"].long()
-    position_ids = batch["position_ids"].long() if packed else None
-    if uses_kernel(model.config):  # Pallas attention: segment ids instead of [L, L] masks
-        masks = kernel_masks(model.config, segment_ids(position_ids, *input_ids.shape, input_ids.device))
-    else:
-        masks = attention_masks(model.config, input_ids.shape[1], input_ids.device, model.dtype, position_ids)
-    inputs = {"input_ids": input_ids, "attention_mask": masks, "use_cache": False}
-    if packed:
-        inputs["position_ids"] = position_ids
-    trained = labels[:, 1:] != IGNORE_INDEX
-    if groups == 1:
-        count = trained.sum().to(torch.float32)
-    else:
-        count = trained.reshape(groups, -1).sum(-1).to(torch.float32)
-    rows = input_ids.shape[0] // groups
-
-    def each_group(tensor: torch.Tensor) -> list[torch.Tensor]:
-        return [tensor] if groups == 1 else [tensor[k * rows:(k + 1) * rows] for k in range(groups)]
-
-    if loss_chunk:
-        hidden = model.base_model(**inputs).last_hidden_state  # [B, L, H], after the final norm
-        sums = [chunked_loss_sum(h, y, model.get_output_embeddings(), model.config, loss_chunk)
-                for h, y in zip(each_group(hidden), each_group(labels))]
-    else:
-        logits = model(**inputs).logits
-        # Token t predicts token t+1: logits [B, L-1, V] against labels [B, L-1].
-        sums = [F.cross_entropy(x[:, :-1].float().reshape(-1, x.shape[-1]), y[:, 1:].reshape(-1),
-                                ignore_index=IGNORE_INDEX, reduction="sum")
-                for x, y in zip(each_group(logits), each_group(labels))]
-    return (sums[0] if groups == 1 else torch.stack(sums)), count
 
 
 def micro_batch_gradients(model, optimizer, batch: dict[str, torch.Tensor], packed: bool = True,
@@ -78,7 +26,9 @@ def micro_batch_gradients(model, optimizer, batch: dict[str, torch.Tensor], pack
     A model of K adapters side by side: loss sum and label tokens per adapter, [K]; the gradient
     of their total is each adapter's own, as its rows reach only its weights."""
     set_dropout_seed(model, batch.get("lora_seed"))
-    loss_sum, count = causal_lm_loss_sum(model, batch, packed, loss_chunk, groups=len(adapter_names(model)) or 1)
+    # The optimizer's groups are the model's adapters (one per adapter side by side): known, not
+    # looked up in the model's modules at every trace.
+    loss_sum, count = causal_lm_loss_sum(model, batch, packed, loss_chunk, groups=optimizer.group_count)
     loss_sum.sum().backward()  # (a checkpointed layer recomputes its forward here, with the same masks)
     set_dropout_seed(model, None)
     grad = optimizer.flat_grad()

@@ -10,7 +10,9 @@ parameters and hands it to torch_xla as a single operation (torch_xla's own `sca
 graph of a few nodes: a 32-layer model's step is bound and launched in 14 ms where tracing
 it took 197 ms (`make bench-host`).
 
-Contract of the step function: `step_fn(inputs) -> dict of result tensors`. It may read and
+Contract of the step function: `step_fn(inputs) -> dict of result tensors`, where `inputs` is any
+nesting of lists, tuples and dicts of tensors (torch's pytree: the micro-batches as they are),
+the same structure at every step. It may read and
 update in place (`copy_`, `add_`) the tensors `state()` lists, and read anything else that
 does not change between steps (frozen weights, buffers, constants it makes). Every tensor it
 updates must be in `state()`: an update of another tensor would be traced once and never
@@ -22,9 +24,10 @@ capture refuses them); the micro-batch loop takes a seed per micro-batch as data
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 class CapturedStep:
@@ -36,7 +39,7 @@ class CapturedStep:
     computation: an error, not a silent retrace).
     """
 
-    def __init__(self, step_fn: Callable[[list[torch.Tensor]], dict], state: Callable[[], list[torch.Tensor]],
+    def __init__(self, step_fn: Callable[[Any], dict], state: Callable[[], list[torch.Tensor]],
                  name: str = "train_step") -> None:
         self.step_fn = step_fn
         self.state = state
@@ -46,22 +49,27 @@ class CapturedStep:
         self.updated: list[int] = []  # indexes into state() of the tensors the step writes
         self.result_keys: list[str] = []
         self.signature: list[tuple] = []
+        self.structure = None  # the inputs' pytree structure (their tensors are the graph's inputs, in order)
         self.result_signature: dict[str, tuple] = {}
 
     @property
     def captured(self) -> bool:
         return self.computation is not None
 
-    def __call__(self, inputs: list[torch.Tensor]) -> dict:
-        signature = [(tuple(t.shape), t.dtype) for t in inputs]
+    def __call__(self, inputs) -> dict:
+        flat, structure = tree_flatten(inputs)
+        signature = [(tuple(t.shape), t.dtype) for t in flat]
         if self.computation is None:
             self.capture(inputs)
+        elif structure != self.structure:
+            raise ValueError(f"{self.name}: inputs changed from {self.structure} to {structure}; a captured step "
+                             "replays one structure of inputs")
         elif signature != self.signature:
             raise ValueError(f"{self.name}: inputs changed from {self.signature} to {signature}; a captured step "
                              "replays one shape")
-        return self._replay(inputs)
+        return self._replay(flat)
 
-    def capture(self, examples: list[torch.Tensor]) -> dict[str, tuple]:
+    def capture(self, examples) -> dict[str, tuple]:
         """Trace the step on `examples`: materialised tensors of the inputs' shapes, dtypes and
         SPMD shardings (the first inputs themselves, or zeros). Returns the results' (shape,
         dtype)s. Call it when nothing is pending on the device (right after a
@@ -76,6 +84,7 @@ class CapturedStep:
         # data an in-flight execution has yet to fill would lose it (torch_xla's
         # gradient_accumulation waits here too).
         xm.wait_device_ops()
+        examples, structure = tree_flatten(examples)
         state = self.state()
         if any(torch_xla._XLAC._check_tensor_need_materialization(state + examples)):
             raise RuntimeError(f"{self.name}: state or example tensors are not materialised; "
@@ -88,7 +97,7 @@ class CapturedStep:
             for i, t in enumerate(tensors):
                 owners.setdefault(data_id(t), []).append((kind, i))
 
-        results = self.step_fn(list(examples))
+        results = self.step_fn(tree_unflatten(list(examples), structure))
         self.result_keys = list(results)
         self.result_signature = {k: (tuple(v.shape), v.dtype) for k, v in results.items()}
         self.updated = [i for i, flag in enumerate(torch_xla._XLAC._check_tensor_need_materialization(state)) if flag]
@@ -121,6 +130,7 @@ class CapturedStep:
                     originals[found[0][1]] = value  # its data before the step
         self.bindings = [bindings[i] for i in range(len(bindings))]
         self.signature = [(tuple(t.shape), t.dtype) for t in examples]
+        self.structure = structure
         # The trace changed the state tensors lazily: put their data back (the replay computes the
         # step), then drop whatever else the trace left pending (views, autograd buffers), as
         # torch_xla's dynamo bridge does after its own tracing run. (A swap, not copy_: under
@@ -131,6 +141,7 @@ class CapturedStep:
         return self.result_signature
 
     def _replay(self, inputs: list[torch.Tensor]) -> dict:
+        """inputs: the tensors of the step's inputs, flattened."""
         import torch_xla
 
         state = self.state()

@@ -11,9 +11,9 @@ import functools
 
 import torch
 
-from finetuning_pipeline.model.chunked_loss import resolve_chunk_tokens
+from finetuning_pipeline.distributed.parallel import Parallel
+from finetuning_pipeline.model.causal_lm_loss import resolve_chunk_tokens
 from finetuning_pipeline.model.scan_choice import model_dropouts
-from finetuning_pipeline.run.parallel import Parallel
 from finetuning_pipeline.run_config import TrainConfig
 from finetuning_pipeline.train.adamw import MaskedAdamW
 from finetuning_pipeline.train.lr_schedule import lr_table
@@ -68,7 +68,6 @@ class Stepper:
         else:
             self.schedule = lr_table(peak=lr, warmup_steps=t.warmup_steps, total_steps=max_steps,
                                      min_lr_ratio=t.min_lr_ratio).to(device)
-        self.keys: list[str] = []
         self.gradients = self.update = None
         self.capture_note = None
         dropouts = model_dropouts(model.config) if activation_checkpointing else {}
@@ -83,7 +82,7 @@ class Stepper:
             # the phase's model and optimizer alive after it (until a garbage collection happened
             # to run), while the next phase loads its own.
             self.gradients = CapturedStep(
-                functools.partial(gradient_sums, model, optimizer, self.keys, packed, self.loss_chunk),
+                functools.partial(gradient_sums, model, optimizer, packed, self.loss_chunk),
                 functools.partial(model_state, model), name="gradients")
             self.update = CapturedStep(functools.partial(update_from_sums, optimizer, self.max_grad_norm),
                                        functools.partial(optimizer_state, optimizer), name="update")
@@ -136,14 +135,11 @@ class Stepper:
                                  collectives=self.parallel.collectives, packed=self.packed,
                                  loss_chunk=self.loss_chunk, seeds=seeds, active=active)
         else:
-            self.keys[:] = sorted(micro_batches[0])  # (the gradients' partial holds this list)
-            inputs = [batch[k] for batch in micro_batches for k in self.keys]
-            inputs.append(torch.tensor(seeds, dtype=torch.int64).to(self.device))
+            inputs = (micro_batches, torch.tensor(seeds, dtype=torch.int64).to(self.device))
             if not self.gradients.captured:
                 self._capture(inputs)
             sums = self.gradients(inputs)
-            sums = [sums["grad"], sums["loss_total"], sums["tokens"]]
-            sums = self.parallel.collectives.sum_device(sums)
+            sums = self.parallel.collectives.sum_device([sums[k] for k in SUMS])
             lr, active = self.lr_and_active()  # (after the capture: nothing of the step may be pending then)
             results = self.update(sums + [lr] + ([active] if active is not None else []))
             self.optimizer.lr = lr  # (the update's trace left its example there)
@@ -156,11 +152,11 @@ class Stepper:
         self.step_count = self.step_count + 1
         return {**results, "lr": self.optimizer.lr}
 
-    def _capture(self, inputs: list[torch.Tensor]) -> None:
+    def _capture(self, inputs: tuple[list[dict], torch.Tensor]) -> None:
         """Both traces, before anything of the first step is pending (see CapturedStep.capture):
         the gradients on the first step's inputs, the update on zeros of their results' shapes."""
         sums = self.gradients.capture(inputs)
-        examples = [torch.zeros(sums[k][0], dtype=sums[k][1]) for k in ("grad", "loss_total", "tokens")]
+        examples = [torch.zeros(sums[k][0], dtype=sums[k][1]) for k in SUMS]
         # The LR ([1], or [K] side by side) and which adapters step: shapes only, so that nothing
         # is pending at the capture (lr_and_active would trace a lookup).
         adapters = self.schedule.shape[1] if self.grouped else None
@@ -171,6 +167,11 @@ class Stepper:
         self.update.capture([t.to(self.device) for t in examples])
 
 
+# What the gradients graph returns and the update takes, in this order: the step's flat LoRA
+# gradient, loss sum and label tokens, each summed over its micro-batches (then over replicas).
+SUMS = ("grad", "loss_total", "tokens")
+
+
 def model_state(model) -> list[torch.Tensor]:
     return list(model.parameters()) + list(model.buffers())
 
@@ -179,14 +180,13 @@ def optimizer_state(optimizer: MaskedAdamW) -> list[torch.Tensor]:
     return optimizer.params + optimizer.state_tensors()
 
 
-def gradient_sums(model, optimizer: MaskedAdamW, keys: list[str], packed: bool, loss_chunk,
-                  inputs: list[torch.Tensor]) -> dict:
-    """Traced once: the step's micro-batches (flat, `keys` order) and their seeds -> sums."""
-    per_batch = len(keys)
-    micro_batches = [dict(zip(keys, inputs[i:i + per_batch])) for i in range(0, len(inputs) - 1, per_batch)]
+def gradient_sums(model, optimizer: MaskedAdamW, packed: bool, loss_chunk,
+                  inputs: tuple[list[dict], torch.Tensor]) -> dict:
+    """Traced once: (the step's micro-batches, their seeds [grad_accum]) -> the SUMS."""
+    micro_batches, seeds = inputs
     grad, loss_total, tokens = summed_over_micro_batches(
         lambda batch: micro_batch_gradients(model, optimizer, batch, packed, loss_chunk),
-        micro_batches, inputs[-1], reads=model_state(model))
+        micro_batches, seeds, reads=model_state(model))
     # [1] (or [K] side by side), not 0-dim: the update is traced on zeros of these shapes, and
     # a 0-dim zero reaches the device as a constant, not as data.
     return {"grad": grad, "loss_total": loss_total.reshape(-1), "tokens": tokens.reshape(-1)}

@@ -13,7 +13,7 @@ from trainer_helpers import LaunchedRun, write_run_config
 
 from finetuning_pipeline import main
 from finetuning_pipeline.evaluate import main as evaluate_main
-from finetuning_pipeline.model.merged_export import export_merged
+from finetuning_pipeline.exporters.merged import export_merged
 
 INITS = {2: "continue", 3: "merge", 4: "continue", 5: "fresh"}
 

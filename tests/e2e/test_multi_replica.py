@@ -43,11 +43,11 @@ from finetuning_pipeline import main
 # Phase 2 loads phase 1's adapter on every replica: a replica that went on without waiting for
 # the master would find no adapter when the master is slow to write it (a race CI once lost).
 SLOW_MASTER_ADAPTER = """
-write = trainer.save_adapter
+write = trainer.save_adapters
 def late(*args, **kwargs):
     time.sleep(3)
     return write(*args, **kwargs)
-trainer.save_adapter = late
+trainer.save_adapters = late
 """
 
 

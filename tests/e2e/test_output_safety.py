@@ -17,7 +17,9 @@ from dataset.scripts import download_text_dataset
 from finetuning_pipeline import main
 from finetuning_pipeline.demo import tiny_model
 from finetuning_pipeline.export import main as export_main
-from lora_logic import LoraConfig, inject_lora, save_adapter
+from lora_logic.adapter_io import save_adapters
+from lora_logic.config import LoraConfig
+from lora_logic.inject import inject_lora
 
 
 def tree_digest(path: Path) -> dict[str, str]:
@@ -35,7 +37,7 @@ def adapter(tiny_model_dir, tmp_path_factory) -> Path:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     inject_lora(model, LoraConfig(r=4, alpha=8))
     path = tmp_path_factory.mktemp("run") / "phase1" / "adapter"
-    save_adapter(model, path, LoraConfig(r=4, alpha=8), str(tiny_model_dir))
+    save_adapters(model, path, LoraConfig(r=4, alpha=8), str(tiny_model_dir))
     return path
 
 

@@ -1,4 +1,4 @@
-"""Preflight's rehearsal (planning/rehearsal.py): the real trainer on a shrunken copy of the
+"""Preflight's rehearsal (checks/rehearsal.py): the real trainer on a shrunken copy of the
 run's model, trained, resumed bitwise and exported, on the prepared data or the bundled samples."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from conftest import REPO
 from trainer_helpers import run_preflight, write_run_config
 from transformers import AutoModelForCausalLM
 
-from finetuning_pipeline.planning.rehearsal import REHEARSAL_STEPS
+from finetuning_pipeline.checks.rehearsal import REHEARSAL_STEPS
 
 MISTRAL = REPO / "finetuning_pipeline" / "configs" / "mistral7b_v6e8.yaml"
 

@@ -97,12 +97,14 @@ def foreign_adapter(tmp_path_factory):
     """An adapter for another model (hidden size 32, the tiny demo model has 64)."""
     from conftest import tiny_causal_lm
 
-    from lora_logic import LoraConfig, inject_lora, save_adapter
+    from lora_logic.adapter_io import save_adapters
+    from lora_logic.config import LoraConfig
+    from lora_logic.inject import inject_lora
 
     model = tiny_causal_lm("mistral")
     inject_lora(model, LoraConfig(r=4, alpha=8))
     path = tmp_path_factory.mktemp("foreign") / "adapter"
-    save_adapter(model, path, LoraConfig(r=4, alpha=8), "elsewhere")
+    save_adapters(model, path, LoraConfig(r=4, alpha=8), "elsewhere")
     return path
 
 

@@ -12,11 +12,11 @@ from transformers import AutoModelForCausalLM
 
 from finetuning_pipeline import main
 from finetuning_pipeline.evaluate import main as evaluate_main
+from finetuning_pipeline.exporters.merged import export_merged
 from finetuning_pipeline.generate import generate
-from finetuning_pipeline.model.merged_export import export_merged
 from finetuning_pipeline.run_config import load_config
 from finetuning_pipeline.train.lr_schedule import lr_at
-from lora_logic import load_adapter
+from lora_logic.adapter_io import load_adapters
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_export_loads_in_transformers_with_the_same_logits(finished_run, tiny_mo
     merged = export_merged(str(tiny_model_dir), [str(out / "phase2" / "adapter")], str(tmp_path / "merged"))
     plain = AutoModelForCausalLM.from_pretrained(merged).eval()
     adapted = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    load_adapter(adapted, out / "phase2" / "adapter")
+    load_adapters(adapted, out / "phase2" / "adapter")
     tokens = torch.randint(0, 1000, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(plain(tokens).logits, adapted(tokens).logits, rtol=0, atol=1e-5)

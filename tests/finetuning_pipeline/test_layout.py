@@ -1,7 +1,9 @@
 """The package's layout holds: the commands sit on top and import no other command, nothing below
 them imports a command, each folder imports only the folders below it, and the run config
-imports no runtime module. Read from the source's import statements (function-level imports
-included), so a new import that breaks a rule fails here, with its file and line."""
+imports no runtime module; across the repository, each package imports only the packages below
+it and no module imports itself back through others (no circle). Read from the source's import
+statements (function-level imports included), so a new import that breaks a rule fails here,
+with its file and line."""
 
 from __future__ import annotations
 
@@ -62,10 +64,13 @@ MAY_IMPORT = {
     "run_config": set(),
     "model": set(),
     "demo": {"run_config"},
+    "exporters": {"model"},
     "run": {"model", "run_config"},
+    "distributed": {"run", "run_config"},
     "monitor": {"run"},
-    "planning": {"demo", "model", "run", "run_config"},
-    "train": {"model", "monitor", "run", "run_config"},
+    "planning": {"distributed", "model", "run", "run_config"},
+    "checks": {"demo", "distributed", "exporters", "model", "planning", "run", "run_config"},
+    "train": {"distributed", "model", "monitor", "run", "run_config"},
 }
 
 
@@ -81,3 +86,62 @@ def test_each_folder_imports_only_the_folders_below_it():
                         and parts[1] != folder and parts[1] not in MAY_IMPORT[folder]):
                     wrong.append(f"{path.relative_to(REPO)}:{line} imports {module}")
     assert wrong == []
+
+
+# The repository's packages, bottom up: each may import only those before it.
+PACKAGES = ["utils", "lora_logic", "dataset", "finetuning_pipeline", "benchmarks"]
+MAY_IMPORT_PACKAGES = {"utils": set(), "lora_logic": {"utils"}, "dataset": {"utils"},
+                       "finetuning_pipeline": {"utils", "lora_logic", "dataset"},
+                       "benchmarks": {"utils", "lora_logic", "dataset", "finetuning_pipeline"}}
+
+
+def module_files() -> dict[str, Path]:
+    """{dotted module: its file} of every first-party module (a package as its __init__)."""
+    found = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """{module: {first-party module it imports: the line}}; `from a.b import c` imports a.b.c
+    when that is a module, else a.b."""
+    files = module_files()
+    graph = {}
+    for name, path in files.items():
+        edges = {}
+        for line, module in imports_of(path):
+            while module and module not in files:
+                module = module.rpartition(".")[0]
+            if module and module != name:
+                edges.setdefault(module, line)
+        graph[name] = edges
+    return graph
+
+
+def test_each_package_imports_only_the_packages_below_it():
+    wrong = [f"{module_files()[a].relative_to(REPO)}:{line} imports {b}"
+             for a, edges in import_graph().items() for b, line in edges.items()
+             if a.split(".")[0] != b.split(".")[0] and b.split(".")[0] not in MAY_IMPORT_PACKAGES[a.split(".")[0]]]
+    assert wrong == []
+
+
+def test_no_module_imports_itself_back_through_others():
+    graph = import_graph()
+    assert "lora_logic.adapters" in graph["lora_logic.adapter_io"]  # the graph is read, not empty
+    circles, done = [], set()
+
+    def walk(module: str, path: list[str]) -> None:
+        for imported in graph[module]:
+            if imported in path:
+                circles.append(" -> ".join(path[path.index(imported):] + [imported]))
+            elif imported not in done:
+                walk(imported, path + [imported])
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            walk(module, [module])
+    assert circles == []

@@ -9,7 +9,10 @@ import torch
 from conftest import random_tokens, tiny_causal_lm
 from safetensors.torch import load_file, save_file
 
-from lora_logic import LoraConfig, inject_lora, load_adapter, lora_modules, lora_state_dict, save_adapter
+from lora_logic.adapter_io import load_adapters, save_adapters
+from lora_logic.adapters import lora_modules, lora_state_dict
+from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
+from lora_logic.inject import inject_lora
 
 REQUIRED_FIELDS = {
     "peft_type": "LORA",
@@ -28,14 +31,14 @@ def adapted_model(config: LoraConfig, arch: str = "mistral"):
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for _, m in lora_modules(model):
-            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=generator) * 0.1)
+            m.lora_B["default"].weight.copy_(torch.randn(m.lora_B["default"].weight.shape, generator=generator) * 0.1)
     return model
 
 
 def test_round_trip_is_exact_with_peft_keys_and_config(tmp_path):
     config = LoraConfig(r=4, alpha=16, dropout=0.05, target_modules=["q_proj", "v_proj"], use_rslora=True)
     model = adapted_model(config)
-    save_adapter(model, tmp_path, config, base_model_name_or_path="org/tiny-mistral")
+    save_adapters(model, tmp_path, config, base_model_name_or_path="org/tiny-mistral")
 
     saved = json.loads((tmp_path / "adapter_config.json").read_text())
     assert saved.items() >= REQUIRED_FIELDS.items()
@@ -50,8 +53,8 @@ def test_round_trip_is_exact_with_peft_keys_and_config(tmp_path):
     assert len(tensors) == 2 * 2 * 2  # 2 layers x 2 targets x (A, B)
 
     fresh = tiny_causal_lm("mistral")
-    loaded = load_adapter(fresh, tmp_path)  # injects from the adapter's own config
-    assert loaded == config
+    loaded = load_adapters(fresh, tmp_path)  # injects from the adapter's own config
+    assert loaded == {DEFAULT_ADAPTER: config}
     ours, theirs = lora_state_dict(model), lora_state_dict(fresh)
     assert ours.keys() == theirs.keys()
     for key in ours:
@@ -63,14 +66,14 @@ def test_round_trip_is_exact_with_peft_keys_and_config(tmp_path):
 
 def test_no_temporary_files_left_behind(tmp_path):
     config = LoraConfig(r=2, alpha=2)
-    save_adapter(adapted_model(config), tmp_path, config, "base")
+    save_adapters(adapted_model(config), tmp_path, config, "base")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
 
 
 @pytest.fixture
 def saved_adapter(tmp_path):
     config = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "o_proj"])
-    save_adapter(adapted_model(config), tmp_path, config, "base")
+    save_adapters(adapted_model(config), tmp_path, config, "base")
     return tmp_path
 
 
@@ -84,13 +87,13 @@ def rewrite_weights(directory, edit):
 def test_missing_tensor_is_named(saved_adapter):
     rewrite_weights(saved_adapter, lambda t: t.pop("base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight"))
     with pytest.raises(ValueError, match=r"1 missing: base_model\.model\.model\.layers\.1\.self_attn\.o_proj\.lora_B"):
-        load_adapter(tiny_causal_lm("mistral"), saved_adapter)
+        load_adapters(tiny_causal_lm("mistral"), saved_adapter)
 
 
 def test_unexpected_tensor_is_named(saved_adapter):
     rewrite_weights(saved_adapter, lambda t: t.update({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 32)}))
     with pytest.raises(ValueError, match=r"1 unexpected: base_model\.model\.lm_head\.lora_A\.weight"):
-        load_adapter(tiny_causal_lm("mistral"), saved_adapter)
+        load_adapters(tiny_causal_lm("mistral"), saved_adapter)
 
 
 def test_misshapen_tensor_is_named_and_nothing_is_loaded(saved_adapter):
@@ -100,7 +103,7 @@ def test_misshapen_tensor_is_named_and_nothing_is_loaded(saved_adapter):
     inject_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "o_proj"]))
     before = {k: v.clone() for k, v in lora_state_dict(model).items()}
     with pytest.raises(ValueError, match=r"1 misshapen: .*q_proj\.lora_A\.weight: file \(4, 31\) vs model \(4, 32\)"):
-        load_adapter(model, saved_adapter)
+        load_adapters(model, saved_adapter)
     for k, v in lora_state_dict(model).items():
         assert torch.equal(v, before[k]), k
 
@@ -109,21 +112,21 @@ def test_rank_mismatch_with_an_injected_model(saved_adapter):
     model = tiny_causal_lm("mistral")
     inject_lora(model, LoraConfig(r=8, alpha=8, target_modules=["q_proj", "o_proj"]))
     with pytest.raises(ValueError, match="r=4.*has r=8"):
-        load_adapter(model, saved_adapter)
+        load_adapters(model, saved_adapter)
 
 
 def test_missing_directory_and_bad_json(tmp_path, saved_adapter):
     with pytest.raises(FileNotFoundError, match="adapter_config.json: no adapter config here"):
-        load_adapter(tiny_causal_lm("mistral"), tmp_path / "nowhere")
+        load_adapters(tiny_causal_lm("mistral"), tmp_path / "nowhere")
     (saved_adapter / "adapter_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="adapter_config.json: not valid JSON"):
-        load_adapter(tiny_causal_lm("mistral"), saved_adapter)
+        load_adapters(tiny_causal_lm("mistral"), saved_adapter)
 
 
 def test_missing_weights_file(saved_adapter):
     (saved_adapter / "adapter_model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="adapter_model.safetensors: adapter weights are missing"):
-        load_adapter(tiny_causal_lm("mistral"), saved_adapter)
+        load_adapters(tiny_causal_lm("mistral"), saved_adapter)
 
 
 @pytest.mark.parametrize(
@@ -136,7 +139,7 @@ def test_unsupported_peft_features_are_refused(saved_adapter, field, value, mess
     config[field] = value
     path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
-        load_adapter(tiny_causal_lm("mistral"), saved_adapter)
+        load_adapters(tiny_causal_lm("mistral"), saved_adapter)
 
 
 # PEFT is a test-only dependency: these prove the files work in the tool users serve with.
@@ -145,7 +148,7 @@ def test_peft_loads_our_adapter_with_identical_logits(tmp_path, use_rslora):
     peft = pytest.importorskip("peft")
     config = LoraConfig(r=4, alpha=8, use_rslora=use_rslora)
     ours = adapted_model(config)
-    save_adapter(ours, tmp_path, config, "tiny-mistral")
+    save_adapters(ours, tmp_path, config, "tiny-mistral")
     theirs = peft.PeftModel.from_pretrained(tiny_causal_lm("mistral"), tmp_path).eval()
     tokens = random_tokens()
     with torch.no_grad():
@@ -165,7 +168,7 @@ def test_we_load_an_adapter_peft_saved(tmp_path):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
     theirs.save_pretrained(tmp_path)
     ours = tiny_causal_lm("llama")
-    load_adapter(ours, tmp_path)
+    load_adapters(ours, tmp_path)
     tokens = random_tokens()
     with torch.no_grad():
         torch.testing.assert_close(

@@ -8,7 +8,7 @@ import pytest
 import torch
 from adapter_helpers import CONFIGS, peft_combined, write_random_adapters
 
-from lora_logic import read_adapter_config, read_adapter_weights
+from lora_logic.adapter_io import read_adapter_config, read_adapter_weights
 from lora_logic.combine import Adapter, combine_adapters, random_prune
 
 peft = pytest.importorskip("peft")

@@ -6,15 +6,10 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, random_tokens, tiny_causal_lm
 
-from lora_logic import (
-    DEFAULT_TARGET_MODULES,
-    LoraConfig,
-    LoRALinear,
-    inject_lora,
-    lora_modules,
-    lora_parameters,
-    lora_state_dict,
-)
+from lora_logic.adapters import lora_modules, lora_parameters, lora_state_dict, named_lora_parameters
+from lora_logic.config import DEFAULT_TARGET_MODULES, LoraConfig
+from lora_logic.inject import inject_lora
+from lora_logic.layer import LoRALinear
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -36,9 +31,11 @@ def test_trainable_set_is_exactly_the_lora_parameters(arch):
     # 7 targets in each of the 2 layers, nothing else (lm_head and embeddings stay frozen).
     assert len(wrapped) == 2 * len(DEFAULT_TARGET_MODULES)
     assert all(isinstance(model.get_submodule(name), LoRALinear) for name in wrapped)
+    # In memory, PEFT's names (the adapter's name inside); in its state dict, a PEFT file's.
     expected = {f"{name}.{ab}.weight" for name in wrapped for ab in ("lora_A", "lora_B")}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable == expected
+    assert trainable == {key.replace(".weight", ".default.weight") for key in expected}
+    assert [n for n, _ in named_lora_parameters(model)] == [n for n, p in model.named_parameters() if p.requires_grad]
     assert set(lora_state_dict(model)) == expected
     assert {id(p) for p in lora_parameters(model)} == {
         id(p) for n, p in model.named_parameters() if p.requires_grad

@@ -6,16 +6,11 @@ import pytest
 import torch
 from conftest import random_tokens, tiny_causal_lm
 
-from lora_logic import (
-    LoraConfig,
-    LoRALinear,
-    inject_lora,
-    lora_modules,
-    lora_parameters,
-    merge_and_unload,
-    merge_lora,
-    unmerge_lora,
-)
+from lora_logic.adapters import lora_modules, lora_parameters
+from lora_logic.config import LoraConfig
+from lora_logic.inject import inject_lora
+from lora_logic.layer import LoRALinear
+from lora_logic.merge import merge_and_unload, merge_lora, unmerge_lora
 
 
 def trained_model(arch: str = "mistral", steps: int = 3):
@@ -42,7 +37,7 @@ def test_base_weights_bitwise_unchanged_after_optimizer_steps():
     inject_lora(model, LoraConfig(r=4, alpha=8))
     optimizer = torch.optim.AdamW(lora_parameters(model), lr=1e-2, weight_decay=0.1)
     tokens = random_tokens(seq=16)
-    b_before = [m.lora_B.weight.detach().clone() for _, m in lora_modules(model)]
+    b_before = [m.lora_B["default"].weight.detach().clone() for _, m in lora_modules(model)]
     for _ in range(3):
         model(tokens, labels=tokens, use_cache=False).loss.backward()
         optimizer.step()
@@ -52,7 +47,7 @@ def test_base_weights_bitwise_unchanged_after_optimizer_steps():
     for name, tensor in before.items():
         assert torch.equal(after[name], tensor), name
     # ...while the adapter did move.
-    assert any(not torch.equal(m.lora_B.weight, b) for (_, m), b in zip(lora_modules(model), b_before))
+    assert any(not torch.equal(m.lora_B["default"].weight, b) for (_, m), b in zip(lora_modules(model), b_before))
 
 
 def test_merged_equals_unmerged_and_merge_is_idempotent():
@@ -91,7 +86,7 @@ def test_merge_refuses_nan_and_leaves_every_base_weight_untouched():
     original = base_weights(model)
     name, last = list(lora_modules(model))[-1]
     with torch.no_grad():
-        last.lora_B.weight[0, 0] = float("nan")
+        last.lora_B["default"].weight[0, 0] = float("nan")
     with pytest.raises(ValueError, match=f"NaN/inf.*{name}"):
         merge_lora(model)
     for key, tensor in base_weights(model).items():
@@ -103,8 +98,8 @@ def test_layer_merge_refuses_finite_weights_whose_product_overflows():
     model, _ = trained_model()
     _, layer = next(iter(lora_modules(model)))
     with torch.no_grad():
-        layer.lora_A.weight.fill_(1.0)
-        layer.lora_B.weight.fill_(1e38)  # every weight finite; scaling * B A = 2 * 4e38 = inf
+        layer.lora_A["default"].weight.fill_(1.0)
+        layer.lora_B["default"].weight.fill_(1e38)  # every weight finite; scaling * B A = 2 * 4e38 = inf
     before = layer.base_layer.weight.clone()
     with pytest.raises(ValueError, match="refusing to merge"):
         layer.merge()

@@ -1,6 +1,7 @@
-"""Adapters side by side over one frozen base (lora_logic/side_by_side.py): each adapter's rows,
-outputs, gradients, initial weights and dropout masks are those of a model of it alone; one
-adapter on every row is a model of it alone; each is written and read as a PEFT adapter."""
+"""Adapters side by side over one frozen base (lora_logic/layer.py, one LoRALinear holding several
+adapters): each adapter's rows, outputs, gradients, initial weights and dropout masks are those
+of a model of it alone; one adapter on every row is a model of it alone; each is written and read
+as a PEFT adapter; none merges."""
 
 from __future__ import annotations
 
@@ -11,19 +12,12 @@ import torch
 import torch.nn.functional as F
 from conftest import random_tokens, tiny_causal_lm
 
-from lora_logic import LoraConfig, inject_lora, load_adapter, lora_parameters, lora_state_dict
+from lora_logic.adapter_io import load_adapters, save_adapters
+from lora_logic.adapters import adapter_names, lora_parameters, lora_state_dict, only_adapter
+from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
 from lora_logic.dropout import set_dropout_seed
-from lora_logic.side_by_side import (
-    SideBySideLoRALinear,
-    adapter_names,
-    adapter_parameters,
-    adapter_state_dict,
-    inject_side_by_side,
-    load_side_by_side,
-    lora_parameters_by_adapter,
-    only_adapter,
-    save_side_by_side,
-)
+from lora_logic.inject import inject_lora
+from lora_logic.layer import LoRALinear
 
 ADAPTERS = {  # different ranks, scalings, dropout and targets
     "sql": LoraConfig(r=4, alpha=8, dropout=0.1, target_modules=["q_proj", "v_proj"]),
@@ -44,7 +38,7 @@ def models():
     base = tiny_causal_lm("llama")
     together = copy.deepcopy(base)
     torch.manual_seed(SEED)
-    inject_side_by_side(together, ADAPTERS)
+    inject_lora(together, ADAPTERS)
     alone = {}
     for name, config in ADAPTERS.items():
         alone[name] = copy.deepcopy(base)
@@ -52,7 +46,7 @@ def models():
         inject_lora(alone[name], config)
     generator = torch.Generator().manual_seed(0)
     for name in ADAPTERS:
-        for ours, theirs in zip(adapter_parameters(together, name), lora_parameters(alone[name]), strict=True):
+        for ours, theirs in zip(lora_parameters(together, name), lora_parameters(alone[name]), strict=True):
             with torch.no_grad():
                 theirs.normal_(0, 0.2, generator=generator)
                 ours.copy_(theirs)
@@ -64,14 +58,14 @@ def test_each_adapter_starts_as_it_would_alone():
     together = copy.deepcopy(base)
     torch.manual_seed(SEED)
     torch.rand(3)  # wherever the generator stands, each adapter starts from that same point
-    wrapped = inject_side_by_side(together, ADAPTERS)
+    wrapped = inject_lora(together, ADAPTERS)
     assert len(wrapped) == 2 * 7  # the union of the targets, in each of the 2 layers
     for name, config in ADAPTERS.items():
         alone = copy.deepcopy(base)
         torch.manual_seed(SEED)
         torch.rand(3)
         inject_lora(alone, config)
-        ours, theirs = adapter_state_dict(together, name), lora_state_dict(alone)
+        ours, theirs = lora_state_dict(together, name), lora_state_dict(alone, DEFAULT_ADAPTER)
         assert ours.keys() == theirs.keys()
         assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
     assert all(not p.requires_grad for n, p in together.named_parameters() if "lora_" not in n)
@@ -92,14 +86,14 @@ def test_each_adapters_rows_outputs_and_gradients_are_its_own(models):
         own = model(tokens[name]).logits
         torch.testing.assert_close(logits[k * ROWS:(k + 1) * ROWS], own, rtol=1e-5, atol=1e-5)
         loss_of(own, tokens[name]).backward()
-        for ours, theirs in zip(adapter_parameters(together, name), lora_parameters(model), strict=True):
+        for ours, theirs in zip(lora_parameters(together, name), lora_parameters(model), strict=True):
             torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_the_base_weights_are_read_once_for_every_adapter(models):
     together, _ = models
     layer = together.model.layers[0].self_attn.q_proj
-    assert isinstance(layer, SideBySideLoRALinear) and layer.adapters == layer.groups == ["sql", "chat", "docs"]
+    assert isinstance(layer, LoRALinear) and layer.adapters == layer.groups == ["sql", "chat", "docs"]
     calls = []
     layer.base_layer.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
     together(random_tokens(3 * ROWS, SEQ))
@@ -126,21 +120,37 @@ def test_one_adapter_alone_on_every_row_is_a_model_of_it_alone(models):
 
 def test_each_adapter_is_written_as_its_own_peft_adapter_and_read_back(models, tmp_path):
     together, alone = models
-    written = save_side_by_side(together, tmp_path, ADAPTERS, "tiny-base")
+    written = save_adapters(together, {name: tmp_path / name for name in ADAPTERS}, ADAPTERS, "tiny-base")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(ADAPTERS)
     for name, directory in written.items():
         fresh = copy.deepcopy(alone[name])
         for p in lora_parameters(fresh):
             torch.nn.init.zeros_(p)
-        load_adapter(fresh, directory)  # a PEFT adapter of one adapter: what a model of it alone loads
+        load_adapters(fresh, directory)  # a PEFT adapter of one adapter: what a model of it alone loads
         assert all(torch.equal(a, b) for a, b in zip(lora_parameters(fresh), lora_parameters(alone[name])))
     copy_of = copy.deepcopy(together)
-    for p in lora_parameters_by_adapter(copy_of)[0]:
+    for p in lora_parameters(copy_of):
         torch.nn.init.zeros_(p)
-    load_side_by_side(copy_of, tmp_path)
-    assert all(torch.equal(a, b) for a, b in zip(lora_parameters_by_adapter(copy_of)[0],
-                                                  lora_parameters_by_adapter(together)[0]))
+    load_adapters(copy_of, written)
+    assert all(torch.equal(a, b) for a, b in zip(lora_parameters(copy_of), lora_parameters(together), strict=True))
+    fresh = tiny_causal_lm("llama")
+    load_adapters(fresh, written)  # a model without LoRA takes the set as it was written: side by side
+    assert adapter_names(fresh) == list(ADAPTERS)
+    assert all(torch.equal(a, b) for a, b in zip(lora_parameters(fresh), lora_parameters(together), strict=True))
     (tmp_path / "docs" / "adapter_model.safetensors").write_bytes(
         (tmp_path / "chat" / "adapter_model.safetensors").read_bytes())
     with pytest.raises(ValueError, match=r"docs/adapter_model\.safetensors does not fit adapter 'docs'"):
-        load_side_by_side(copy_of, tmp_path)
+        load_adapters(copy_of, written)
+    with pytest.raises(ValueError, match=r"the model's adapters are \['sql', 'chat', 'docs'\]"):
+        load_adapters(copy_of, {"sql": written["sql"]})
+
+
+def test_adapters_side_by_side_do_not_merge(models):
+    """Each serves its own rows, so no one base weight holds them: a merge is refused, base untouched."""
+    from lora_logic.merge import merge_lora
+
+    together, _ = models
+    before = together.model.layers[0].self_attn.q_proj.base_layer.weight.clone()
+    with pytest.raises(ValueError, match="cannot merge adapters side by side"):
+        merge_lora(together)
+    assert torch.equal(together.model.layers[0].self_attn.q_proj.base_layer.weight, before)

@@ -11,14 +11,17 @@ import torch
 import torch_xla
 from conftest import REPO, random_tokens, tiny_causal_lm
 
-from lora_logic import LoraConfig, inject_lora, load_adapter, lora_modules, lora_parameters, save_adapter
+from lora_logic.adapter_io import load_adapters, save_adapters
+from lora_logic.adapters import lora_modules, lora_parameters
+from lora_logic.config import LoraConfig
+from lora_logic.inject import inject_lora
 
 
 def with_random_b(model):
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for _, m in lora_modules(model):
-            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=generator) * 0.1)
+            m.lora_B["default"].weight.copy_(torch.randn(m.lora_B["default"].weight.shape, generator=generator) * 0.1)
     return model
 
 
@@ -65,10 +68,10 @@ def test_optimizer_step_on_xla_then_save_and_load_on_cpu(tmp_path):
         if not p.requires_grad:
             assert torch.equal(p.detach().cpu(), frozen_before[name]), name
 
-    save_adapter(model, tmp_path, config, "tiny-mistral")
+    save_adapters(model, tmp_path, config, "tiny-mistral")
     reloaded = tiny_causal_lm("mistral")
-    load_adapter(reloaded, tmp_path)
-    assert any(torch.count_nonzero(m.lora_B.weight) > 0 for _, m in lora_modules(reloaded))  # it trained
+    load_adapters(reloaded, tmp_path)
+    assert any(torch.count_nonzero(m.lora_B["default"].weight) > 0 for _, m in lora_modules(reloaded))  # it trained
     with torch.no_grad():
         on_xla = model.eval()(tokens, use_cache=False).logits.cpu()
         on_cpu = reloaded(tokens.cpu(), use_cache=False).logits

@@ -8,8 +8,10 @@ import torch_xla
 from conftest import ARCHITECTURES, random_tokens, tiny_causal_lm
 
 from finetuning_pipeline.model.activation_checkpointing import enable_activation_checkpointing
-from finetuning_pipeline.train.step import causal_lm_loss_sum
-from lora_logic import LoraConfig, inject_lora, lora_parameters
+from finetuning_pipeline.model.causal_lm_loss import causal_lm_loss_sum
+from lora_logic.adapters import lora_parameters
+from lora_logic.config import LoraConfig
+from lora_logic.inject import inject_lora
 
 
 def lora_grads(arch: str, checkpointed: bool) -> tuple[list[torch.Tensor], str]:

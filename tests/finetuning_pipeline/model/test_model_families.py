@@ -16,9 +16,10 @@ from model_families import FAMILIES, LENGTH, SLIDING, VOCAB, batch, family_model
 from transformers import AutoModelForCausalLM
 
 from finetuning_pipeline.model.attention_masks import mask_windows
-from finetuning_pipeline.model.chunked_loss import CHUNKED_MODEL_TYPES
-from finetuning_pipeline.train.step import causal_lm_loss_sum
-from lora_logic import LoraConfig, inject_lora, lora_modules, lora_parameters
+from finetuning_pipeline.model.causal_lm_loss import CHUNKED_MODEL_TYPES, causal_lm_loss_sum
+from lora_logic.adapters import lora_modules, lora_parameters
+from lora_logic.config import LoraConfig
+from lora_logic.inject import inject_lora
 
 
 def reference_loss(model, data: dict, packed: bool) -> torch.Tensor:
@@ -126,7 +127,7 @@ def test_masks_on_xla_cost_no_host_sync_and_no_new_graph():
 def test_the_hand_written_backward_matches_autograd_for_every_logit_processing():
     """LinearCrossEntropy's gradient against autograd through the same processing: scaling
     (Cohere), dividing (Granite) and soft-capping (Gemma), all at once, with ignored targets."""
-    from finetuning_pipeline.model.chunked_loss import LinearCrossEntropy, process_logits
+    from finetuning_pipeline.model.causal_lm_loss import LinearCrossEntropy, process_logits
 
     generator = torch.Generator().manual_seed(5)
     hidden = torch.randn(3, 5, 16, generator=generator, requires_grad=True)
@@ -148,7 +149,7 @@ def test_a_lora_wrapped_lm_head_takes_checkpointed_chunks_with_the_same_loss():
     inject_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "lm_head"]))
     with torch.no_grad():
         for _, module in lora_modules(model):
-            module.lora_B.weight.normal_(std=0.05)
+            module.lora_B["default"].weight.normal_(std=0.05)
     data = batch(packed=False)
     expected, expected_grads = loss_and_grads(model, lambda: ours(model, data, False))
     loss, grads = loss_and_grads(model, lambda: ours(model, data, False, loss_chunk=7))
@@ -209,6 +210,8 @@ def test_the_captured_step_gives_transformers_gradients(family):
     params = lora_parameters(model)
 
     class Flat:
+        group_count = 1  # one adapter
+
         def flat_grad(self):
             return torch.cat([p.grad.reshape(-1) for p in params])
 

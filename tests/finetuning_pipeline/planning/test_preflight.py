@@ -12,7 +12,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from finetuning_pipeline.planning import phase_plan
 from finetuning_pipeline.planning.tpu_chips import parse_tpu_type
 from finetuning_pipeline.planning.tpu_plan import ModelShape
-from lora_logic import DEFAULT_TARGET_MODULES, LoraConfig, inject_lora, lora_parameters
+from lora_logic.adapters import lora_parameters
+from lora_logic.config import DEFAULT_TARGET_MODULES, LoraConfig
+from lora_logic.inject import inject_lora
 
 CONFIGS = REPO / "finetuning_pipeline" / "configs"
 MISTRAL = CONFIGS / "mistral7b_v6e8.yaml"

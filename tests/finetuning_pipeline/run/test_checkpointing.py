@@ -24,7 +24,9 @@ from finetuning_pipeline.run.checkpointing import (
     verify_checkpoint,
 )
 from finetuning_pipeline.train.adamw import MaskedAdamW
-from lora_logic import LoraConfig, inject_lora, lora_parameters, lora_state_dict
+from lora_logic.adapters import lora_parameters, lora_state_dict
+from lora_logic.config import LoraConfig
+from lora_logic.inject import inject_lora
 
 
 def model_and_optimizer(seed: int = 0):

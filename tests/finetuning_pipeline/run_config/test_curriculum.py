@@ -31,7 +31,7 @@ def test_phase_sections_of_any_number_load_in_order_and_take_overrides(tmp_path)
     assert [config.max_steps(n) for n in (2, 3)] == [config.train.max_steps, 7]
     assert [config.lr(n) for n in (1, 2, 3)] == [config.train.lr, 1e-4, 3e-4]
     assert config.phase(4).seq_len == 128 and config.phase(5).init == "merge"
-    assert config.phase1 is config.phase(1) and config.phase2 is config.phase(2)
+    assert config.phase(1) is config.phases[0] and config.phase(2) is config.phases[1]
 
 
 def test_the_config_written_back_is_its_yaml(tmp_path):
@@ -49,7 +49,7 @@ def test_a_config_without_later_phases_has_the_two_of_before(tmp_path):
     path = tmp_path / "one.yaml"
     path.write_text("model: {path: m}\nphase1: {data: d1}\n")
     config = load_config(path)
-    assert config.phase_numbers() == [1, 2] and config.phase2.data == ""
+    assert config.phase_numbers() == [1, 2] and config.phase(2).data == ""
 
 
 @pytest.mark.parametrize("text, override, message", [
@@ -83,7 +83,7 @@ def test_a_bad_later_phase_names_its_key(tmp_path, text, override, message):
 ])
 def test_each_phase_is_built_on_what_the_inits_before_it_say(inits, lineage):
     config = RunConfig()
-    config.phases = [config.phase1, *[type(config.phase1)(data=f"d{n}", init=init) for n, init in
+    config.phases = [config.phase(1), *[type(config.phase(1))(data=f"d{n}", init=init) for n, init in
                                       enumerate(inits, start=2)]] if inits else config.phases
     assert config.lineage(len(inits) + 1) == lineage
 

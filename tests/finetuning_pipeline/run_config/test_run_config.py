@@ -24,7 +24,7 @@ def test_demo_config_loads_and_overrides_apply():
     assert config.lora.target_modules == ["q_proj", "v_proj"]
     assert config.model.activation_checkpointing is True
     assert config.output_dir == "elsewhere"
-    assert config.phase1.data == "outputs/demo/data/phase1"  # data paths do not follow output_dir
+    assert config.phase(1).data == "outputs/demo/data/phase1"  # data paths do not follow output_dir
 
 
 LEAF = """
@@ -212,7 +212,7 @@ def test_shipped_configs_are_valid(path, capsys):
 
 
 def test_compile_cache_is_on_by_default_on_tpu_only(monkeypatch, tmp_path):
-    from finetuning_pipeline.run.parallel import compile_cache_dir
+    from finetuning_pipeline.distributed.parallel import compile_cache_dir
 
     assert load_config(DEMO).xla.compile_cache_dir == "auto"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

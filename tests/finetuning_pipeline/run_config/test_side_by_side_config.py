@@ -33,7 +33,10 @@ def test_each_adapter_has_its_data_lr_and_steps_falling_back_to_the_phase_then_t
     config = side_by_side(tmp_path)
     assert list(config.phase(1).adapters) == ["sql", "chat", "code"]  # the YAML's order: the rows' order
     assert config.data_dirs(1) == {"sql": "d_sql", "chat": "d_chat", "code": "d_code"}
-    assert config.data_dirs(2) == {None: "d2"}
+    assert config.data_dirs(2) == {"default": "d2"}  # a phase of one adapter: PEFT's name for it
+    assert list(config.adapters(1)) == ["sql", "chat", "code"] and list(config.adapters(2)) == ["default"]
+    assert [config.data_key(n, a) for n in (1, 2) for a in config.data_dirs(n)] == [
+        "phase1.adapters.sql.data", "phase1.adapters.chat.data", "phase1.adapters.code.data", "phase2.data"]
     assert [config.adapter_lr(1, n) for n in ("sql", "chat", "code")] == [3e-4, 2e-3, 2e-3]
     assert [config.adapter_max_steps(1, n) for n in ("sql", "chat", "code")] == [6, 10, 12]
     assert config.max_steps(1) == 12  # the phase runs until its longest adapter is done

@@ -6,11 +6,15 @@ import torch
 from conftest import tiny_causal_lm
 
 from finetuning_pipeline.train.step import train_step
-from lora_logic import LoraConfig, inject_lora, lora_modules, lora_parameters
+from lora_logic.adapters import lora_modules, lora_parameters
+from lora_logic.config import LoraConfig
+from lora_logic.inject import inject_lora
 
 
 class RecordGradients:
     """Stands in for the optimizer: keeps the gradients train_step hands it (averaged, clipped)."""
+
+    group_count = 1  # one adapter
 
     def __init__(self, params):
         self.params = params
@@ -50,7 +54,7 @@ def test_gradient_accumulation_equals_one_large_batch():
         inject_lora(model, LoraConfig(r=4, alpha=8))
         with torch.no_grad():
             for _, m in lora_modules(model):
-                m.lora_B.weight.normal_(generator=torch.Generator().manual_seed(1))
+                m.lora_B["default"].weight.normal_(generator=torch.Generator().manual_seed(1))
         model.to(device).train()
         params = lora_parameters(model)
         recorder = RecordGradients(params)

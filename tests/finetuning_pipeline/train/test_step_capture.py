@@ -10,7 +10,9 @@ from conftest import tiny_causal_lm
 from finetuning_pipeline.train.micro_batch_loop import summed_over_micro_batches
 from finetuning_pipeline.train.step import micro_batch_gradients
 from finetuning_pipeline.train.step_capture import CapturedStep
-from lora_logic import LoraConfig, inject_lora, lora_modules, lora_parameters
+from lora_logic.adapters import lora_modules, lora_parameters
+from lora_logic.config import LoraConfig
+from lora_logic.inject import inject_lora
 
 
 def test_lora_dropout_gradients_equal_eager_pytorch_with_the_same_masks():
@@ -26,7 +28,7 @@ def test_lora_dropout_gradients_equal_eager_pytorch_with_the_same_masks():
     inject_lora(base, LoraConfig(r=4, alpha=8, dropout=0.3))
     with torch.no_grad():
         for _, m in lora_modules(base):
-            m.lora_B.weight.normal_(generator=torch.Generator().manual_seed(1))
+            m.lora_B["default"].weight.normal_(generator=torch.Generator().manual_seed(1))
     cpu_state = {k: v.clone() for k, v in base.state_dict().items()}
     model = base.to(device).train()
     generator = torch.Generator().manual_seed(0)
@@ -70,6 +72,8 @@ def test_lora_dropout_gradients_equal_eager_pytorch_with_the_same_masks():
 
 class Flat:
     """What micro_batch_gradients needs of an optimizer; keep=True leaves the .grads to sum."""
+
+    group_count = 1  # one adapter
 
     def __init__(self, params, keep: bool = False):
         self.params, self.keep = params, keep

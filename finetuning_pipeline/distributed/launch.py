@@ -109,7 +109,7 @@ def _worker_process(local: int, *, processes: int, replica, args: tuple, compile
     import torch_xla.runtime as xr
     from torch_xla._internal import pjrt
 
-    from finetuning_pipeline.run.parallel import use_compile_cache
+    from finetuning_pipeline.distributed.parallel import use_compile_cache
     from finetuning_pipeline.run.stop_signal import PROCESS_SIGNALS
     from utils.stack_dump import dump_stacks_on_signal
 

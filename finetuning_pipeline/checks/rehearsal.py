@@ -96,7 +96,7 @@ def rehearsal_data(config: RunConfig, phases: list[int], root: Path, data_ready:
         # (adapters side by side rehearse on their first adapter's data)
         return ({p: Path(next(iter(config.data_dirs(p).values()))) for p in phases}, tokenizer,
                 "prepared data (phaseN.data)")
-    from dataset import prepare
+    from dataset.prepare import PrepareOptions, prepare
     from dataset.samples import ALPACA, CHAT_QA, DOMAIN_TEXT
     from finetuning_pipeline.demo.tiny_model import write_tiny_model
 
@@ -105,11 +105,8 @@ def rehearsal_data(config: RunConfig, phases: list[int], root: Path, data_ready:
     data = {}
     for phase in phases:
         data[phase] = root / f"data{phase}"
-        args = ["--tokenizer", str(tokenizer), "--seq-len", "128", "--out", str(data[phase]), "--quiet"]
-        for path in inputs[min(phase, 2)]:
-            args += ["--input", str(path)]
-        if prepare.main(args) != 0:
-            raise RuntimeError("preparing the bundled samples failed")
+        prepare(PrepareOptions(inputs=[str(path) for path in inputs[min(phase, 2)]], tokenizer=str(tokenizer),
+                               seq_len=128, out=str(data[phase]), quiet=True))
     return data, tokenizer, "bundled samples at seq_len 128 (phaseN.data is not prepared yet)"
 
 
@@ -167,7 +164,7 @@ def rehearse(config: RunConfig, model_config, root: Path, data_ready: bool, *, p
     if not identical:
         return {**steps, "passed": False, "failed_at": "resume", "detail": "the resumed adapter differs"}
 
-    from finetuning_pipeline.model.merged_export import export_merged
+    from finetuning_pipeline.exporters.merged import export_merged
 
     last = phases[-1]  # served as the run's summary says: the adapters merged beneath it, then its own
     adapters = [str(out.adapter(n)) for n in config.lineage(last)[0]] + [str(trained_adapter(config, out, last))]

@@ -1,4 +1,4 @@
-"""Decoder layers run as one XLA loop (lora_logic/layer_scan.py) compute what the model's own
+"""Decoder layers run as one XLA loop (finetuning_pipeline/model/layer_scan.py) compute what the model's own
 layer loop computes: loss, LoRA gradients (per layer, under the unscanned names), LoRA dropout
 masks per layer, sliding windows, and a captured training step over 2 micro-batches; the
 adapter saved from a scanned model on the device is the one a plain model loads; layers that
@@ -11,10 +11,13 @@ import torch
 import torch_xla
 from test_model_families import FAMILIES, batch, family_model
 
-from finetuning_pipeline.train.step import causal_lm_loss_sum
-from lora_logic import LoraConfig, inject_lora, lora_parameters, lora_state_dict
+from finetuning_pipeline.model.causal_lm_loss import causal_lm_loss_sum
+from finetuning_pipeline.model.layer_scan import ScannedLayers, scan_decoder_layers
+from lora_logic.adapters import lora_parameters, lora_state_dict
+from lora_logic.config import LoraConfig
 from lora_logic.dropout import set_dropout_seed
-from lora_logic.layer_scan import ScannedLayers, scan_decoder_layers
+from lora_logic.inject import inject_lora
+from lora_logic.layer import LoRALinear
 
 
 def deeper(name: str, layers: int = 4, dropout: float = 0.0) -> torch.nn.Module:
@@ -50,14 +53,11 @@ def loss_and_lora_grads(model, data: dict) -> tuple[float, dict[str, torch.Tenso
     grads = {}
     for name, module in model.named_modules():
         if isinstance(module, ScannedLayers):
-            for layer_name, key in module.keys.items():
-                if layer_name.endswith(("lora_A.weight", "lora_B.weight")):
-                    grad = module.get_parameter(key).grad
-                    for i in range(module.count):
-                        grads[f"{name}.{i}.{layer_name}"] = grad[i]
-        elif hasattr(module, "lora_A"):
-            grads[f"{name}.lora_A.weight"] = module.lora_A.weight.grad
-            grads[f"{name}.lora_B.weight"] = module.lora_B.weight.grad
+            for layer_name, stack in module.stacked_lora_parameters():
+                for i in range(module.count):
+                    grads[f"{name}.{i}.{layer_name}"] = stack.grad[i]
+        elif isinstance(module, LoRALinear):
+            grads.update({f"{name}.{n}": p.grad for n, p in module.named_parameters() if p.requires_grad})
     torch_xla.sync()
     return (loss_sum / count).item(), {k: v.cpu() for k, v in grads.items()}
 
@@ -79,7 +79,7 @@ def test_scanned_layers_give_the_loss_and_gradients_of_the_layer_loop(family):
 
 def test_a_captured_step_over_two_micro_batches_gives_the_layer_loop_losses():
     """The trainer's captured step (micro-batch loop around the layer loop), 4 steps, LoRA dropout."""
-    from finetuning_pipeline.run.parallel import Parallel
+    from finetuning_pipeline.distributed.parallel import Parallel
     from finetuning_pipeline.run_config import load_config
     from finetuning_pipeline.train.adamw import MaskedAdamW
     from finetuning_pipeline.train.stepper import Stepper
@@ -120,7 +120,7 @@ def test_the_adapter_names_and_values_are_the_unscanned_ones():
 def test_optimizer_moments_convert_between_stacks_and_the_unscanned_layout():
     """What a checkpoint stores: one tensor per LoRA weight of the unscanned model, in its
     lora_parameters order, whether the layers ran scanned or not (4 layers x 7 targets x A/B)."""
-    from lora_logic import per_layer_lora, stacked_lora
+    from lora_logic.adapters import per_layer_lora, stacked_lora
 
     plain = deeper("mistral")
     scanned = deeper("mistral")
@@ -141,7 +141,7 @@ def test_optimizer_moments_convert_between_stacks_and_the_unscanned_layout():
 def test_the_adapter_saved_from_scanned_layers_on_the_device_loads_into_a_plain_model(tmp_path):
     """The hard case of saving: stacks on the XLA device, read on the host one stack at a time
     (no graph compiled), written in PEFT's layout, loaded by a model that was never scanned."""
-    from lora_logic import load_adapter, save_adapter
+    from lora_logic.adapter_io import load_adapters, save_adapters
     from utils.xla_counters import read_counters
 
     model = deeper("mistral")
@@ -149,25 +149,26 @@ def test_the_adapter_saved_from_scanned_layers_on_the_device_loads_into_a_plain_
     model.to(torch_xla.device())
     torch_xla.sync()
     before = read_counters()
-    save_adapter(model, tmp_path / "adapter", LoraConfig(r=4, alpha=8), "tiny")
+    save_adapters(model, tmp_path / "adapter", LoraConfig(r=4, alpha=8), "tiny")
     assert (read_counters() - before).compiles == 0
     plain = deeper("mistral")
     with torch.no_grad():
         for param in lora_parameters(plain):
             param.zero_()
-    load_adapter(plain, tmp_path / "adapter")
+    load_adapters(plain, tmp_path / "adapter")
     expected = lora_state_dict(model)
     for key, value in lora_state_dict(plain).items():
         assert torch.equal(value, expected[key]), key
 
 
 def test_adapters_are_loaded_before_scanning_not_into_the_stacks(tmp_path):
-    from lora_logic import load_adapter, merge_lora, save_adapter
+    from lora_logic.adapter_io import load_adapters, save_adapters
+    from lora_logic.merge import merge_lora
 
-    save_adapter(deeper("mistral"), tmp_path / "adapter", LoraConfig(r=4, alpha=8), "tiny")
+    save_adapters(deeper("mistral"), tmp_path / "adapter", LoraConfig(r=4, alpha=8), "tiny")
     model = deeper("mistral")
     scan_decoder_layers(model)
-    for refused in (lambda: load_adapter(model, tmp_path / "adapter"), lambda: merge_lora(model),
+    for refused in (lambda: load_adapters(model, tmp_path / "adapter"), lambda: merge_lora(model),
                     lambda: inject_lora(model, LoraConfig(r=4, alpha=8))):
         with pytest.raises(ValueError, match="decoder layers are scanned.*before scan_decoder_layers"):
             refused()

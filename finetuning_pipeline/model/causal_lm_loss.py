@@ -1,4 +1,8 @@
-"""Next-token cross-entropy that never holds the full logits.
+"""The causal-LM loss of a batch: next-token cross-entropy over its label tokens, per group of
+rows (one per adapter side by side), with the full logits or chunked so as never to hold them.
+
+`causal_lm_loss_sum` is the loss the training step and the evaluation take. The rest of this
+file is its chunked path:
 
 The full path builds [tokens, vocab] logits and an fp32 copy: with Gemma's 262,144-token
 vocabulary, 2 x 1024 tokens are 2 GiB per fp32 copy, and the backward keeps several. Here the
@@ -30,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from dataset.encode import IGNORE_INDEX
+from finetuning_pipeline.model.attention_masks import attention_masks
+from finetuning_pipeline.model.kernel_attention import kernel_masks, segment_ids, uses_kernel
 
 # Model types whose causal-LM head is `lm_head` followed only by the processing below; each
 # is tested against its full-logits loss (tests/finetuning_pipeline/model/test_model_families.py).
@@ -203,3 +209,50 @@ def resolve_chunk_tokens(setting: int | None, model_config) -> int:
             f"{list(CHUNKED_MODEL_TYPES)}, not {model_type!r}; set train.loss_chunk_tokens=0 (full logits)"
         )
     return setting
+
+
+def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], packed: bool = True,
+                       loss_chunk: int = 0, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of next-token losses over label tokens, number of label tokens), fp32, on device.
+    groups > 1: the rows are that many equal groups, one per adapter trained side by side
+    (lora_logic/layer.py): both are [groups], each group's loss computed on its rows
+    alone, as a run of that adapter alone computes it on its batch.
+
+    packed: the block holds separate samples (phase 2): positions restart per sample and each
+    sample attends to itself only. Otherwise (phase 1: one stream of text, positions 0..L-1)
+    the masks are [1, 1, L, L], broadcast over the batch (cheaper than [B, 1, L, L]: 12% of a
+    step on the benchmark's large model). Each layer type gets its own mask (attention_masks.py).
+    loss_chunk: tokens per chunk of the output projection and loss (chunked_loss_sum, above); 0 builds
+    the full logits.
+    """
+    input_ids = batch["input_ids"].long()
+    labels = batch["labels"].long()
+    position_ids = batch["position_ids"].long() if packed else None
+    if uses_kernel(model.config):  # Pallas attention: segment ids instead of [L, L] masks
+        masks = kernel_masks(model.config, segment_ids(position_ids, *input_ids.shape, input_ids.device))
+    else:
+        masks = attention_masks(model.config, input_ids.shape[1], input_ids.device, model.dtype, position_ids)
+    inputs = {"input_ids": input_ids, "attention_mask": masks, "use_cache": False}
+    if packed:
+        inputs["position_ids"] = position_ids
+    trained = labels[:, 1:] != IGNORE_INDEX
+    if groups == 1:
+        count = trained.sum().to(torch.float32)
+    else:
+        count = trained.reshape(groups, -1).sum(-1).to(torch.float32)
+    rows = input_ids.shape[0] // groups
+
+    def each_group(tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor] if groups == 1 else [tensor[k * rows:(k + 1) * rows] for k in range(groups)]
+
+    if loss_chunk:
+        hidden = model.base_model(**inputs).last_hidden_state  # [B, L, H], after the final norm
+        sums = [chunked_loss_sum(h, y, model.get_output_embeddings(), model.config, loss_chunk)
+                for h, y in zip(each_group(hidden), each_group(labels))]
+    else:
+        logits = model(**inputs).logits
+        # Token t predicts token t+1: logits [B, L-1, V] against labels [B, L-1].
+        sums = [F.cross_entropy(x[:, :-1].float().reshape(-1, x.shape[-1]), y[:, 1:].reshape(-1),
+                                ignore_index=IGNORE_INDEX, reduction="sum")
+                for x, y in zip(each_group(logits), each_group(labels))]
+    return (sums[0] if groups == 1 else torch.stack(sums)), count

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from finetuning_pipeline.errors import ModelLoadError
-from finetuning_pipeline.model.merged_export import COMMAND, export_merged
+from finetuning_pipeline.exporters.merged import COMMAND, export_merged
 from lora_logic.adapter_io import read_adapter_config, read_adapter_weights, write_adapter
 from lora_logic.combine import Adapter, combine_adapters
 from utils.output_guard import claim_output, mark_written_by, staged_directory

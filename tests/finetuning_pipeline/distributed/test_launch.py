@@ -9,8 +9,8 @@ import os
 
 import pytest
 
+from finetuning_pipeline.distributed import launch
 from finetuning_pipeline.errors import ConfigError
-from finetuning_pipeline.run import launch
 from finetuning_pipeline.run_config import load_config
 
 

@@ -5,7 +5,7 @@ A Hugging Face model runs its decoder layers in a Python loop, so XLA sees a 32-
 stacked once ([layers, ...] per weight: the frozen base and the LoRA A/B alike) and the loop
 becomes torch_xla's `scan`: the first layer (the template) is traced once with
 `torch.func.functional_call` on one layer's slice of the stacks, forward and backward, and
-XLA runs it in a While loop, so compile time no longer grows with depth (figures: README,
+XLA runs it in a While loop, so compile time no longer grows with depth (figures: docs/benchmarks.md,
 "Host time per step and compile time").
 
 `scan_decoder_layers(model)` swaps the model's layer list for a `ScannedLayers` that the
@@ -22,13 +22,10 @@ setting). LoRA dropout keeps one mask per layer: each layer's salt is stacked wi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
 from lora_logic.dropout import SeededDropout
-from lora_logic.layer import LoRALinear
 
 # Differ from layer to layer and are handled: the index a layer uses in a KV cache (training
 # runs without one), and a LoRA dropout's salt (stacked, a loop input).
@@ -120,19 +117,10 @@ class ScannedLayers(nn.Module):
         calls = [_LayerCall(self, i) for i in range(self.count)]
         return calls[index]
 
-    def lora_parameters(self) -> list[nn.Parameter]:
-        """The stacked LoRA weights ([layers, r, in] and [layers, out, r]), A then B per target
-        (side by side: each adapter's A, then each one's B, per target)."""
-        return [self.get_parameter(self.keys[name]) for name in self.lora_names]
-
-    def lora_state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
-        """Each layer's LoRA weights under the unscanned model's names,
-        "<prefix>.<layer>.self_attn.q_proj.lora_A.weight": copies on the host, each stack moved
-        there once (a device slice per tensor would be a graph to compile per tensor)."""
-        stacks = {name: self.get_parameter(self.keys[name]).detach().to("cpu") for name in self.lora_names}
-        return {
-            f"{prefix}.{layer}.{name}": stacks[name][layer] for layer in range(self.count) for name in self.lora_names
-        }
+    def stacked_lora_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The stacked LoRA weights ([layers, r, in] and [layers, out, r]) under their names in a
+        layer, in the template's order: what lora_logic finds a model's adapters by (lora_logic/adapters.py)."""
+        return [(name, self.get_parameter(self.keys[name])) for name in self.lora_names]
 
     def _record(self, index: int, args: tuple, kwargs: dict):
         passed = args[0] if args else kwargs.get("hidden_states")
@@ -276,43 +264,3 @@ def _structure(layer: nn.Module) -> dict:
     for name, tensor in list(layer.named_parameters()) + list(layer.named_buffers()):
         found[f"{name}: tensor"] = (tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
     return found
-
-
-# -- the layout of LoRA tensors with scanned layers: per layer (checkpoints) or stacked (the optimizer)
-def _lora_groups(model: nn.Module) -> Iterator[tuple[int, int | None]]:
-    """(tensors in lora_parameters, layers stacked in each or None) per LoRA owner, in order."""
-    from lora_logic.side_by_side import SideBySideLoRALinear  # (it imports this module's users)
-
-    for _, module in model.named_modules():
-        if isinstance(module, LoRALinear):
-            yield 2, None
-        elif isinstance(module, SideBySideLoRALinear):
-            yield 2 * len(module.adapters), None
-        elif isinstance(module, ScannedLayers):
-            yield len(module.lora_names), module.count
-
-
-def per_layer_lora(model: nn.Module, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Tensors laid out as `lora_parameters(model)` (an optimizer's moments) -> one per LoRA
-    weight of the unscanned model, in `lora_state_dict` order: each stack of scanned layers
-    split into its layers. What a checkpoint stores, so it resumes with the layers scanned or not."""
-    out, start = [], 0
-    for width, layers in _lora_groups(model):
-        group, start = tensors[start:start + width], start + width
-        out += group if layers is None else [stack[layer] for layer in range(layers) for stack in group]
-    if start != len(tensors):
-        raise ValueError(f"{len(tensors)} tensors for the model's {start} LoRA parameters")
-    return out
-
-
-def stacked_lora(model: nn.Module, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The inverse of `per_layer_lora`: one tensor per LoRA weight of the unscanned model ->
-    laid out as `lora_parameters(model)`, scanned layers' weights stacked."""
-    out, start = [], 0
-    for width, layers in _lora_groups(model):
-        count = width * (layers or 1)
-        group, start = tensors[start:start + count], start + count
-        out += group if layers is None else [torch.stack(group[i::width]) for i in range(width)]
-    if start != len(tensors):
-        raise ValueError(f"{len(tensors)} tensors for the model's {start} LoRA weights")
-    return out

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from finetuning_pipeline.run.collectives import Collectives, replica_group, torchrun_world
+from finetuning_pipeline.distributed.collectives import Collectives, replica_group, torchrun_world
 
 DATA_AXIS, FSDP_AXIS = "data", "fsdp"
 BATCH_AXES = (DATA_AXIS, FSDP_AXIS)  # the batch is split over both axes

@@ -6,7 +6,7 @@ steps through main.py, on this machine's device, in the configured parallel mode
 attention, step capture and layer scan ("as configured"), then once more per setting that
 takes a TPU-only path, with that one setting changed: the losses of each pair must agree.
 On a TPU the copy keeps the real width (its layers are the real layers: the step time, HBM and
-compile seconds measured on it are the chip's), on a CPU it is also narrowed (planning/rehearsal.py).
+compile seconds measured on it are the chip's), on a CPU it is also narrowed (checks/rehearsal.py).
 
   attention       the kernel as configured vs model.attention=dense
   captured step   train.capture_step vs the step traced every time
@@ -32,9 +32,9 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from finetuning_pipeline.checks.rehearsal import run_trainer, shrunken_config, small_run
 from finetuning_pipeline.model.kernel_attention import IMPLEMENTATION
 from finetuning_pipeline.planning.phase_plan import plan_inputs
-from finetuning_pipeline.planning.rehearsal import run_trainer, shrunken_config, small_run
 from finetuning_pipeline.planning.tpu_chips import Slice, parse_tpu_type
 from finetuning_pipeline.planning.tpu_plan import ModelShape, plan
 from finetuning_pipeline.run.run_layout import RunLayout
@@ -90,14 +90,14 @@ def check_data(config: RunConfig, root: Path, seq_len: int) -> tuple[Path, Path,
     under the demo's tokenizer (only token ids matter to what is checked)."""
     from dataset.manifest import MANIFEST_NAME
 
-    prepared = Path(config.phase1.data or "")
+    prepared = Path(config.phase(1).data or "")
     try:
         tokenizer = Path(config.model.tokenizer or model_dir(config.model.path, config.model.revision))
     except HubModelError:  # a Hub id not downloaded yet: the bundled text instead
         tokenizer = None
     if (prepared / MANIFEST_NAME).is_file() and tokenizer and (tokenizer / "tokenizer_config.json").is_file():
         return prepared, tokenizer, f"the run's prepared data ({prepared})"
-    from dataset import prepare
+    from dataset.prepare import PrepareOptions, prepare
     from dataset.samples import DOMAIN_TEXT
     from finetuning_pipeline.demo.tiny_model import write_tiny_model
 
@@ -107,9 +107,7 @@ def check_data(config: RunConfig, root: Path, seq_len: int) -> tuple[Path, Path,
     text = root / "text.jsonl"
     text.write_text("\n".join(records * copies) + "\n")
     data = root / "data"
-    if prepare.main(["--tokenizer", str(tokenizer), "--seq-len", str(seq_len), "--out", str(data), "--input",
-                     str(text), "--quiet"]) != 0:
-        raise RuntimeError("preparing the bundled samples failed")
+    prepare(PrepareOptions(inputs=[str(text)], tokenizer=str(tokenizer), seq_len=seq_len, out=str(data), quiet=True))
     return data, tokenizer, f"the bundled domain text at seq_len {seq_len} (phase1.data is not prepared)"
 
 
@@ -291,8 +289,8 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
     slice_ = parse_tpu_type(config.tpu.type)
     small_config = copy.deepcopy(config)  # the plan of the check's own run
     small_config.train.grad_accum = grad_accum
-    small_config.phase1.data = str(data)
-    small_config.phase1.max_steps = CHECK_STEPS
+    small_config.phase(1).data = str(data)
+    small_config.phase(1).max_steps = CHECK_STEPS
     if not on_tpu:
         small_config.train.micro_batch = 1
     planned = plan(ModelShape.from_config(small), slice_,

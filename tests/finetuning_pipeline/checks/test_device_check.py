@@ -1,4 +1,4 @@
-"""make tpu-check's judgement (planning/device_check.py), on scripted run summaries: which runs it
+"""make tpu-check's judgement (checks/device_check.py), on scripted run summaries: which runs it
 compares, what a summary shows by itself, the measured figures, and the plan that reads them.
 The check itself runs end to end in tests/e2e/test_tpu_check.py."""
 
@@ -10,7 +10,7 @@ import pytest
 import yaml
 from trainer_helpers import run_preflight
 
-from finetuning_pipeline.planning import device_check
+from finetuning_pipeline.checks import device_check
 from finetuning_pipeline.planning.tpu_chips import parse_tpu_type
 from finetuning_pipeline.run_config import load_config
 

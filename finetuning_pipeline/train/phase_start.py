@@ -1,0 +1,248 @@
+"""The start of one phase on a replica: its model with the phase's set of adapters, the
+optimizer, the data and the loop's parts, resumed from a checkpoint when there is one.
+
+Each concern is a small part with its own state, and `start_phase` hands each part the settings
+it reads, not the whole RunConfig:
+  build_model (here)                    model section, the phase's adapters (lora), its lineage (init)
+  PhaseData (phase_data.py)             the phase's data, train (batch shape, seed), eval (batch)
+  Stepper (stepper.py)                  train section, the phase's lr and max_steps
+  CompileGuard (monitor/compile_guard)  no new graph after warm-up; the phase's clock
+  DivergenceMonitor (monitor/divergence) skipped non-finite steps, counted on the device
+  Checkpointer (run/checkpointing)      cadence, the collective save, a failed write (checkpoint section)
+  StepLogger (monitor/metrics_log)      metrics.jsonl, TensorBoard, progress bar (logging section)
+  StopVote (run/stop_signal)            any replica signalled -> all stop at the same step
+The whole config goes only where a record of it is the point: the resume keys a checkpoint
+keeps (run/checkpointing.resume_keys) and the W&B run's config.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from finetuning_pipeline.distributed.parallel import Parallel
+from finetuning_pipeline.model.activation_checkpointing import enable_activation_checkpointing
+from finetuning_pipeline.model.kernel_attention import attention_here, enable_kernel_attention
+from finetuning_pipeline.model.loading import DTYPES, load_base, load_model
+from finetuning_pipeline.model.scan_choice import scan_layers
+from finetuning_pipeline.monitor.compile_guard import CompileGuard
+from finetuning_pipeline.monitor.divergence import DivergenceMonitor
+from finetuning_pipeline.monitor.metrics_log import MetricsLog, StepLogger
+from finetuning_pipeline.run.checkpointing import Checkpointer, load_checkpoint, load_optimizer_state, resume_keys
+from finetuning_pipeline.run.run_layout import RunLayout
+from finetuning_pipeline.run.stop_signal import StopVote
+from finetuning_pipeline.run_config import LoggingConfig, ModelConfig, RunConfig
+from finetuning_pipeline.train.adamw import MaskedAdamW
+from finetuning_pipeline.train.adapter_results import side_by_side_results
+from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss
+from finetuning_pipeline.train.phase_data import PhaseData
+from finetuning_pipeline.train.stepper import Stepper
+from lora_logic.adapters import adapter_of, named_lora_parameters, only_adapter
+from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
+from lora_logic.inject import inject_lora
+from utils.hub_models import model_dir
+
+# Replicas that are threads of one process (distributed/launch.py: TPU v2/v3, the CPU rehearsal) share the
+# host's RNGs (LoRA's init draws from torch's global generator) and transformers' lazy imports,
+# which are not thread-safe (measured: "cannot import name 'AutoModelForCausalLM'" in one of two
+# threads). They build their models one at a time, each from the same seed, as processes would.
+HOST_BUILD = threading.Lock()
+
+
+def seed_everything(seed: int) -> None:
+    """The host RNGs (LoRA init, data order); the XLA RNG is seeded at every step (step_seed)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_model(model_settings: ModelConfig, adapters: dict[str, LoraConfig], *, merged: list[Path],
+                continued: Path | None):
+    """The base model (on CPU) with this phase's set of adapters; returns (model, {adapter: config}).
+
+    adapters: the phase's adapters, {name: config} (RunConfig.adapters): one, or several trained
+    side by side, each starting as it would alone (lora_logic/inject.py).
+    merged: earlier phases' adapters folded into the base weights, in order; continued: the
+    adapter this phase trains further (its own r/alpha/targets), or None to start `adapters`
+    fresh (RunConfig.lineage says which, from the phases' `init`).
+    """
+    dtype = DTYPES[model_settings.dtype]
+    files = model_dir(model_settings.path, model_settings.revision)  # a Hub id: its snapshot, pinned by main.py
+    earlier = merged + ([continued] if continued else [])
+    if earlier:
+        model, continued_config = load_model(files, earlier, dtype, keep_last=continued is not None)
+    else:
+        model, continued_config = load_base(files, dtype), None
+    if model_settings.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if continued is not None:
+        return model, continued_config
+    inject_lora(model, adapters)
+    return model, adapters
+
+
+@dataclass
+class Phase:
+    """Everything one replica's phase is made of, built by `start_phase`."""
+
+    number: int
+    max_steps: int
+    layout: RunLayout
+    base_model: str  # model.path and model.revision, recorded in the adapter
+    base_revision: str | None
+    eval_max_batches: int | None
+    parallel: Parallel
+    device: object
+    model: torch.nn.Module
+    lora_config: dict  # the phase's set of adapters, {name: LoraConfig}
+    optimizer: MaskedAdamW
+    data: "PhaseData"
+    stepper: Stepper
+    guard: CompileGuard
+    monitor: DivergenceMonitor
+    checkpointer: Checkpointer
+    logger: StepLogger
+    stop: StopVote
+    start_step: int
+    resumed: bool
+    eval_before: dict
+    sharded: list
+    settings: dict  # what the phase is built on (checkpointing.resume_keys), fixed for the phase
+    merged_adapters: list[str]  # earlier phases' adapters merged into the base beneath this one's, in order
+    accepted_changes: dict  # settings changed at a resume with --accept-changes: {key: [saved, now]}
+    adapters: dict[str, int]  # adapters side by side, in their rows' order -> their max_steps ({}: one adapter)
+
+    def evaluate(self) -> dict:
+        """The eval loss; side by side, each adapter's on its own data (alone on every row), and
+        their token-weighted mean at the top (side_by_side_results)."""
+        each = {}
+        for name, data_dir in self.data.dirs.items():
+            with only_adapter(self.model, name):
+                each[name] = self._evaluate(data_dir)
+        return side_by_side_results(each) if self.adapters else each[DEFAULT_ADAPTER]
+
+    def _evaluate(self, data_dir: str) -> dict:
+        return evaluate_loss(self.model, data_dir, micro_batch=self.data.eval_micro_batch, pad_id=self.data.pad_id,
+                             packed=self.data.packed, device=self.device, max_batches=self.eval_max_batches,
+                             loss_chunk=self.stepper.loss_chunk,
+                             collectives=self.parallel.collectives, input_sharding=self.parallel.input_sharding(),
+                             replicate=self.parallel.replicate)
+
+    def trainer_state(self) -> dict:
+        """What a checkpoint records besides weights and optimizer, as of the step just run."""
+        return {"phase": self.number, "eval_before": self.eval_before, **self.logger.state_dict(),
+                **self.monitor.state_dict(), "global_batch": self.data.batches_per_step, "chips": self.parallel.chips,
+                "exactness": self.settings, "accepted_changes": self.accepted_changes}
+
+    def save(self, step: int, state: dict | None = None) -> None:
+        state = state if state is not None else self.trainer_state()
+        self.checkpointer.save(step, model=self.model, optimizer=self.optimizer, trainer_state=state)
+
+
+def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resume_from: Path | None,
+                stop_requested, accepted_changes: dict | None = None) -> Phase:
+    """Model, optimizer, data and the loop's parts, resumed from `resume_from` when given, with
+    the phase's first evaluation done (or taken from the checkpoint)."""
+    import torch_xla
+
+    t, layout = config.train, RunLayout(config.output_dir)
+    guard = CompileGuard(phase, t.warmup_compiles_steps, t.recompile_policy)  # counts from here
+    merged, continued = config.lineage(phase)
+    adapters = list(config.phase(phase).adapters)
+    with HOST_BUILD:
+        seed_everything(t.seed + phase)
+        model, lora_config = build_model(config.model, config.adapters(phase),
+                                         merged=[layout.adapter(n) for n in merged],
+                                         continued=layout.adapter(continued) if continued else None)
+        # The resumed adapter goes into the layers before they are stacked (on the host), the
+        # optimizer's moments into the optimizer built on the stacks.
+        state = load_checkpoint(resume_from, model=model) if resume_from else {}
+        scanned = scan_layers(model, t.scan_layers, activation_checkpointing=config.model.activation_checkpointing,
+                              spmd=parallel.mesh is not None)
+    checkpointer = Checkpointer(layout.checkpoints(phase), every=config.checkpoint.every, keep=config.checkpoint.keep,
+                                collectives=parallel.collectives, base_model=config.model.path, lora_config=lora_config)
+    checkpointer.clean()
+    sharded = parallel.place_model(model, device)
+    data = PhaseData(config.data_dirs(phase), train=t, eval=config.eval, parallel=parallel)
+    attention, why = attention_here(config.model.attention, model.config, spmd_mesh=parallel.mesh is not None,
+                                    seq_len=data.seq_len)
+    if attention != "dense":
+        enable_kernel_attention(model, attention, parallel.mesh)
+    if parallel.master:
+        print(f"phase {phase}: {why}; {scanned}", flush=True)
+    model.train()
+    named = named_lora_parameters(model)  # one optimizer, a group per adapter (adamw.py)
+    params = [p for _, p in named]
+    groups = [adapters.index(adapter_of(name)) for name, _ in named] if adapters else None
+    optimizer = MaskedAdamW(params, lr=config.lr(phase), betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
+                            groups=groups)
+    if resume_from:
+        load_optimizer_state(resume_from, model=model, optimizer=optimizer)
+    start_step = data.resume(state, resume_from)
+    guard.resume_at(start_step)
+    monitor = DivergenceMonitor(device, t.max_bad_steps, adapters=adapters or None)
+    monitor.load_state_dict(state, device)
+    lr, max_steps = config.lr(phase), config.max_steps(phase)
+    if adapters:
+        lr = [config.adapter_lr(phase, name) for name in adapters]
+        max_steps = [config.adapter_max_steps(phase, name) for name in adapters]
+    stepper = Stepper(model, optimizer, t, phase=phase, lr=lr, max_steps=max_steps,
+                      activation_checkpointing=config.model.activation_checkpointing, parallel=parallel,
+                      device=device, start_step=start_step, packed=data.packed)
+    if monitor.diverged:  # adapters stopped before the checkpoint stay stopped
+        stepper.disable([adapters.index(name) for name in monitor.diverged])
+    if parallel.master and stepper.capture_note:
+        print(f"phase {phase}: {stepper.capture_note}", flush=True)
+    logger = make_logger(config.logging, layout=layout, phase=phase, max_steps=config.max_steps(phase),
+                         master=parallel.master, tokens_per_step=data.tokens_per_step, start_step=start_step,
+                         resume_from=resume_from, state=state, run_settings=config.to_dict())
+    p = Phase(number=phase, max_steps=config.max_steps(phase), layout=layout, base_model=config.model.path,
+              base_revision=config.model.revision, eval_max_batches=config.eval.max_batches, parallel=parallel,
+              device=device, model=model, lora_config=lora_config, optimizer=optimizer, data=data, stepper=stepper,
+              guard=guard, monitor=monitor, checkpointer=checkpointer, logger=logger,
+              stop=StopVote(parallel.collectives, stop_requested), start_step=start_step,
+              resumed=resume_from is not None, eval_before=state.get("eval_before"), sharded=sharded,
+              settings=resume_keys(config, phase, data.manifests),
+              merged_adapters=[str(layout.adapter(n)) for n in merged],
+              accepted_changes={**state.get("accepted_changes", {}), **(accepted_changes or {})},
+              adapters={name: config.adapter_max_steps(phase, name) for name in adapters})
+    if p.eval_before is None:
+        p.eval_before = p.evaluate()
+        p.logger.log_eval(0, p.eval_before)
+    if parallel.master and p.eval_before["loss"] is None:
+        print(f"phase {phase}: {describe_eval(p.eval_before)}; the summary will have no eval loss", flush=True)
+    parallel.replicate(optimizer.params + optimizer.state_tensors() + optimizer.device_constants()
+                       + stepper.device_state() + monitor.device_state())
+    # A resumed run's checkpoint was copied into parameters and optimizer state: run those
+    # copies now, or they would join step 1's graph and make it a graph of its own.
+    torch_xla.sync()
+    return p
+
+
+def make_logger(logging: LoggingConfig, *, layout: RunLayout, phase: int, max_steps: int, master: bool,
+                tokens_per_step: int, start_step: int, resume_from: Path | None, state: dict,
+                run_settings: dict) -> StepLogger:
+    """The phase's step logger; only the master writes metrics, TensorBoard, W&B (which records
+    `run_settings`, the whole config) and draws the progress bar."""
+    log = progress = None
+    if master:
+        tb = layout.tensorboard(phase) if logging.tensorboard else None
+        wandb = None
+        if logging.wandb.project:
+            from finetuning_pipeline.monitor.wandb_log import WandbLog
+
+            wandb = WandbLog(logging.wandb, phase, layout.phase_dir(phase), run_settings,
+                             resuming=resume_from is not None)
+        log = MetricsLog(layout.metrics(phase), tb, resume_step=start_step if resume_from else None, wandb=wandb)
+        if logging.progress_bar:
+            from tqdm import tqdm
+
+            progress = tqdm(total=max_steps, initial=start_step, desc=f"phase {phase}", unit="step",
+                            dynamic_ncols=True)
+    return StepLogger(log, progress, tokens_per_step, max_steps, state.get("train_loss_first"),
+                      state.get("adapter_losses"))
