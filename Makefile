@@ -59,7 +59,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 test: $(STAMP)
-	PJRT_DEVICE=CPU $(BIN)/python -m pytest
+	PJRT_DEVICE=CPU $(BIN)/python -m pytest --durations=25
 
 test-fast: $(STAMP)
 	PJRT_DEVICE=CPU $(BIN)/python -m pytest -m "not slow"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
 import time
@@ -31,6 +30,7 @@ from replica_helpers import (
 from trainer_helpers import (
     adapter_tensors,
     assert_same_run,
+    kill_choices,
     train_losses,
 )
 
@@ -175,7 +175,7 @@ def test_an_adapter_write_failing_on_the_master_stops_every_replica_with_exit_3(
     config = config_for(tmp_path, tiny_model_dir, data, train={"max_steps": 4}, checkpoint={"every": 2})
     full_disk = ("def full(model, directory, *args, **kwargs):\n"
                  "    raise OSError(errno.ENOSPC, 'No space left on device', str(directory))\n"
-                 "trainer.save_adapter = full\n")
+                 "trainer.save_adapters = full\n")
     replicas = run_replicas(2, config, tmp_path / "logs", "--phase", "all", script=patched_main(tmp_path, full_disk))
     assert replicas.wait(HANG) == [3, 3], replicas.outputs()
     adapter = out_of(config) / "phase1" / "adapter"
@@ -200,8 +200,10 @@ def test_a_killed_replica_stops_the_others_and_the_run_resumes(tiny_model_dir, d
         replicas = run_replicas(2, config, tmp_path / "logs")
     else:
         replicas = launched(config, tmp_path / "run.log")
-    wait_for_replicas(replicas, out_of(config), random.Random().randint(5, 14))
-    victim = random.Random().randint(0, 1)
+    choices = kill_choices(f"killed replica, {started_by}")
+    kill_at, victim = choices.randint(5, 14), choices.randint(0, 1)
+    print(f"killing replica {victim} after step {kill_at}")
+    wait_for_replicas(replicas, out_of(config), kill_at)
     started = time.time()
     if started_by == "torchrun":
         replicas.procs[victim].kill()

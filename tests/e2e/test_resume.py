@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from safetensors.torch import load_file
 from trainer_helpers import (
     adapter_tensors,
     assert_same_run,
+    kill_choices,
     launcher_worker,
     poison_nan_in_steps,
     process_alive,
@@ -72,7 +72,8 @@ def reference(tiny_model_dir, data, tmp_path_factory):
 
 
 def test_sigkill_at_a_random_step_then_resume_equals_the_uninterrupted_run(tiny_model_dir, data, reference, tmp_path):
-    kill_at = random.Random().randint(3, STEPS - 1)
+    kill_at = kill_choices("sigkill then resume").randint(3, STEPS - 1)
+    print(f"killing the run after step {kill_at}")
     config = config_for(tmp_path, tiny_model_dir, data)
     proc = start(config)
     wait_for_step_of(proc, tmp_path / "out", kill_at)
