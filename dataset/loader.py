@@ -29,8 +29,11 @@ from dataset.shards import ARRAYS, open_split
 def open_prepared(directory: str | Path, *, fingerprint: str | None = None, seq_len: int | None = None,
                   setting: str = "the run's seq_len") -> dict:
     """The manifest of a prepared dataset, checked against the run's tokenizer and, when given,
-    seq_len (`setting` names where that seq_len is configured)."""
+    seq_len (`setting` names where that seq_len is configured), and its shards against the
+    manifest (every file there, of the blocks it counts), before any training starts."""
     manifest = read_manifest(directory)
+    for split in manifest.get("counts", {}):
+        open_shards(directory, split, manifest)
     if fingerprint is not None:
         check_manifest(
             manifest,
@@ -40,6 +43,13 @@ def open_prepared(directory: str | Path, *, fingerprint: str | None = None, seq_
             setting=setting,
         )
     return manifest
+
+
+def open_shards(directory: str | Path, split: str, manifest: dict | None = None) -> dict[str, np.ndarray]:
+    """The memory-mapped arrays of one split of a prepared dataset, checked against its manifest."""
+    manifest = read_manifest(directory) if manifest is None else manifest
+    blocks = manifest.get("counts", {}).get(split)
+    return open_split(Path(directory) / split, None if blocks is None else (blocks, manifest.get("seq_len")))
 
 
 class ShardLoader:
@@ -58,7 +68,7 @@ class ShardLoader:
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
-        self.arrays = open_split(Path(directory) / split)
+        self.arrays = open_shards(directory, split)
         self.rows = self.arrays["input_ids"].shape[0]
         if self.rows == 0:
             raise DataError(f"{Path(directory) / split}: no blocks; prepare more data or lower --seq-len")
@@ -128,7 +138,7 @@ def iter_eval_batches(
     labels are all -100, so they add nothing to the loss, and every replica yields the same
     number of batches (replicas must agree on the number of steps).
     """
-    arrays = open_split(Path(directory) / split)
+    arrays = open_shards(directory, split)
     rows, seq_len = arrays["input_ids"].shape
     mine = np.arange(rank, rows, world_size)
     per_replica = -(-rows // world_size)

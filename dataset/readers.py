@@ -46,8 +46,10 @@ class SourceFile:
 
 
 def decode_line(source: SourceFile, number: int, raw: bytes) -> str | RecordIssue:
+    """A line as text; the first may start with a UTF-8 byte order mark (Windows editors write
+    one), which is not part of the data."""
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig" if number == 1 else "utf-8")
     except UnicodeDecodeError as err:
         return RecordIssue(str(source.path), number, "invalid_utf8",
                            f"invalid UTF-8 at byte {err.start} of the line (re-encode the file as UTF-8)")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dataset.errors import DataError
+
 ARRAYS = ("input_ids", "labels", "position_ids")
 HEADER_BYTES = 128  # multiple of 64, as the .npy format asks; room for any realistic N
 
@@ -71,16 +73,25 @@ class SplitWriter:
             writer.close()
 
 
-def open_split(directory: str | Path) -> dict[str, np.ndarray]:
-    """The memory-mapped arrays of a split directory, checked for matching shapes."""
+def open_split(directory: str | Path, shape: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+    """The memory-mapped arrays of a split directory, checked for matching shapes, and against
+    `shape` (blocks, seq_len: what the manifest says) when given. A missing, truncated or
+    misshapen file is a DataError naming it: prepared data copied half-way, or edited."""
     directory = Path(directory)
+    again = "prepare it again (python -m dataset.prepare), or copy the whole directory again"
     arrays = {}
     for name in ARRAYS:
         path = directory / f"{name}.npy"
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing; re-run `python -m dataset.prepare`")
-        arrays[name] = np.load(path, mmap_mode="r")
+            raise DataError(f"{path}: missing, so the prepared data is incomplete; {again}")
+        try:
+            arrays[name] = np.load(path, mmap_mode="r")
+        except (ValueError, OSError) as err:  # "mmap length is greater than file size": cut short
+            raise DataError(f"{path}: truncated or unreadable ({err}); {again}") from None
     shapes = {name: a.shape for name, a in arrays.items()}
     if len(set(shapes.values())) != 1 or arrays["input_ids"].ndim != 2:
-        raise ValueError(f"{directory}: arrays disagree in shape {shapes}; re-run `python -m dataset.prepare`")
+        raise DataError(f"{directory}: arrays disagree in shape {shapes}; {again}")
+    if shape is not None and tuple(arrays["input_ids"].shape) != tuple(shape):
+        raise DataError(f"{directory}: {arrays['input_ids'].shape[0]} blocks of {arrays['input_ids'].shape[1]} tokens, "
+                        f"its manifest says {shape[0]} of {shape[1]}; {again}")
     return arrays

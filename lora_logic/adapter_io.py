@@ -103,6 +103,9 @@ def read_adapter_weights(directory: str | os.PathLike) -> dict[str, tuple[torch.
     a module with only one of its two matrices, or with matrices of other ranks, is an error."""
     weights_path = Path(directory) / WEIGHTS_NAME
     tensors = read_weights_file(weights_path)
+    if not tensors:
+        raise ValueError(f"{weights_path}: holds no tensors, so it is no trained adapter (an interrupted write, or "
+                         "a file from elsewhere); export the phase's adapter again")
     modules: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         name = key.removeprefix(PEFT_PREFIX)

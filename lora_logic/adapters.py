@@ -133,6 +133,21 @@ def _lora_owners(model: nn.Module) -> Iterator[tuple[int, int | None]]:
             yield len(module.stacked_lora_parameters()), len(module)
 
 
+def per_layer_lora_names(model: nn.Module) -> list[str]:
+    """The name of each LoRA weight of the unstacked model, in `per_layer_lora`'s order:
+    "<module path>.lora_A.<adapter>.weight", a stacked module's layers numbered as the model
+    without it numbers them. What a checkpoint keys each weight's optimizer state by."""
+    names = []
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, LoRALinear):
+            names += [prefix + n for n, p in module.named_parameters() if p.requires_grad]
+        elif stacks_lora(module):
+            inner = [n for n, _ in module.stacked_lora_parameters()]
+            names += [f"{prefix}{layer}.{n}" for layer in range(len(module)) for n in inner]
+    return names
+
+
 def per_layer_lora(model: nn.Module, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Tensors laid out as `lora_parameters(model)` (an optimizer's moments) -> one per LoRA
     weight of the unstacked model, in module order: each stack split into its layers. What a

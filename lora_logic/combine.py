@@ -43,12 +43,20 @@ class Adapter:
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def check_combination(adapters: list[Adapter], weights: list[float], method: str, density: float | None) -> str:
+def check_combination(adapters: list[Adapter], weights: list[float], method: str, density: float | None,
+                      svd_rank: int | None = None) -> str:
     """The method that will run (linear for one adapter); ValueError naming what does not fit."""
     if method not in COMBINE_METHODS:
         raise ValueError(f"--combine must be one of {', '.join(COMBINE_METHODS)}, got {method!r}")
     if len(weights) != len(adapters):
         raise ValueError(f"--weights has {len(weights)} values for {len(adapters)} adapters; give one per --adapter")
+    if not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"--weights {','.join(map(str, weights))}: every weight must be a finite number")
+    for adapter in adapters:
+        for module, pair in adapter.modules.items():
+            if not all(bool(torch.isfinite(t).all()) for t in pair):
+                raise ValueError(f"{adapter.name}: {module} holds NaN/inf weights; the adapter is corrupt (its "
+                                 "training diverged?) and would make the combination NaN")
     method = "linear" if len(adapters) == 1 else method
     ranks = {a.name: a.config.r for a in adapters}
     if method in ONE_RANK and len(set(ranks.values())) > 1:
@@ -59,6 +67,8 @@ def check_combination(adapters: list[Adapter], weights: list[float], method: str
         raise ValueError(f"--combine {method} needs --density (the fraction of each matrix kept, in (0, 1])")
     if density is not None and (method not in PRUNED or not 0 < density <= 1):
         raise ValueError(f"--density {density}: it applies to {', '.join(PRUNED)} only, in (0, 1]")
+    if svd_rank is not None and (method != "svd" or svd_rank < 1):
+        raise ValueError(f"--svd-rank {svd_rank}: it applies to --combine svd only, and is at least 1")
     shapes: dict[str, tuple[tuple[int, int], str]] = {}
     for adapter in adapters:
         for module, (lora_a, lora_b) in adapter.modules.items():
@@ -67,6 +77,11 @@ def check_combination(adapters: list[Adapter], weights: list[float], method: str
             if seen[0] != shape:
                 raise ValueError(f"{module}: {seen[1]} adapts a [{seen[0][0]}, {seen[0][1]}] layer, {adapter.name} a "
                                  f"[{shape[0]}, {shape[1]}] one: adapters of different bases")
+    if svd_rank is not None:
+        most = min(min(shape) for shape, _ in shapes.values())  # the rank of the smallest layer's update
+        if svd_rank > most:
+            raise ValueError(f"--svd-rank {svd_rank}: the smallest adapted layer's update has rank {most} at most; "
+                             f"give at most {most}")
     return method
 
 
@@ -75,9 +90,10 @@ def combine_adapters(adapters: list[Adapter], weights: list[float], method: str,
                      ) -> tuple[LoraConfig, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """(config, {module: (A, B)}) of the combined adapter; see the module docstring. `generator`
     draws DARE's drops (seed it for a reproducible combination)."""
-    method = check_combination(adapters, weights, method, density)
+    method = check_combination(adapters, weights, method, density, svd_rank)
     ranks = [a.config.r for a in adapters]
-    rank = sum(ranks) if method == "cat" else (svd_rank or max(ranks)) if method == "svd" else ranks[0]
+    svd_rank = max(ranks) if svd_rank is None else svd_rank
+    rank = sum(ranks) if method == "cat" else svd_rank if method == "svd" else ranks[0]
     targets = list(dict.fromkeys(t for a in adapters for t in a.config.target_modules))
     config = dataclasses.replace(adapters[0].config, r=rank, alpha=float(rank), target_modules=targets)
     modules = {}

@@ -3,6 +3,7 @@ written as one PEFT adapter (`export --adapter-only`) or merged into the base li
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -25,11 +26,17 @@ def read_adapters(directories: list[str]) -> tuple[list[Adapter], str, str | Non
         bases[directory] = (raw.get("base_model_name_or_path"), raw.get("revision"))
     first = directories[0]
     for directory, base in bases.items():
-        if base != bases[first]:
+        if (where(base[0]), base[1]) != (where(bases[first][0]), bases[first][1]):
             raise ValueError(f"--adapter {directory} was trained on {base[0]} (revision {base[1]}), --adapter {first} "
                              f"on {bases[first][0]} (revision {bases[first][1]}): adapters of different bases do "
                              "not combine")
     return adapters, *bases[first]
+
+
+def where(base: str | None) -> str | None:
+    """A base as a comparable name: a local directory by its real path (one base written as a
+    relative and as an absolute path, or through a link, is one base), a Hub id as it is."""
+    return os.path.realpath(base) if base and Path(base).is_dir() else base
 
 
 def export_combined(base: str, directories: list[str], out: str, *, weights: list[float], method: str,

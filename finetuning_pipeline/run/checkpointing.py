@@ -28,7 +28,7 @@ import torch
 from dataset.manifest import content_digest, read_manifest
 from finetuning_pipeline.run.run_layout import RunLayout, adapter_dirs
 from lora_logic.adapter_io import load_adapters, save_adapters
-from lora_logic.adapters import adapter_names, per_layer_lora, stacked_lora
+from lora_logic.adapters import adapter_names, per_layer_lora, per_layer_lora_names, stacked_lora
 from lora_logic.config import LoraConfig, adapter_set
 from utils.atomic_io import fsync_dir
 
@@ -119,9 +119,7 @@ def save_checkpoint(root: str | Path, step: int, *, model, optimizer,
     staging.mkdir()
     try:
         save_adapters(model, checkpoint_adapters(staging, list(lora_config)), lora_config, base_model)
-        state = optimizer.state_dict()
-        state.update({key: per_layer_lora(model, state[key]) for key in ("exp_avg", "exp_avg_sq")})
-        torch.save(to_cpu(state), staging / "optimizer.pt")
+        torch.save(to_cpu(optimizer_state_by_name(model, optimizer)), staging / "optimizer.pt")
         torch.save(rng_state(), staging / "rng.pt")
         (staging / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2) + "\n")
         files = {p.relative_to(staging).as_posix(): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}
@@ -233,16 +231,48 @@ def load_checkpoint(path: str | Path, *, model) -> dict:
     return json.loads((path / "trainer_state.json").read_text())
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def optimizer_state_by_name(model, optimizer) -> dict:
+    """The optimizer's state keyed by name, as a checkpoint stores it: each moment by the LoRA
+    weight of the unscanned model it belongs to ("<module path>.lora_A.<adapter>.weight"), the
+    step counts by adapter. Nothing depends on the order of the config's adapters or on the
+    layers being scanned."""
+    state = optimizer.state_dict()
+    names = per_layer_lora_names(model)
+    for key in MOMENTS:
+        state[key] = dict(zip(names, per_layer_lora(model, state[key]), strict=True))
+    state["steps"] = dict(zip(adapter_names(model), state["steps"].reshape(-1), strict=True))
+    return state
+
+
 def load_optimizer_state(path: str | Path, *, model, optimizer) -> None:
-    """The optimizer state of checkpoint `path` (verified by load_checkpoint), whose moments are
-    stored per LoRA weight of the unscanned model: stacked for `model`'s scanned layers."""
+    """The optimizer state of checkpoint `path` (verified by load_checkpoint) into `optimizer`,
+    each moment to the LoRA weight of its name (stacked for `model`'s scanned layers), each
+    step count to its adapter. (A checkpoint of an earlier version lists them in order.)"""
     file = Path(path) / "optimizer.pt"
     state = torch.load(file, map_location="cpu", weights_only=True)
     try:
-        state.update({key: stacked_lora(model, state[key]) for key in ("exp_avg", "exp_avg_sq")})
+        names = per_layer_lora_names(model)
+        for key in MOMENTS:
+            state[key] = stacked_lora(model, by_name(state[key], names, "LoRA weights"))
+        if isinstance(state["steps"], dict):
+            state["steps"] = torch.stack(by_name(state["steps"], adapter_names(model), "adapters"))
         optimizer.load_state_dict(state)
     except ValueError as err:
         raise ValueError(f"{file} does not fit this model's LoRA: {err}") from None
+
+
+def by_name(saved: dict | list, names: list[str], what: str) -> list:
+    """`saved` ({name: value}) in the order of `names`; a list (an earlier format) as it is."""
+    if not isinstance(saved, dict):
+        return saved
+    missing, unexpected = [n for n in names if n not in saved], [n for n in saved if n not in names]
+    if missing or unexpected:
+        raise ValueError(f"its {what} are not this model's: {len(missing)} missing (first {missing[:1]}), "
+                         f"{len(unexpected)} not in the model (first {unexpected[:1]})")
+    return [saved[n] for n in names]
 
 
 class Checkpointer:

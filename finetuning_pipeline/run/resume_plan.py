@@ -106,6 +106,10 @@ def check_resumable(config: RunConfig, plans: list[PhasePlan], accept_changes: b
             for earlier in adapter_phases(changed):
                 hint += (f" (phase {earlier} was trained again since this phase-{plan.phase} checkpoint was built on "
                          "its adapter)")
+            if f"phase{plan.phase}.adapters" in changed:
+                hint += (f" (the phase trains another set of adapters now: list the checkpoint's "
+                         f"{saved[f'phase{plan.phase}.adapters']} again, or start the phase over with --phase "
+                         f"{plan.phase} --resume never --force; their order may change)")
             if "model.revision" in changed:
                 hint += (f" (the Hub model's revision is another commit now: set model.revision="
                          f"{saved.get('model.revision')} to resume on the weights the checkpoint trained)")
@@ -155,7 +159,8 @@ def is_phase_input(key: str) -> bool:
     """What a phase is built on: when one changed, its finished outputs no longer belong to
     this config (the base, the phase's prepared data, the earlier adapters it builds on)."""
     number, name = phase_key(key)
-    return key in ("model.path", "model.revision") or (number is not None and name in ("data.content", "adapter"))
+    return key in ("model.path", "model.revision") or (
+        number is not None and name in ("data.content", "adapter", "adapters"))
 
 
 def check_finished_phase(config: RunConfig, phase: int, say) -> None:

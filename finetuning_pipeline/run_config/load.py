@@ -65,14 +65,21 @@ def yaml_keys(cls) -> tuple[set[str], list[str]]:
 
 
 def _build_run_config(data: dict) -> RunConfig:
-    """RunConfig from its YAML mapping: the `phaseN` sections become RunConfig.phases (two at
-    least; a phase not written is an empty one, as phase 2 of a phase-1-only config always was)."""
+    """RunConfig from its YAML mapping (overrides applied): the `phaseN` sections written become
+    RunConfig.phases, phase1 to the last, with none missing in between (a config without any
+    has one empty phase, for its errors to name phase1's keys)."""
     if not isinstance(data, dict):
         raise ConfigError(f"config: expected a mapping, got {data!r}")
     rest = {key: value for key, value in data.items() if phase_number(key) is None}
     sections = {phase_number(key): value for key, value in data.items() if phase_number(key) is not None}
+    last = max(sections, default=1)
+    missing = [n for n in range(1, last + 1) if n not in sections]
+    if sections and missing:
+        written = ", ".join(f"phase{n}" for n in sorted(sections))
+        raise ConfigError(f"phase{missing[0]}: missing; the config has {written}, and phases run in order from "
+                          f"phase1: write a phase{missing[0]}: section, or number the phases from 1 without a gap")
     config = _build(RunConfig, rest, "")
-    config.phases = [_build(PhaseConfig, sections.get(n, {}), f"phase{n}.") for n in range(1, max([2, *sections]) + 1)]
+    config.phases = [_build(PhaseConfig, sections.get(n, {}), f"phase{n}.") for n in range(1, last + 1)]
     return config
 
 

@@ -282,9 +282,9 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     tpu: TpuConfig = field(default_factory=TpuConfig)
     xla: XlaConfig = field(default_factory=XlaConfig)
-    # phase1, phase2, ...: the YAML's `phaseN:` sections in order (load.py); at least two, so
-    # the two-phase curriculum's keys always exist.
-    phases: list[PhaseConfig] = field(default_factory=lambda: [PhaseConfig(), PhaseConfig()])
+    # phase1, phase2, ...: the YAML's `phaseN:` sections in order (load.py): the phases it has,
+    # and `--phase all` runs them all.
+    phases: list[PhaseConfig] = field(default_factory=lambda: [PhaseConfig()])
 
     def lora_config(self) -> LoraConfig:
         return dataclasses.replace(self.lora)  # a copy: the caller may keep it
@@ -363,7 +363,10 @@ class RunConfig:
         phase_cfg = dataclasses.asdict(self.phase(phase))
         if phase == 1:
             phase_cfg.pop("init")  # phase 1 always starts fresh
-        for name, adapter in phase_cfg.pop("adapters").items():  # each side-by-side adapter's keys on their own
+        # The set of adapters (not their order: each one's state is kept by its name), then each
+        # side-by-side adapter's keys on their own.
+        flat[f"phase{phase}.adapters"] = sorted(self.adapters(phase))
+        for name, adapter in phase_cfg.pop("adapters").items():
             flat.update({f"phase{phase}.adapters.{name}.{k}": v for k, v in adapter.items()})
         flat.update({f"phase{phase}.{k}": v for k, v in phase_cfg.items()})
         return flat

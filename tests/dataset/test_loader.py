@@ -120,3 +120,31 @@ def test_manifest_mismatch_names_both_values(prepared, tiny_model_dir):
         DataError, match=f"tokenized by tokenizer {fingerprint}, but the run's tokenizer is sha256:other"
     ):
         open_prepared(prepared, fingerprint="sha256:other", seq_len=64)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate", r"train/input_ids\.npy: truncated or unreadable \(mmap length is greater than file size\)"),
+    ("remove", r"train/labels\.npy: missing, so the prepared data is incomplete"),
+    ("fewer blocks", r"train: \d+ blocks of 64 tokens, its manifest says \d+ of 64"),
+])
+def test_damaged_shards_are_named_where_the_data_is_opened(prepared, tmp_path, damage, message):
+    """Issue #38.8: a truncated shard was a numpy traceback in main.py and evaluate (and preflight
+    passed it), a missing one exit 3 ("fix the disk"). Checked against the manifest when the
+    data is opened, before any training, as a DataError (exit 2) naming the file."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(prepared, copy)
+    ids = copy / "train" / "input_ids.npy"
+    if damage == "truncate":
+        ids.write_bytes(ids.read_bytes()[:-100])
+    elif damage == "remove":
+        (copy / "train" / "labels.npy").unlink()
+    else:
+        for name in ("input_ids", "labels", "position_ids"):
+            path = copy / "train" / f"{name}.npy"
+            np.save(path, np.load(path)[:-1])
+    with pytest.raises(DataError, match=message):
+        open_prepared(copy)
+    with pytest.raises(DataError, match=message):
+        ShardLoader(copy, micro_batch=2)

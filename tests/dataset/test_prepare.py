@@ -69,6 +69,16 @@ def test_bad_record_is_reported_with_file_and_line(tmp_path, tiny_model_dir, cap
     assert records["skipped_by_reason"] == {reason: 1}
 
 
+def test_a_file_that_starts_with_a_byte_order_mark_is_read(tmp_path, tiny_model_dir):
+    """Issue #38.11: a UTF-8 BOM (as Windows editors save) made line 1 malformed JSON."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (json.dumps({"text": "Ceva."}) + "\n" + json.dumps({"text": "Altceva."}) + "\n")
+                     .encode())
+    assert run(tiny_model_dir, tmp_path / "out", path, extra=["--eval-fraction", "0"]) == 0
+    records = json.loads((tmp_path / "out" / "stats.json").read_text())["records"]
+    assert (records["read"], records["kept"], records["skipped"]) == (2, 2, 0)
+
+
 def test_several_errors_are_reported_at_once(tmp_path, tiny_model_dir, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": 1}\n{"text": 2}\n{"text": 3}\n', encoding="utf-8")

@@ -173,8 +173,8 @@ def test_a_checkpoint_write_failing_on_the_master_thread_stops_both_replica_thre
 
 def test_an_adapter_write_failing_on_the_master_stops_every_replica_with_exit_3(tiny_model_dir, data, tmp_path):
     config = config_for(tmp_path, tiny_model_dir, data, train={"max_steps": 4}, checkpoint={"every": 2})
-    full_disk = ("def full(model, directory, *args, **kwargs):\n"
-                 "    raise OSError(errno.ENOSPC, 'No space left on device', str(directory))\n"
+    full_disk = ("def full(model, directories, *args, **kwargs):  # {adapter: its directory}\n"
+                 "    raise OSError(errno.ENOSPC, 'No space left on device', str(next(iter(directories.values()))))\n"
                  "trainer.save_adapters = full\n")
     replicas = run_replicas(2, config, tmp_path / "logs", "--phase", "all", script=patched_main(tmp_path, full_disk))
     assert replicas.wait(HANG) == [3, 3], replicas.outputs()

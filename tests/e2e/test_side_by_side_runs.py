@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from trainer_helpers import LaunchedRun, metric_records, poison_nan_in_steps, train_in_fresh_process, write_run_config
 
@@ -128,6 +129,38 @@ def test_a_resumed_run_resumes_every_adapter_bitwise(together, tmp_path):
         uninterrupted = load_file(out / "phase1" / "adapters" / name / "adapter_model.safetensors")
         assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted), name
     assert json.loads((copy / "phase1" / "summary.json").read_text())["resumed_from_step"] == 2
+
+
+def test_a_resume_with_the_adapters_listed_in_another_order_continues_each_adapter(together, tmp_path):
+    """Issue #38.1: the order of the config's adapters is not a resume key. Restored by position,
+    each adapter took the other's optimizer state and drifted (loss 0.808 against 0.751 at step
+    20); by name, each continues as uninterrupted. The rows' order differs, so the sums may
+    round apart: held to 1e-5, as side by side against alone."""
+    out, config = together
+    copy = tmp_path / "reordered"
+    shutil.copytree(out, copy)
+    for name in ADAPTERS:
+        (copy / "phase1" / "adapters" / name / "adapter_model.safetensors").unlink()
+    settings = yaml.safe_load(config.read_text())
+    written = list(settings["phase1"]["adapters"])
+    settings["phase1"]["adapters"] = {name: settings["phase1"]["adapters"][name] for name in reversed(written)}
+    reordered = tmp_path / "reordered.yaml"
+    reordered.write_text(yaml.safe_dump({**settings, "output_dir": str(copy)}, sort_keys=False))
+    checkpoint = copy / "phase1" / "checkpoints" / "step_00000002"
+    assert main.main(["--config", str(reordered), "--phase", "1", "--resume", str(checkpoint)]) == 0
+    step_3 = [r for r in metric_records(copy, "train") if r["step"] == 3][-1]  # (both adapters step)
+    assert list(step_3["adapters"]) == list(reversed(written))  # the rows' order is the new one
+    summary = json.loads((copy / "phase1" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 2 and summary["resumed_with_changes"] is None
+    for name in ADAPTERS:
+        resumed = load_file(copy / "phase1" / "adapters" / name / "adapter_model.safetensors")
+        uninterrupted = load_file(out / "phase1" / "adapters" / name / "adapter_model.safetensors")
+        for key in uninterrupted:
+            torch.testing.assert_close(resumed[key], uninterrupted[key], atol=1e-5, rtol=1e-5)
+    for name in ADAPTERS:
+        ours = [r["adapters"][name]["loss"] for r in metric_records(copy, "train") if name in r["adapters"]]
+        theirs = [r["adapters"][name]["loss"] for r in metric_records(out, "train") if name in r["adapters"]]
+        assert ours[-1] == pytest.approx(theirs[-1], abs=1e-5), name
 
 
 def test_scanned_layers_with_activation_checkpointing_train_each_as_alone_and_resume_bitwise(alone, tiny_model_dir,

@@ -93,10 +93,34 @@ def test_dare_drops_at_the_density_and_keeps_the_expectation(adapters):
     (["a1", "a2"], [1.0, 1.0], "linear", {"density": 0.5}, "--density 0.5: it applies to ties"),
     (["a1", "a2"], [1.0, 1.0], "dare_ties", {"density": 1.5}, r"in \(0, 1\]"),
     (["a1", "a2"], [1.0, 1.0], "mean", {}, "--combine must be one of linear, cat, svd"),
+    # Issue #38.7: tracebacks, or a silent default, before.
+    (["a1", "a2"], [float("nan"), 1.0], "linear", {}, "--weights nan,1.0: every weight must be a finite number"),
+    (["a1", "a2"], [float("inf"), 1.0], "linear", {}, "every weight must be a finite number"),
+    (["a1", "a2"], [1.0, 1.0], "svd", {"svd_rank": 999}, r"--svd-rank 999: the smallest adapted layer's update has "
+                                                         r"rank \d+ at most"),
+    (["a1", "a2"], [1.0, 1.0], "svd", {"svd_rank": 0}, "--svd-rank 0: it applies to --combine svd only, and is at "
+                                                       "least 1"),
+    (["a1", "a2"], [1.0, 1.0], "linear", {"svd_rank": 2}, "--svd-rank 2: it applies to --combine svd only"),
 ])
 def test_combinations_that_cannot_be_made_are_refused(adapters, names, weights, method, options, message):
     with pytest.raises(ValueError, match=message):
         ours(adapters, names, weights, method, **options)
+
+
+def test_an_adapter_with_nan_weights_or_no_weights_is_refused(adapters, tmp_path):
+    """Issue #38.4/7: an empty safetensors combined as zeros (exit 0), a NaN adapter a traceback."""
+    from safetensors.torch import save_file
+
+    a1 = Adapter("a1", CONFIGS["a1"], read_adapter_weights(adapters / "a1"))
+    poisoned = {name: (a.clone().fill_(float("nan")), b) for name, (a, b) in a1.modules.items()}
+    with pytest.raises(ValueError, match=r"nan: .*q_proj holds NaN/inf weights; the adapter is corrupt"):
+        combine_adapters([a1, Adapter("nan", CONFIGS["a1"], poisoned)], [0.5, 0.5], "linear")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    save_file({}, empty / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match=r"empty/adapter_model\.safetensors: holds no tensors, so it is no trained "
+                                         "adapter"):
+        read_adapter_weights(empty)
 
 
 def test_adapters_of_layers_of_other_shapes_are_refused_naming_the_module(adapters):

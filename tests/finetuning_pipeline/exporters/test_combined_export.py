@@ -4,6 +4,7 @@ model PEFT would make, and the combinations refused with one line (exit 2)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -63,6 +64,16 @@ def test_the_export_writes_a_combined_adapter_peft_loads_and_a_merged_model(adap
     assert run_export("--base", base, "--adapter", adapters / "a1", "--adapter", tmp_path / "other", "--combine",
                       "linear", "--out", tmp_path / "bad") == 2
     assert "adapters of different bases do not combine" in capsys.readouterr().err
+    # Issue #38.9: one base written as a relative and as an absolute path is one base.
+    for name, written_as in (("absolute", str(base.resolve())), ("relative", os.path.relpath(base))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_model.safetensors").write_bytes((adapters / "a2" / "adapter_model.safetensors")
+                                                                    .read_bytes())
+        (tmp_path / name / "adapter_config.json").write_text(
+            json.dumps({**config, "base_model_name_or_path": written_as}))
+    assert run_export("--base", base, "--adapter", tmp_path / "absolute", "--adapter", tmp_path / "relative",
+                      "--combine", "linear", "--adapter-only", "--out", tmp_path / "same_base") == 0, \
+        capsys.readouterr().err
     with pytest.raises(SystemExit):
         run_export(*flags, "--out", tmp_path / "stacked")  # --weights without --combine
     assert "--weights go with --combine" in capsys.readouterr().err

@@ -24,7 +24,7 @@ from finetuning_pipeline.run.checkpointing import (
     verify_checkpoint,
 )
 from finetuning_pipeline.train.adamw import MaskedAdamW
-from lora_logic.adapters import lora_parameters, lora_state_dict
+from lora_logic.adapters import adapter_of, lora_parameters, lora_state_dict, named_lora_parameters
 from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
 
@@ -74,6 +74,47 @@ def test_every_piece_of_state_round_trips_through_files(tmp_path):
     assert sorted(p.name for p in path.iterdir()) == [
         "COMPLETE", "adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json"
     ]
+
+
+def side_by_side(names: list[str]):
+    """A model with adapters side by side in the order `names` (same shapes: a mix-up would
+    load silently), and its optimizer with a group per adapter, as the trainer builds it."""
+    model = tiny_causal_lm("mistral", seed=0)
+    configs = {name: LoraConfig(r=4, alpha=8) for name in names}
+    inject_lora(model, configs)
+    named = named_lora_parameters(model)
+    optimizer = MaskedAdamW([p for _, p in named], lr=1e-2, groups=[names.index(adapter_of(n)) for n, _ in named])
+    return model, optimizer, configs
+
+
+def test_optimizer_state_is_kept_by_name_so_adapters_resume_in_any_order(tmp_path):
+    """Issue #38.1: moments restored by position gave each adapter another's state after its
+    adapters were listed in another order. Each moment and step count now goes by its name."""
+    model, optimizer, configs = side_by_side(["sql", "chat"])
+    tokens = torch.randint(0, 128, (4, 12), generator=torch.Generator().manual_seed(3))
+    model(tokens, labels=tokens, use_cache=False).loss.backward()
+    optimizer.step(apply=torch.tensor([True, False]))  # sql stepped once, chat not: their states differ
+    optimizer.zero_grad()
+    model(tokens, labels=tokens, use_cache=False).loss.backward()
+    optimizer.step()
+    path = save(tmp_path, 2, model, optimizer, configs)
+
+    swapped, swapped_optimizer, _ = side_by_side(["chat", "sql"])
+    load_checkpoint(path, model=swapped)
+    load_optimizer_state(path, model=swapped, optimizer=swapped_optimizer)
+    ours = dict(zip([n for n, _ in named_lora_parameters(model)], zip(optimizer.exp_avg, optimizer.exp_avg_sq)))
+    theirs = zip([n for n, _ in named_lora_parameters(swapped)],
+                 zip(swapped_optimizer.exp_avg, swapped_optimizer.exp_avg_sq))
+    for name, (exp_avg, exp_avg_sq) in theirs:
+        assert torch.equal(exp_avg, ours[name][0]) and torch.equal(exp_avg_sq, ours[name][1]), name
+    assert optimizer.steps.tolist() == [2.0, 1.0] and swapped_optimizer.steps.tolist() == [1.0, 2.0]
+    for name in configs:
+        assert all(torch.equal(a, b) for a, b in zip(lora_parameters(swapped, name), lora_parameters(model, name)))
+
+    other, other_optimizer, _ = side_by_side(["chat", "docs"])
+    with pytest.raises(ValueError, match=r"optimizer.pt does not fit this model's LoRA: its LoRA weights are not this "
+                                         r"model's: 28 missing \(first \['model.layers.0.self_attn.q_proj.lora_A.docs"):
+        load_optimizer_state(path, model=other, optimizer=other_optimizer)
 
 
 def test_keep_last_k_and_order(tmp_path):

@@ -80,6 +80,19 @@ def test_a_resume_under_other_settings_is_refused_naming_each(config, tmp_path):
         check_resumable(config, [plan])
 
 
+def test_a_resume_with_another_set_of_adapters_is_refused_naming_the_set_not_their_order(config, tmp_path):
+    """Adapters removed, added or renamed: refused by name, with or without --accept-changes; a
+    checkpoint does not hold the other set's state. Listed in another order: resumed (each
+    adapter's state is kept by its name)."""
+    other = checkpoint(tmp_path / "ckpt", config, **{"phase1.adapters": ["chat", "sql"]})
+    with pytest.raises(ConfigError, match=r"phase1.adapters: \['chat', 'sql'\] -> \['default'\].*trains another set "
+                                          r"of adapters now: list the checkpoint's \['chat', 'sql'\] again"):
+        check_resumable(config, [other])
+    with pytest.raises(ConfigError, match=r"cannot continue under another phase1.adapters"):
+        check_resumable(config, [other], accept_changes=True)
+    assert resume_keys(config, 1)["phase1.adapters"] == ["default"]
+
+
 def test_accept_changes_takes_optimisation_settings_only(config, tmp_path, capsys):
     plan = checkpoint(tmp_path / "ckpt", config, **{"train.lr": 0.5})
     check_resumable(config, [plan], accept_changes=True)

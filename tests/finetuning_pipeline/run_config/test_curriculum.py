@@ -45,11 +45,19 @@ def test_the_config_written_back_is_its_yaml(tmp_path):
     assert load_config(again) == config
 
 
-def test_a_config_without_later_phases_has_the_two_of_before(tmp_path):
+def test_a_config_has_the_phases_it_writes_and_no_gap(tmp_path):
+    """Issue #38.10: a phase-1-only config ran an empty phase 2 under --phase all ("phase2.data:
+    not set"), and phase1 + phase3 said the same instead of naming the missing phase."""
     path = tmp_path / "one.yaml"
     path.write_text("model: {path: m}\nphase1: {data: d1}\n")
-    config = load_config(path)
-    assert config.phase_numbers() == [1, 2] and config.phase(2).data == ""
+    assert load_config(path).phase_numbers() == [1]
+    assert load_config(path, ["phase2.data=d2"]).phase_numbers() == [1, 2]  # an override adds a phase
+    gap = tmp_path / "gap.yaml"
+    gap.write_text("model: {path: m}\nphase1: {data: d1}\nphase3: {data: d3}\n")
+    with pytest.raises(ConfigError, match=r"phase2: missing; the config has phase1, phase3, and phases run in order "
+                                          r"from phase1: write a phase2: section"):
+        load_config(gap)
+    assert load_config(gap, ["phase2.data=d2"]).phase_numbers() == [1, 2, 3]
 
 
 @pytest.mark.parametrize("text, override, message", [
@@ -63,7 +71,7 @@ def test_a_config_without_later_phases_has_the_two_of_before(tmp_path):
 ])
 def test_a_bad_later_phase_names_its_key(tmp_path, text, override, message):
     path = tmp_path / "bad.yaml"
-    path.write_text(f"model: {{path: m}}\nphase1: {{data: d1}}\n{text}\n")
+    path.write_text(f"model: {{path: m}}\nphase1: {{data: d1}}\nphase2: {{data: d2}}\n{text}\n")
     with pytest.raises(ConfigError, match=message):
         load_config(path, [override] if override else [])
 

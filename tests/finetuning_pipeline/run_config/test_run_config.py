@@ -114,6 +114,11 @@ def test_bad_values_name_their_key(override, message):
     (b"# only a comment\n", ["model.path=x"], "the config is empty"),
     (b"train: [1, 2]\n", [], "train: expected a mapping"),
     (b"model: {path: [unclosed\n", [], "invalid YAML"),
+    # Issue #38.2: YAML keeps the last of a key given twice; a second section dropped the first's lr.
+    (b"train:\n  lr: 0.1\nmodel: {}\ntrain:\n  max_steps: 3\n", [],
+     "line 1 and line 4 both set 'train' in one mapping; YAML would keep only the second"),
+    (b"phase1:\n  adapters:\n    a: {data: d1}\n    b: {data: d2}\n    a: {data: d3}\n", [],
+     "line 3 and line 5 both set 'a' in one mapping"),
 ])
 def test_config_files_that_are_not_configs_are_named(tmp_path, content, overrides, message, capsys):
     path = tmp_path / "run.yaml"
