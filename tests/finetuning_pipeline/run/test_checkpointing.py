@@ -117,6 +117,40 @@ def test_optimizer_state_is_kept_by_name_so_adapters_resume_in_any_order(tmp_pat
         load_optimizer_state(path, model=other, optimizer=other_optimizer)
 
 
+def test_optimizer_state_by_name_holds_with_scanned_layers_in_another_order(tmp_path):
+    """The hard case of the above: both models' decoder layers scanned (their LoRA weights and
+    moments stacked), the adapters listed in another order; each moment reaches the weight of its
+    name, through the checkpoint's per-layer layout."""
+    from finetuning_pipeline.model.layer_scan import scan_decoder_layers
+    from lora_logic.adapters import per_layer_lora, per_layer_lora_names
+
+    def scanned(names, checkpoint=None):
+        model = tiny_causal_lm("mistral", seed=0)
+        inject_lora(model, {name: LoraConfig(r=4, alpha=8) for name in names})
+        if checkpoint is not None:
+            load_checkpoint(checkpoint, model=model)  # adapters before the layers are stacked, as the trainer does
+        scan_decoder_layers(model)
+        named = named_lora_parameters(model)
+        groups = [names.index(adapter_of(n)) for n, _ in named]
+        return model, MaskedAdamW([p for _, p in named], lr=1e-2, groups=groups), names
+
+    model, optimizer, names = scanned(["sql", "chat"])
+    with torch.no_grad():  # distinct moments everywhere, and step counts per adapter
+        optimizer.exp_avg_flat.copy_(torch.arange(optimizer.exp_avg_flat.numel(), dtype=torch.float32))
+        optimizer.exp_avg_sq_flat.copy_(torch.arange(optimizer.exp_avg_sq_flat.numel(), dtype=torch.float32) * 2)
+        optimizer.steps.copy_(torch.tensor([5.0, 3.0]))
+    path = save(tmp_path, 5, model, optimizer, {name: LoraConfig(r=4, alpha=8) for name in names})
+
+    swapped, swapped_optimizer, _ = scanned(["chat", "sql"], checkpoint=path)
+    load_optimizer_state(path, model=swapped, optimizer=swapped_optimizer)
+    by_name = [dict(zip(per_layer_lora_names(m), per_layer_lora(m, moments)))
+               for m, moments in ((model, optimizer.exp_avg), (swapped, swapped_optimizer.exp_avg))]
+    assert by_name[0].keys() == by_name[1].keys() and len(by_name[0]) == 2 * 2 * 7 * 2  # layers x adapters x targets
+    for name, moment in by_name[0].items():
+        assert torch.equal(by_name[1][name], moment), name
+    assert swapped_optimizer.steps.tolist() == [3.0, 5.0]
+
+
 def test_keep_last_k_and_order(tmp_path):
     model, optimizer, config = model_and_optimizer()
     for step in (2, 4, 10, 6):  # a resumed run may write an older step after a newer one
