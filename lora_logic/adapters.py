@@ -83,6 +83,13 @@ def named_lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return found
 
 
+def adapter_groups(model: nn.Module) -> list[int]:
+    """Each trainable LoRA weight's adapter, as its index in the rows' order, in
+    `named_lora_parameters`' order: the groups of one optimizer over adapters side by side."""
+    names = adapter_names(model)
+    return [names.index(adapter_of(n)) for n, _ in named_lora_parameters(model)]
+
+
 def lora_parameters(model: nn.Module, adapter: str | None = None) -> list[nn.Parameter]:
     """The trainable LoRA weights in `named_lora_parameters`' order: every adapter's, or one's."""
     return [p for n, p in named_lora_parameters(model) if adapter is None or adapter_of(n) == adapter]

@@ -42,7 +42,7 @@ from finetuning_pipeline.train.adapter_results import side_by_side_results
 from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss
 from finetuning_pipeline.train.phase_data import PhaseData
 from finetuning_pipeline.train.stepper import Stepper
-from lora_logic.adapters import adapter_of, named_lora_parameters, only_adapter
+from lora_logic.adapters import adapter_groups, lora_parameters, only_adapter
 from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
 from lora_logic.inject import inject_lora
 from utils.hub_models import model_dir
@@ -176,11 +176,10 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     if parallel.master:
         print(f"phase {phase}: {why}; {scanned}", flush=True)
     model.train()
-    named = named_lora_parameters(model)  # one optimizer, a group per adapter (adamw.py)
-    params = [p for _, p in named]
-    groups = [adapters.index(adapter_of(name)) for name, _ in named] if adapters else None
-    optimizer = MaskedAdamW(params, lr=config.lr(phase), betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
-                            groups=groups)
+    # One optimizer; side by side, a group per adapter (adamw.py).
+    groups = adapter_groups(model) if adapters else None
+    optimizer = MaskedAdamW(lora_parameters(model), lr=config.lr(phase), betas=tuple(t.betas), eps=t.eps,
+                            weight_decay=t.weight_decay, groups=groups)
     if resume_from:
         load_optimizer_state(resume_from, model=model, optimizer=optimizer)
     start_step = data.resume(state, resume_from)

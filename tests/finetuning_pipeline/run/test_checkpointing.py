@@ -24,7 +24,7 @@ from finetuning_pipeline.run.checkpointing import (
     verify_checkpoint,
 )
 from finetuning_pipeline.train.adamw import MaskedAdamW
-from lora_logic.adapters import adapter_of, lora_parameters, lora_state_dict, named_lora_parameters
+from lora_logic.adapters import adapter_groups, lora_parameters, lora_state_dict, named_lora_parameters
 from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
 
@@ -82,8 +82,7 @@ def side_by_side(names: list[str]):
     model = tiny_causal_lm("mistral", seed=0)
     configs = {name: LoraConfig(r=4, alpha=8) for name in names}
     inject_lora(model, configs)
-    named = named_lora_parameters(model)
-    optimizer = MaskedAdamW([p for _, p in named], lr=1e-2, groups=[names.index(adapter_of(n)) for n, _ in named])
+    optimizer = MaskedAdamW(lora_parameters(model), lr=1e-2, groups=adapter_groups(model))
     return model, optimizer, configs
 
 
@@ -130,9 +129,7 @@ def test_optimizer_state_by_name_holds_with_scanned_layers_in_another_order(tmp_
         if checkpoint is not None:
             load_checkpoint(checkpoint, model=model)  # adapters before the layers are stacked, as the trainer does
         scan_decoder_layers(model)
-        named = named_lora_parameters(model)
-        groups = [names.index(adapter_of(n)) for n, _ in named]
-        return model, MaskedAdamW([p for _, p in named], lr=1e-2, groups=groups), names
+        return model, MaskedAdamW(lora_parameters(model), lr=1e-2, groups=adapter_groups(model)), names
 
     model, optimizer, names = scanned(["sql", "chat"])
     with torch.no_grad():  # distinct moments everywhere, and step counts per adapter
