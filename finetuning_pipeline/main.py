@@ -103,6 +103,21 @@ CONFIG_ENV = "TPU_LORA_CONFIG"
 WRITE_ERRNOS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
+# What picks the devices a run has: pasting the printed resume command without it would resume
+# on other devices (a CPU_NUM_DEVICES other than the run's is refused by its global batch).
+DEVICE_ENVIRONMENT = ("PJRT_DEVICE", "CPU_NUM_DEVICES", "TPU_VISIBLE_CHIPS", "TPU_PROCESS_BOUNDS",
+                      "TPU_CHIPS_PER_PROCESS_BOUNDS")
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command as given, with --resume auto and its device environment: without --config
+    it chooses the same config again."""
+    environment = [f"{name}={shlex.quote(os.environ[name])}" for name in DEVICE_ENVIRONMENT if name in os.environ]
+    return " ".join([*environment, shlex.join([sys.executable, os.path.relpath(Path(__file__).resolve()),
+                                               *(["--config", args.config] if args.config else []),
+                                               "--phase", args.phase, "--resume", "auto", *args.overrides])])
+
+
 def run_replica(config: RunConfig, plans: list[PhasePlan], resume_command: str, budget) -> None:
     """Entry point of each replica (one per chip under dp, one per host under fsdp), on the
     main thread of its process or on a launcher's worker thread. Every replica runs the same
@@ -188,11 +203,7 @@ def train(argv: list[str] | None) -> int:
     budget = WallClockBudget(parse_duration(config.train.max_wall_time) if config.train.max_wall_time else None,
                              started, label=config.train.max_wall_time or "")
     if plans:
-        # The command as given: without --config it chooses the same config again.
-        resume_command = shlex.join([sys.executable, os.path.relpath(Path(__file__).resolve()),
-                                     *(["--config", args.config] if args.config else []),
-                                     "--phase", args.phase, "--resume", "auto", *args.overrides])
-        start_replicas(config, (config, plans, resume_command, budget))
+        start_replicas(config, (config, plans, resume_command(args), budget))
     if launch_rank() == 0:
         from finetuning_pipeline.monitor.metrics_log import plot_losses
 

@@ -21,6 +21,9 @@ class MetricsLog:
         self.wandb = wandb
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.lock = threading.Lock()
+        # Steps whose evaluation is logged: a phase resumed from its final checkpoint (its outputs
+        # could not be written) evaluates that step again, and logs it once.
+        self.evaluated: set[int] = set()
         if resume_step is None:
             self.path.write_text("")
         else:
@@ -37,9 +40,14 @@ class MetricsLog:
             return
         kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
+        self.evaluated = {json.loads(line)["step"] for line in kept if json.loads(line)["kind"] == "eval"}
 
     def write(self, record: dict) -> None:
         with self.lock:
+            if record["kind"] == "eval":
+                if record["step"] in self.evaluated:
+                    return
+                self.evaluated.add(record["step"])
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
             if self.tb is not None:

@@ -20,6 +20,7 @@ import json
 import os
 import random
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -180,7 +181,13 @@ def verify_checkpoint(path: Path) -> dict:
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such checkpoint directory")
     if not is_complete(path):
-        raise ValueError(f"{path}: incomplete checkpoint (no {COMPLETE} marker); it was interrupted while saving")
+        if any((path / name).exists() for name in ("trainer_state.json", "optimizer.pt", "rng.pt")):
+            raise ValueError(f"{path}: incomplete checkpoint (no {COMPLETE} marker); it was interrupted while saving")
+        where = "a checkpoint is a directory OUTPUT_DIR/phaseN/checkpoints/step_NNNNNNNN"
+        if (path / "adapter_config.json").is_file():
+            raise ValueError(f"{path}: an adapter, not a checkpoint ({where}; an adapter holds no optimizer state or "
+                             "data position to resume from)")
+        raise ValueError(f"{path}: not a checkpoint ({where})")
     marker = read_json(path / COMPLETE)
     if not isinstance(marker.get("files"), dict) or "trainer_state.json" not in marker["files"]:
         raise ValueError(f"{path / COMPLETE}: not a checkpoint marker (no file list with trainer_state.json)")
@@ -320,21 +327,39 @@ class Checkpointer:
         from finetuning_pipeline.errors import CheckpointWriteError
 
         torch_xla.sync()
-        error = None
+        error, rescued = None, None
+        parts = {"model": model, "optimizer": optimizer, "trainer_state": trainer_state}
         if self.master:
             try:
-                save_checkpoint(self.root, step, model=model, optimizer=optimizer, lora_config=self.lora_config,
-                                base_model=self.base_model, trainer_state=trainer_state, keep=self.keep)
+                save_checkpoint(self.root, step, lora_config=self.lora_config, base_model=self.base_model,
+                                keep=self.keep, **parts)
             except OSError as err:
                 error = err
+                rescued = self.rescue(step, **parts)
         if self.collectives.all(error is None):
             return
-        latest = self.latest()
-        intact = f"The previous checkpoint {latest} is intact" if latest else "No earlier checkpoint exists"
         if error is None:
             raise CheckpointWriteError(f"the master could not write checkpoint step {step} under {self.root} (its "
-                                       f"log says why). {intact}; fix it and rerun with --resume auto")
-        raise CheckpointWriteError(
-            f"could not write checkpoint step {step} under {self.root}: {error.strerror or error}. {intact}; "
-            "free space (or fix permissions) and rerun with --resume auto"
-        )
+                                       "log says why and where the step's checkpoint was kept)")
+        cause = f"could not write checkpoint step {step} under {self.root}: {error.strerror or error}"
+        if rescued is not None:
+            raise CheckpointWriteError(f"{cause}. It was written to {rescued} instead, so no step is lost: free "
+                                       f"space (or fix permissions) and rerun with --resume {rescued}")
+        latest = self.latest()
+        intact = f"The previous checkpoint {latest} is intact" if latest else "No earlier checkpoint exists"
+        raise CheckpointWriteError(f"{cause}, nor under {tempfile.gettempdir()}. {intact}; free space (or fix "
+                                   "permissions) and rerun with --resume auto")
+
+    def rescue(self, step: int, **parts) -> Path | None:
+        """The checkpoint the output disk refused, written under the system's temporary directory
+        (often another disk) so that the steps since the last checkpoint (a whole phase with
+        checkpoint.every=0) outlive a full or read-only output disk; None if that fails too."""
+        root = None
+        try:
+            root = Path(tempfile.mkdtemp(prefix=f"rescued-{self.root.parent.name}-checkpoint-"))
+            return save_checkpoint(root, step, lora_config=self.lora_config, base_model=self.base_model, keep=1,
+                                   **parts)
+        except OSError:
+            if root is not None:
+                shutil.rmtree(root, ignore_errors=True)
+            return None

@@ -51,6 +51,9 @@ def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | Non
     for phase, key, data in phase_data(config, phases):
         if not data:
             raise ConfigError(f"{key}: not set (a directory written by `python -m dataset.prepare`)")
+        if Path(data).is_file():
+            raise ConfigError(f"{key}: {data} is a file; a phase reads prepared data, the directory `python -m "
+                              f"dataset.prepare --input {data} --out DIR` writes: set {key} to that DIR")
         if not Path(data).is_dir():
             raise ConfigError(f"{key}: {data} does not exist; run `python -m dataset.prepare ... --out {data}` first")
         manifest = open_prepared(data, fingerprint=fingerprint, seq_len=config.phase(phase).seq_len,

@@ -128,6 +128,9 @@ def validate(config: RunConfig) -> None:
 
 
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+# A name becomes a directory (its adapter's, and one in every checkpoint), a TensorBoard tag and
+# a metrics key: short enough for any file system's 255-byte names with room to spare.
+ADAPTER_NAME_MAX = 64
 
 
 def validate_side_by_side(config: RunConfig, number: int) -> None:
@@ -144,10 +147,16 @@ def validate_side_by_side(config: RunConfig, number: int) -> None:
         raise ConfigError(f"phase{number}.init=continue: adapters side by side start fresh, not from phase "
                           f"{number - 1}'s adapter; set phase{number}.init=fresh, or merge to train them on the base "
                           "with it merged")
+    folded = {}
     for name, adapter in phase.adapters.items():
-        if not ADAPTER_NAME.fullmatch(name):
-            raise ConfigError(f"{key}.{name}: an adapter's name is its output directory's: letters, digits, _ and -, "
-                              "starting with a letter or digit")
+        if not ADAPTER_NAME.fullmatch(name) or len(name) > ADAPTER_NAME_MAX:
+            shown = name if len(name) <= ADAPTER_NAME_MAX else f"{name[:20]}... ({len(name)} characters)"
+            raise ConfigError(f"{key}.{shown}: an adapter's name is its output directory's: up to {ADAPTER_NAME_MAX} "
+                              "letters, digits, _ and -, starting with a letter or digit")
+        if name.lower() in folded:
+            raise ConfigError(f"{key}: {folded[name.lower()]} and {name} differ only in case, so they would share "
+                              "one directory on a case-insensitive disk (macOS, Windows); rename one")
+        folded[name.lower()] = name
         if adapter.max_steps is not None and adapter.max_steps < 1:
             raise ConfigError(f"{key}.{name}.max_steps must be >= 1, got {adapter.max_steps}")
         if adapter.lr is not None and not adapter.lr > 0:

@@ -100,7 +100,9 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tiny_model_dir, data, 
     stopped_at = int(checkpoints[0].name.split("_")[1])
     assert 3 <= stopped_at < STEPS
     assert f"stopped on SIGTERM after a checkpoint at step {stopped_at} of phase 1; resume with:" in output
-    assert "--resume auto" in output
+    # pasted, it resumes on the devices the run had
+    assert f"  PJRT_DEVICE=CPU CPU_NUM_DEVICES=1 {sys.executable} finetuning_pipeline/main.py --config {config} " \
+           "--phase 1 --resume auto parallel.launcher=tpu" in output
     assert not (tmp_path / "out" / "phase1" / "summary.json").exists()
 
     assert main.main(["--config", str(config), "--phase", "1"]) == 0
@@ -181,7 +183,13 @@ def test_too_many_bad_steps_stop_the_run_keeping_the_last_good_checkpoint(tiny_m
     )
 
 
-def test_a_failing_disk_at_save_time_keeps_the_previous_checkpoint(tiny_model_dir, data, tmp_path, monkeypatch, capsys):
+def test_a_failing_disk_at_save_time_keeps_the_step_elsewhere_and_the_run_resumes_from_it(tiny_model_dir, data,
+                                                                                          reference, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """The output disk refuses checkpoint step 4: the run stops (exit 3), step 4's checkpoint is
+    written under the temporary directory instead, and resuming from it finishes the run exactly."""
+    import tempfile
+
     import finetuning_pipeline.run.checkpointing as ckpt
 
     real_save = torch.save
@@ -195,13 +203,75 @@ def test_a_failing_disk_at_save_time_keeps_the_previous_checkpoint(tiny_model_di
         return real_save(obj, path, *args, **kwargs)
 
     monkeypatch.setattr(ckpt.torch, "save", full_disk)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     config = config_for(tmp_path, tiny_model_dir, data)
     assert main.main(["--config", str(config), "--phase", "1"]) == 3
     err = capsys.readouterr().err
     root = tmp_path / "out" / "phase1" / "checkpoints"
-    assert "could not write checkpoint step 4" in err and "No space left on device" in err
-    assert f"The previous checkpoint {root / 'step_00000002'} is intact" in err
+    [rescued] = (tmp_path / "tmp").glob("rescued-phase1-checkpoint-*/step_00000004")
+    assert f"could not write checkpoint step 4 under {root}: No space left on device. It was written to {rescued} " \
+           f"instead, so no step is lost: free space (or fix permissions) and rerun with --resume {rescued}" in err
     assert [p.name for p in root.iterdir()] == ["step_00000002"]  # no half-written step 4 left behind
+    verify_checkpoint(rescued)
+
+    monkeypatch.setattr(ckpt.torch, "save", real_save)
+    assert main.main(["--config", str(config), "--phase", "1", "--resume", str(rescued)]) == 0
+    assert json.loads((tmp_path / "out" / "phase1" / "summary.json").read_text())["resumed_from_step"] == 4
+    assert_same_run(tmp_path / "out", reference)
+
+
+def test_outputs_that_fail_to_write_at_the_end_are_written_by_the_resume(tiny_model_dir, data, reference, tmp_path,
+                                                                         monkeypatch, capsys):
+    """The final checkpoint is written, the summary is not: the resume takes no step, writes the
+    adapter and summary of the uninterrupted run, and logs the final evaluation once."""
+    import finetuning_pipeline.train.phase_loop as phase_loop
+    from finetuning_pipeline.monitor.metrics_log import read_metrics
+
+    real_write = phase_loop.atomic_write_json
+
+    def read_only(path, value):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(phase_loop, "atomic_write_json", read_only)
+    config = config_for(tmp_path, tiny_model_dir, data)
+    out = tmp_path / "out"
+    assert main.main(["--config", str(config), "--phase", "1"]) == 3
+    assert "Read-only file system" in capsys.readouterr().err and not (out / "phase1" / "summary.json").exists()
+
+    monkeypatch.setattr(phase_loop, "atomic_write_json", real_write)
+    assert main.main(["--config", str(config), "--phase", "1"]) == 0
+    assert json.loads((out / "phase1" / "summary.json").read_text())["resumed_from_step"] == STEPS
+    assert_same_run(out, reference)
+    evals = [r for r in read_metrics(out / "phase1" / "metrics.jsonl") if r["kind"] == "eval"]
+    assert evals == [r for r in read_metrics(reference / "phase1" / "metrics.jsonl") if r["kind"] == "eval"]
+
+
+def test_a_disk_that_refuses_every_checkpoint_names_the_last_intact_one(tiny_model_dir, data, tmp_path, monkeypatch,
+                                                                        capsys):
+    import tempfile
+
+    import finetuning_pipeline.run.checkpointing as ckpt
+
+    real_save = torch.save
+    saves = {"n": 0}
+
+    def full_disks(obj, path, *args, **kwargs):
+        if str(path).endswith("optimizer.pt"):
+            saves["n"] += 1
+            if saves["n"] >= 2:  # the output disk's step 4 and the temporary directory's
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "save", full_disks)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    config = config_for(tmp_path, tiny_model_dir, data, train={"max_steps": 4})
+    assert main.main(["--config", str(config), "--phase", "1"]) == 3
+    err = capsys.readouterr().err
+    root = tmp_path / "out" / "phase1" / "checkpoints"
+    assert f"nor under {tmp_path / 'tmp'}. The previous checkpoint {root / 'step_00000002'} is intact" in err
+    assert [p.name for p in root.iterdir()] == ["step_00000002"] and not any((tmp_path / "tmp").iterdir())
     verify_checkpoint(root / "step_00000002")
 
 
@@ -217,6 +287,11 @@ def test_bad_resume_paths_and_changed_settings(tiny_model_dir, data, reference, 
             (partial / f.name).write_bytes(f.read_bytes())
     assert main.main(["--config", str(config), "--resume", str(partial)]) == 2
     assert "incomplete checkpoint" in capsys.readouterr().err
+    assert main.main(["--config", str(config), "--resume", str(reference / "phase1" / "adapter")]) == 2
+    assert f"{reference / 'phase1' / 'adapter'}: an adapter, not a checkpoint" in capsys.readouterr().err
+    assert main.main(["--config", str(config), "--resume", str(tmp_path)]) == 2
+    assert f"--resume: {tmp_path}: not a checkpoint (a checkpoint is a directory OUTPUT_DIR/phaseN/checkpoints/" \
+           in capsys.readouterr().err
     assert main.main(["--config", str(config), "--resume", str(checkpoint), "train.lr=0.5", "lora.r=4"]) == 2
     err = capsys.readouterr().err
     assert "was saved under other settings" in err and "lora.r: 8 -> 4" in err and "train.lr: 0.01 -> 0.5" in err

@@ -151,6 +151,15 @@ def test_missing_data_directory(data, tiny_model_dir, tmp_path, capsys):
     assert code == 2 and "phase1.data:" in err and "does not exist" in err and "dataset.prepare" in err
 
 
+def test_a_data_file_where_prepared_data_belongs_is_named_as_a_file(data, tiny_model_dir, tmp_path, capsys):
+    raw = tmp_path / "chat.jsonl"
+    raw.write_text('{"text": "a"}\n')
+    config = write_run_config(tmp_path / "r.yaml", tiny_model_dir, {1: raw, 2: data[2]}, tmp_path / "o")
+    code, err = run_main(config, capsys)
+    assert code == 2 and f"phase1.data: {raw} is a file; a phase reads prepared data, the directory `python -m " \
+                         f"dataset.prepare --input {raw} --out DIR` writes: set phase1.data to that DIR" in err
+
+
 def test_any_phase_trains_on_either_kind_of_data(data, tiny_model_dir, tmp_path):
     """A curriculum orders its data as it likes (domain text, Q&A, more text, a task's Q&A): a
     phase takes what its data is (every token, or assistant tokens only), not what its number

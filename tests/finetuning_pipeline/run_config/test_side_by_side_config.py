@@ -77,6 +77,11 @@ def test_a_resume_compares_each_adapters_settings_and_lets_its_lr_and_steps_chan
     (["phase1.adapters.sql.lr=.nan"], SIDE_BY_SIDE, r"phase1\.adapters\.sql\.lr must be a finite number"),
     (["phase1.adapters.sql.max_steps=0"], SIDE_BY_SIDE, r"phase1\.adapters\.sql\.max_steps must be >= 1"),
     (["phase1.adapters.a/b.data=d"], SIDE_BY_SIDE, r"phase1\.adapters\.a/b: an adapter's name is its output"),
+    # 300 characters would train the phase, then fail every checkpoint (File name too long)
+    ([f"phase1.adapters.{'x' * 300}.data=d"], SIDE_BY_SIDE,
+     r"phase1\.adapters\.x{20}\.\.\. \(300 characters\): an adapter's name is its output directory's: up to 64 "),
+    (["phase1.adapters.SQL.data=d"], SIDE_BY_SIDE,
+     r"phase1\.adapters: sql and SQL differ only in case, so they would share one directory on a case-insensitive"),
     (["phase2.init=continue"], SIDE_BY_SIDE, r"phase2\.init=continue builds on phase 1's adapter, but phase 1 trains "
                                              r"several side by side \(sql, chat, code\); set phase2\.init=fresh"),
     (["phase2.adapters={a: {data: a}, b: {data: b}}", "phase2.data="], SIDE_BY_SIDE.replace("init: fresh",
