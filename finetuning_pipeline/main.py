@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: python finetuning_pipeline/mai
 
 from finetuning_pipeline.distributed.collectives import launch_rank, torchrun_world
 from finetuning_pipeline.errors import ConfigError, OutputWriteError, run_command
+from finetuning_pipeline.monitor.console import summary_lines
 from finetuning_pipeline.run.checkpointing import complete_checkpoints
 from finetuning_pipeline.run.input_checks import check_inputs, pin_model
 from finetuning_pipeline.run.resume_plan import PhasePlan, check_resumable, plan_phases
@@ -138,7 +139,7 @@ def run_replica(config: RunConfig, plans: list[PhasePlan], resume_command: str, 
                     shutil.rmtree(layout.phase_dir(plan.phase))
                 result = run_one_phase(config, plan, parallel, device, stop, layout)
                 if result.summary is not None:
-                    print(format_summary(result.summary), flush=True)
+                    print(summary_lines(result.summary), flush=True)
                 if result.stopped_at_step is not None:
                     print(f"replica {parallel.rank}: stopped after step {result.stopped_at_step} of phase {plan.phase} "
                           f"({stop.reason()})", flush=True)
@@ -166,22 +167,6 @@ def run_one_phase(config: RunConfig, plan: PhasePlan, parallel, device, stop, la
             f"intact checkpoint is {latest[-1] if latest else 'none (the phase will start over)'}; fix the "
             "disk (space, permissions, a read-only mount, a missing file) and rerun with --resume auto"
         ) from None
-
-
-def format_summary(summary: dict) -> str:
-    if "stopped_at_step" in summary:
-        return f"phase {summary['phase']}: stopped at step {summary['stopped_at_step']}"
-    if summary["eval_loss_after"] is None:
-        evaluation = "no eval data"
-    else:
-        evaluation = (f"eval loss {summary['eval_loss_before']:.4f} -> {summary['eval_loss_after']:.4f} (perplexity "
-                      f"{summary['perplexity_before']:.1f} -> {summary['perplexity_after']:.1f})")
-    return (
-        f"phase {summary['phase']}: {summary['steps']} steps, {evaluation}, "
-        f"{summary['tokens_per_sec'] or 0:,.0f} tokens/s, "
-        f"compiles {summary['compiles_total']} ({summary['compiles_after_warmup']} after warm-up), "
-        f"host syncs/step {summary['host_syncs_per_step']}"
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

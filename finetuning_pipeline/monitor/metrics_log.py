@@ -11,6 +11,8 @@ import json
 import threading
 from pathlib import Path
 
+from finetuning_pipeline.monitor.console import step_line
+
 
 class MetricsLog:
     """Every record to metrics.jsonl, and to TensorBoard and W&B (a wandb_log.WandbLog) when given."""
@@ -141,9 +143,13 @@ class StepLogger:
     once its step has executed)."""
 
     def __init__(self, log: MetricsLog | None, progress, tokens_per_step: int, max_steps: int,
-                 first_loss: float | None = None, adapter_losses: dict | None = None) -> None:
+                 first_loss: float | None = None, adapter_losses: dict | None = None,
+                 print_steps_as: str | None = None) -> None:
+        """print_steps_as: with no progress bar, the master prints a line per log step labelled so
+        ("phase 1"); None prints nothing."""
         self.log = log
         self.progress = progress
+        self.print_steps_as = print_steps_as
         self.tokens_per_step = tokens_per_step
         self.max_steps = max_steps
         self.first_loss = first_loss
@@ -178,6 +184,9 @@ class StepLogger:
             record["tokens_per_sec"] = round(rate, 1)
             record["eta_s"] = round((self.max_steps - step) * self.tokens_per_step / rate, 1)
         self.log.write(record)
+        if self.print_steps_as is not None:
+            print(step_line(self.print_steps_as, step, self.max_steps, values, adapters, rate, record.get("eta_s")),
+                  flush=True)
         if self.progress is not None:
             self.progress.set_postfix(
                 loss=f"{values['loss']:.4f}", tok_s=f"{rate:,.0f}" if rate else "-", refresh=False

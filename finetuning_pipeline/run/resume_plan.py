@@ -51,6 +51,8 @@ def plan_phases(config: RunConfig, phases: list[int], resume: str, force: bool, 
                 raise ConfigError(f"--resume auto: {err}. Start phase {phase} over with --phase {phase} --resume never "
                                   "--force, or pass --resume CHECKPOINT_DIR") from None
             plans.append(PhasePlan(phase, newest))
+            if newest is not None:
+                say(resuming(phase, newest))
         return plans
     if resume == "never":
         existing = [layout.phase_dir(p) for p in phases if layout.phase_dir(p).exists()]
@@ -72,7 +74,12 @@ def plan_phases(config: RunConfig, phases: list[int], resume: str, force: bool, 
     phase = read_json(checkpoint / "trainer_state.json")["phase"]
     if phase not in phases:
         raise ConfigError(f"--resume: {checkpoint} is a phase-{phase} checkpoint but --phase selects {phases}")
+    say(resuming(phase, checkpoint))
     return [PhasePlan(phase, checkpoint)] + [PhasePlan(p, None) for p in phases if p > phase]
+
+
+def resuming(phase: int, checkpoint: Path) -> str:
+    return f"phase {phase}: resuming from step {read_json(checkpoint / 'trainer_state.json')['step']} ({checkpoint})"
 
 
 def check_resumable(config: RunConfig, plans: list[PhasePlan], accept_changes: bool = False, say=print) -> None:

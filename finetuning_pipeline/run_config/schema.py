@@ -147,7 +147,8 @@ class WandbConfig:
 class LoggingConfig:
     """every: log loss, lr, grad norm, tokens/s every N steps (through a step closure, no sync).
     tensorboard: also write TensorBoard events under output_dir/phaseN/tb.
-    progress_bar: a tqdm bar on the master process.
+    progress_bar: a tqdm bar on the master process (off: a line per log step instead, for logs and
+    notebooks).
     wandb: Weights & Biases, off unless wandb.project is set."""
 
     every: int = 10

@@ -244,4 +244,5 @@ def make_logger(logging: LoggingConfig, *, layout: RunLayout, phase: int, max_st
             progress = tqdm(total=max_steps, initial=start_step, desc=f"phase {phase}", unit="step",
                             dynamic_ncols=True)
     return StepLogger(log, progress, tokens_per_step, max_steps, state.get("train_loss_first"),
-                      state.get("adapter_losses"))
+                      state.get("adapter_losses"),
+                      print_steps_as=f"phase {phase}" if master and not logging.progress_bar else None)

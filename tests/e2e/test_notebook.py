@@ -26,6 +26,7 @@ def test_the_notebook_runs_the_demo_top_to_bottom(tmp_path, monkeypatch):
                       for output in cell.get("outputs", []))
     assert "running on CPU" in printed
     assert "phase 1: 3 steps" in printed and "phase 2: 3 steps" in printed
+    assert "phase 1 step 3/3: loss " in printed  # a line per log step, shown as it comes (demo.streamed)
     assert "after phase 1 + phase 2:" in printed
     out = tmp_path / "out"
     for phase in (1, 2):

@@ -241,6 +241,10 @@ def test_outputs_that_fail_to_write_at_the_end_are_written_by_the_resume(tiny_mo
 
     monkeypatch.setattr(phase_loop, "atomic_write_json", real_write)
     assert main.main(["--config", str(config), "--phase", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert f"phase 1: {STEPS} steps, eval loss " in printed and "tokens/s" not in printed
+    assert f"(every step was taken before this resume from step {STEPS}; this run evaluated and wrote the " \
+           "outputs)" in printed
     assert json.loads((out / "phase1" / "summary.json").read_text())["resumed_from_step"] == STEPS
     assert_same_run(out, reference)
     evals = [r for r in read_metrics(out / "phase1" / "metrics.jsonl") if r["kind"] == "eval"]
@@ -358,6 +362,8 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_newest_intact_one(how, ti
     assert main.main(["--config", str(config), "--phase", "1"]) == 0
     printed = capsys.readouterr().out
     assert f"warning: skipping checkpoint step_00000010: {checkpoints / 'step_00000010' / damaged}" in printed
+    assert f"phase 1: resuming from step 8 ({checkpoints / 'step_00000008'})" in printed
+    assert "phase 1 step 9/10: loss " in printed  # no progress bar here: a line per log step
     summary = json.loads((out / "phase1" / "summary.json").read_text())
     assert summary["resumed_from_step"] == 8
     assert_same_run(out, reference)  # steps 9 and 10 redone exactly

@@ -1,0 +1,69 @@
+"""What a run prints to the console (the master only): a line per log step when the progress
+bar is off, and each phase's closing lines, one per adapter side by side.
+
+The figures are the ones `metrics.jsonl` and `summary.json` record; these functions only say
+them, so that a user reading a terminal (or a notebook cell) sees what the files hold.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+
+def step_line(label: str, step: int, max_steps: int, values: dict, adapters: dict[str, dict] | None,
+              tokens_per_sec: float | None, eta_s: float | None) -> str:
+    """'phase 1 step 5/10: loss 2.3456, lr 1.00e-02, grad norm 0.512, 1,234 tokens/s, ETA 0:01:02';
+    side by side, each stepping adapter's loss (an adapter whose steps are done has none)."""
+    if adapters:
+        losses = ", ".join(f"{name} {number(each['loss'], '.4f')}" for name, each in adapters.items())
+        parts = [f"loss {losses}"]
+    else:
+        parts = [f"loss {number(values['loss'], '.4f')}", f"lr {number(values['lr'], '.2e')}",
+                 f"grad norm {number(values['grad_norm'], '.3f')}"]
+    if values.get("skipped_steps"):
+        parts.append(f"{values['skipped_steps']} skipped steps")
+    if tokens_per_sec:
+        parts.append(f"{tokens_per_sec:,.0f} tokens/s")
+    if eta_s is not None:
+        parts.append(f"ETA {datetime.timedelta(seconds=round(eta_s))}")
+    return f"{label} step {step}/{max_steps}: {', '.join(parts)}"
+
+
+def summary_lines(summary: dict) -> str:
+    """A finished phase: its steps, evaluation and throughput; side by side, a line per adapter
+    with its own steps and evaluation (the top line then gives none: a mean of different tasks'
+    losses says nothing of any of them)."""
+    ran = summary["steps"] - (summary["resumed_from_step"] or 0)
+    head = f"phase {summary['phase']}: {summary['steps']} steps"
+    adapters = summary.get("adapters") or {}
+    if adapters:
+        head += f", {len(adapters)} adapters side by side"
+    else:
+        head += f", {evaluation(summary)}"
+    if ran == 0:
+        head += (f" (every step was taken before this resume from step {summary['resumed_from_step']}; this run "
+                 "evaluated and wrote the outputs)")
+    else:
+        head += (f", {summary['tokens_per_sec'] or 0:,.0f} tokens/s, compiles {summary['compiles_total']} "
+                 f"({summary['compiles_after_warmup']} after warm-up), host syncs/step "
+                 f"{number(summary['host_syncs_per_step'], 'g')}")
+    lines = [head]
+    for name, each in adapters.items():
+        line = f"  {name}: {each['steps']} steps, {evaluation(each)}"
+        if each.get("diverged_at_step") is not None:
+            line += (f"; stopped at step {each['diverged_at_step']} on non-finite losses (train.max_bad_steps), its "
+                     "weights as after its last good step")
+        lines.append(f"{line}; adapter {each['adapter']}")
+    return "\n".join(lines)
+
+
+def evaluation(result: dict) -> str:
+    if result["eval_loss_after"] is None:
+        return "no eval data"
+    return (f"eval loss {number(result['eval_loss_before'], '.4f')} -> {number(result['eval_loss_after'], '.4f')} "
+            f"(perplexity {number(result['perplexity_before'], '.1f')} -> "
+            f"{number(result['perplexity_after'], '.1f')})")
+
+
+def number(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
