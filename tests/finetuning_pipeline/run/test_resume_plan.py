@@ -63,7 +63,10 @@ def test_never_refuses_existing_outputs_without_force_and_what_no_run_wrote_with
 def test_a_resume_dir_that_is_not_a_complete_checkpoint_is_refused(config, tmp_path):
     partial = tmp_path / "step_00000004"
     partial.mkdir()
-    with pytest.raises(ConfigError, match="incomplete checkpoint"):
+    with pytest.raises(ConfigError, match=r"step_00000004: not a checkpoint \(a checkpoint is a directory"):
+        plan_phases(config, [1, 2], str(partial), force=False)
+    (partial / "trainer_state.json").write_text("{}")  # written, but not its COMPLETE marker
+    with pytest.raises(ConfigError, match="incomplete checkpoint .* it was interrupted while saving"):
         plan_phases(config, [1, 2], str(partial), force=False)
 
 
