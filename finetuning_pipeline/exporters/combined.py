@@ -11,14 +11,16 @@ import torch
 
 from finetuning_pipeline.errors import ModelLoadError
 from finetuning_pipeline.exporters.merged import COMMAND, export_merged
+from finetuning_pipeline.model.lineage import read_lineage, write_lineage
 from lora_logic.adapter_io import read_adapter_config, read_adapter_weights, write_adapter
 from lora_logic.combine import Adapter, combine_adapters
 from utils.output_guard import claim_output, mark_written_by, staged_directory
 
 
-def read_adapters(directories: list[str]) -> tuple[list[Adapter], str, str | None]:
-    """The adapters, and the base (name or path, revision) they were all trained on: adapters of
-    different bases are refused, naming both."""
+def read_adapters(directories: list[str]) -> tuple[list[Adapter], str, str | None, dict | None]:
+    """The adapters, the base (name or path, revision) they were all trained on, and what lay
+    beneath them in training (lineage.py; None if none records it): adapters of different bases,
+    or trained with other adapters merged beneath them, are refused, naming both."""
     adapters, bases = [], {}
     for directory in directories:
         config, raw = read_adapter_config(directory)
@@ -30,7 +32,24 @@ def read_adapters(directories: list[str]) -> tuple[list[Adapter], str, str | Non
             raise ValueError(f"--adapter {directory} was trained on {base[0]} (revision {base[1]}), --adapter {first} "
                              f"on {bases[first][0]} (revision {bases[first][1]}): adapters of different bases do "
                              "not combine")
-    return adapters, *bases[first]
+    recorded = {directory: lineage for directory in directories if (lineage := read_lineage(directory))}
+    if not recorded:
+        return adapters, *bases[first], None
+    known, lineage = next(iter(recorded.items()))  # the first adapter that records one
+    for directory, other in recorded.items():
+        if weights_beneath(other) != weights_beneath(lineage):
+            raise ValueError(f"--adapter {directory} was trained on {described(other)}, --adapter {known} on "
+                             f"{described(lineage)}: adapters trained on different weights do not combine")
+    return adapters, *bases[first], lineage
+
+
+def weights_beneath(lineage: dict) -> tuple:
+    return lineage["base"]["fingerprint"], tuple(m["sha256"] for m in lineage["merged_adapters"])
+
+
+def described(lineage: dict) -> str:
+    merged = ", ".join(m["path"] for m in lineage["merged_adapters"])
+    return f"{lineage['base']['name']}" + (f" with {merged} merged beneath" if merged else "")
 
 
 def where(base: str | None) -> str | None:
@@ -46,7 +65,7 @@ def export_combined(base: str, directories: list[str], out: str, *, weights: lis
     """Combine the adapters in `directories` and write the result to `out`: one PEFT adapter
     (adapter_only), else the base with it merged (merged_export.export_merged). Returns `out`."""
     try:  # what the user gave that does not fit: one line, exit 2 (errors.py)
-        adapters, trained_on, revision = read_adapters(directories)
+        adapters, trained_on, revision, lineage = read_adapters(directories)
         config, modules = combine_adapters(adapters, weights, method, density=density, svd_rank=svd_rank,
                                            generator=torch.Generator().manual_seed(seed))
     except (ValueError, FileNotFoundError) as err:
@@ -58,9 +77,16 @@ def export_combined(base: str, directories: list[str], out: str, *, weights: lis
         out_path = Path(out)
         claim_output(out_path, force=force, command=COMMAND, inputs={f"--adapter {d}": d for d in directories})
         with staged_directory(out_path) as staging:
-            write_adapter(staging, tensors, config, trained_on or base, revision)
+            write_combined(staging, tensors, config, trained_on or base, revision, lineage)
             mark_written_by(staging, COMMAND)
         return out_path
     with tempfile.TemporaryDirectory(prefix="combined-adapter-") as combined:
-        write_adapter(combined, tensors, config, trained_on or base, revision)
+        write_combined(combined, tensors, config, trained_on or base, revision, lineage)
         return export_merged(base, [combined], out, dtype, tokenizer, force)
+
+
+def write_combined(directory, tensors: dict, config, base: str, revision: str | None, lineage: dict | None) -> None:
+    """The combined adapter, trained (through its parts) on what they were trained on."""
+    write_adapter(directory, tensors, config, base, revision)
+    if lineage is not None:
+        write_lineage(directory, lineage)

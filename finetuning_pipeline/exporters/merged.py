@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from finetuning_pipeline.model.lineage import lineage_with, write_lineage
 from finetuning_pipeline.model.loading import DTYPES as MODEL_DTYPES
 from finetuning_pipeline.model.loading import load_model
 from utils.output_guard import claim_output, mark_written_by, staged_directory
@@ -35,5 +36,8 @@ def export_merged(base: str, adapters: list[str], out: str, dtype: str = "auto",
     with staged_directory(out_path) as staging:
         model.save_pretrained(staging)
         loaded_tokenizer.save_pretrained(staging)
+        # What it is made of: an adapter trained on it (or on the base with the same adapters
+        # beneath) is applied on it without a word, any other is checked (lineage.py).
+        write_lineage(staging, lineage_with(base, adapters))
         mark_written_by(staging, COMMAND)
     return out_path

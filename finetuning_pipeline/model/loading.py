@@ -7,12 +7,14 @@ cannot disagree about what "base + adapter" means. A missing or mismatched direc
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
 
 from finetuning_pipeline.errors import ModelLoadError
-from lora_logic.adapter_io import load_adapters
+from finetuning_pipeline.model.lineage import check_beneath, model_lineage, with_merged
+from lora_logic.adapter_io import WEIGHTS_NAME, load_adapters
 from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
 from lora_logic.merge import merge_and_unload
@@ -60,10 +62,20 @@ def add_adapter(model, adapter: str | Path, *, merge: bool) -> dict[str, LoraCon
 
 
 def load_model(path: str | Path, adapters: list[str | Path] = (), dtype: torch.dtype = torch.float32,
-               keep_last: bool = False):
+               keep_last: bool = False, warn=None):
     """The base in `path` with `adapters` merged in order. keep_last: the last adapter stays a
     trainable LoRA (not merged). Returns (model, the last adapter's set of one {DEFAULT_ADAPTER:
-    its LoraConfig}, or None without adapters)."""
+    its LoraConfig}, or None without adapters).
+
+    Each adapter must lie on what it was trained on (lineage.py): other adapters beneath it are
+    a ModelLoadError; another base is a warning, to `warn` (default: stderr)."""
+    warn = warn or (lambda message: print(message, file=sys.stderr, flush=True))
+    beneath = model_lineage(path) if adapters else None
+    for adapter in adapters:
+        if not (Path(adapter) / WEIGHTS_NAME).is_file():
+            break  # not an adapter: add_adapter says what it lacks
+        check_beneath(adapter, beneath, warn)
+        beneath = with_merged(beneath, adapter)
     model = load_base(path, dtype)
     configs = None
     for index, adapter in enumerate(adapters):

@@ -20,6 +20,7 @@ from pathlib import Path
 from finetuning_pipeline.distributed.parallel import Parallel
 from finetuning_pipeline.errors import OutputWriteError
 from finetuning_pipeline.model.layer_scan import ScannedLayers
+from finetuning_pipeline.model.lineage import write_lineage
 from finetuning_pipeline.monitor.divergence import DivergenceMonitor
 from finetuning_pipeline.monitor.metrics_log import StepLogger
 from finetuning_pipeline.run_config import RunConfig
@@ -115,8 +116,10 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
                         eval_after: dict) -> dict:
     """The master's adapter, then the summary that marks the phase as done; returns the summary."""
     layout = p.layout
-    save_adapters(p.model, layout.adapters(p.number, list(p.lora_config)), p.lora_config, p.base_model,
-                  p.base_revision)
+    written = save_adapters(p.model, layout.adapters(p.number, list(p.lora_config)), p.lora_config, p.base_model,
+                            p.base_revision)
+    for directory in written.values():
+        write_lineage(directory, p.trained_on)
     summary = {
         "phase": p.number,
         "steps": step,

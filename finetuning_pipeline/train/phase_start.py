@@ -28,6 +28,7 @@ import torch
 from finetuning_pipeline.distributed.parallel import Parallel
 from finetuning_pipeline.model.activation_checkpointing import enable_activation_checkpointing
 from finetuning_pipeline.model.kernel_attention import attention_here, enable_kernel_attention
+from finetuning_pipeline.model.lineage import lineage_with
 from finetuning_pipeline.model.loading import DTYPES, load_base, load_model
 from finetuning_pipeline.model.scan_choice import scan_layers
 from finetuning_pipeline.monitor.compile_guard import CompileGuard
@@ -114,6 +115,7 @@ class Phase:
     sharded: list
     settings: dict  # what the phase is built on (checkpointing.resume_keys), fixed for the phase
     merged_adapters: list[str]  # earlier phases' adapters merged into the base beneath this one's, in order
+    trained_on: dict  # the base and those adapters by content, recorded with the phase's adapters (lineage.py)
     accepted_changes: dict  # settings changed at a resume with --accept-changes: {key: [saved, now]}
     adapters: dict[str, int]  # adapters side by side, in their rows' order -> their max_steps ({}: one adapter)
 
@@ -208,6 +210,8 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
               resumed=resume_from is not None, eval_before=state.get("eval_before"), sharded=sharded,
               settings=resume_keys(config, phase, data.manifests),
               merged_adapters=[str(layout.adapter(n)) for n in merged],
+              trained_on=lineage_with(model_dir(config.model.path, config.model.revision),
+                                      [layout.adapter(n) for n in merged], config.model.path, config.model.revision),
               accepted_changes={**state.get("accepted_changes", {}), **(accepted_changes or {})},
               adapters={name: config.adapter_max_steps(phase, name) for name in adapters})
     if p.eval_before is None:

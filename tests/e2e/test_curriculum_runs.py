@@ -6,6 +6,7 @@ bitwise from its checkpoint, and a phase run alone finds the earlier adapters on
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from safetensors.torch import load_file
@@ -21,12 +22,14 @@ INITS = {2: "continue", 3: "merge", 4: "continue", 5: "fresh"}
 @pytest.fixture(scope="module")
 def curriculum(tiny_model_dir, data, tmp_path_factory):
     """Five phases on one dataset (so one phase's final eval is the next one's first, wherever
-    the next one starts from where this one ended), 4 steps each."""
+    the next one starts from where this one ended), 4 steps each; then two adapters side by side
+    on phase 5's adapter merged."""
     root = tmp_path_factory.mktemp("curriculum")
     phases = {f"phase{n}": {"data": str(data[1]), "init": init} for n, init in INITS.items()}
+    side_by_side = {"adapters": {"text": {"data": str(data[1])}, "chat": {"data": str(data[2])}}, "init": "merge"}
     config = write_run_config(root / "run.yaml", tiny_model_dir, data, root / "out", train={"max_steps": 4},
                               eval={"every": 0, "max_batches": None}, checkpoint={"every": 2, "keep": 2},
-                              phase1={"data": str(data[1])}, **phases)
+                              phase1={"data": str(data[1])}, **phases, phase6=side_by_side)
     assert main.main(["--config", str(config)]) == 0
     return root / "out", config
 
@@ -61,6 +64,43 @@ def test_a_later_phase_is_served_with_the_adapters_its_summary_names(curriculum,
     merged = export_merged(str(tiny_model_dir), adapters, str(tmp_path / "merged"))
     assert evaluate_main(["--model", str(merged), "--data", str(data[1]), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(s["eval_loss_after"], abs=1e-4)
+
+
+def test_an_adapter_is_applied_only_on_what_it_was_trained_on(curriculum, tiny_model_dir, data, tmp_path, capsys):
+    """Each adapter records the base and the adapters merged beneath it (lineage.json, by their
+    weights): applied without them it is refused, naming them; with them (moved elsewhere, or
+    merged into an exported base) it gives its summary's loss; on another base it is warned about."""
+    out, _ = curriculum
+    text = out / "phase6" / "adapters" / "text"
+    expected = summary(out, 6)["adapters"]["text"]["eval_loss_after"]
+
+    def evaluate(model, *adapters):
+        code = evaluate_main(["--model", str(model), *[a for path in adapters for a in ("--adapter", str(path))],
+                              "--data", str(data[1]), "--json"])
+        printed = capsys.readouterr()
+        return code, (json.loads(printed.out)["loss"] if code == 0 else None), printed.err
+
+    code, _, err = evaluate(tiny_model_dir, text)  # side by side under init: merge, alone on the raw base
+    assert code == 2 and (f"adapter {text} was trained with these adapters merged beneath it: "
+                          f"{out / 'phase5' / 'adapter'}; here it would be applied on none") in err
+    code, _, err = evaluate(tiny_model_dir, out / "phase4" / "adapter")  # a later phase without phase 2 beneath
+    assert code == 2 and f"beneath it: {out / 'phase2' / 'adapter'}; here it would be applied on none" in err
+    code, _, err = evaluate(tiny_model_dir, out / "phase5" / "adapter", out / "phase5" / "adapter", text)
+    assert code == 2 and "here it would be applied on " in err  # twice beneath is not once
+
+    moved = shutil.copytree(out / "phase5" / "adapter", tmp_path / "moved")
+    code, loss, err = evaluate(tiny_model_dir, moved, text)
+    assert code == 0 and loss == pytest.approx(expected, abs=1e-4) and "warning" not in err
+    merged = export_merged(str(tiny_model_dir), [str(moved)], str(tmp_path / "merged"))
+    code, loss, err = evaluate(merged, text)
+    assert code == 0 and loss == pytest.approx(expected, abs=1e-4) and "warning" not in err
+
+    other = tmp_path / "other-base"  # the same architecture, other weights
+    export_merged(str(tiny_model_dir), [str(out / "phase5" / "adapter")], str(other))
+    (other / "lineage.json").unlink()  # as if it came from elsewhere
+    code, _, err = evaluate(other, out / "phase1" / "adapter")
+    assert code == 0 and (f"warning: adapter {out / 'phase1' / 'adapter'} was trained on {tiny_model_dir}, whose "
+                          f"weights differ from this base's ({other})") in err
 
 
 def test_a_later_phase_resumes_bitwise_and_runs_alone_on_the_earlier_adapters(curriculum):
