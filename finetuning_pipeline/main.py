@@ -47,6 +47,7 @@ from finetuning_pipeline.run.stop_signal import WallClockBudget
 from finetuning_pipeline.run_config import RunConfig, load_config
 from utils.durations import parse_duration
 from utils.stack_dump import dump_stacks_on_signal
+from utils.xla_runtime import choose_device
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -177,6 +178,8 @@ def train(argv: list[str] | None) -> int:
     started = time.time()  # a session budget (train.max_wall_time) counts from here
     args = parse_args(argv)
     dump_stacks_on_signal()  # kill -USR1 PID: where each thread is (utils/stack_dump.py)
+    if launch_rank() == 0:
+        choose_device()  # said once, before anything imports torch_xla (torchrun's replicas inherit it)
     config_path, overrides = choose_config(args.config, args.overrides, args.phase)
     config = load_config(config_path, overrides)
     phases = selected_phases(args.phase, config)

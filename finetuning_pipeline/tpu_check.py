@@ -34,6 +34,7 @@ from finetuning_pipeline.planning.phase_plan import load_architecture, seq_len_o
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import ConfigError, load_config
 from utils.output_guard import OutputConflict, claim_output, mark_written_by
+from utils.xla_runtime import choose_device
 
 COMMAND = "finetuning_pipeline.tpu_check"
 
@@ -64,12 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="replace an earlier check's tpu_check.json and runs")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
-    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    choose_device()  # on a TPU VM whose shell lacks PJRT_DEVICE, the TPU: a CPU check there would skip it
     try:
         config = load_config(args.config, args.overrides)
-        if not config.phase(1).data and not config.phase(1).seq_len:
-            raise ConfigError("phase1.seq_len: the check trains at phase 1's sequence length; set phase1.data or "
-                              "phase1.seq_len")
+        if not any(config.data_dirs(1).values()) and not config.phase(1).seq_len:
+            raise ConfigError("phase1.seq_len: the check trains at phase 1's sequence length; set phase1.data (or "
+                              "its adapters' data side by side) or phase1.seq_len")
         seq_len = seq_len_of(config, 1)
         model_config, _ = load_architecture(config.model.path, config.model.revision)
         layout = RunLayout(config.output_dir)

@@ -11,8 +11,11 @@ of the same spelling, as in `from_pretrained`.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import socket
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +48,24 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in TRUE
 
 
+@functools.lru_cache(maxsize=None)
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hub's host (HF_ENDPOINT's) takes a TCP connection, asked once a process:
+    without a network huggingface_hub retries every request for about half a minute first."""
+    url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def hub_unavailable() -> bool:
+    """Read the Hugging Face cache alone: HF_HUB_OFFLINE is set, or the Hub cannot be reached."""
+    return offline() or not hub_reachable()
+
+
 def hub_cache() -> str | None:
     if os.environ.get("HF_HUB_CACHE"):
         return os.environ["HF_HUB_CACHE"]
@@ -74,7 +95,7 @@ def resolve_model(path: str, revision: str | None = None, *, cache_only: bool = 
 
     try:
         local_dir = snapshot_download(path, revision=revision, allow_patterns=MODEL_FILES, cache_dir=hub_cache(),
-                                      local_files_only=cache_only or offline())
+                                      local_files_only=cache_only or hub_unavailable())
     except LocalEntryNotFoundError:
         where = hub_cache() or "the default Hugging Face cache (~/.cache/huggingface/hub)"
         why = "HF_HUB_OFFLINE is set" if offline() else "the Hub cannot be reached"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -14,15 +15,31 @@ def init_xla_device() -> torch.device:
     sizes its per-device queues on the first backward, and an XLA device registered after
     that fails every XLA backward with "device_ready_queues_ ... INTERNAL ASSERT FAILED"
     (verified on torch 2.9.0 + torch_xla 2.9.0; importing torch_xla alone is not enough).
-    Without `PJRT_DEVICE` set, torch_xla guesses and warns; we default to CPU explicitly so
-    a laptop never waits on a TPU probe.
+    Without `PJRT_DEVICE` set, torch_xla guesses and warns; choose_device decides first.
     """
-    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    choose_device()
     for name, value in runtime_env_defaults(os.environ["PJRT_DEVICE"]).items():
         os.environ.setdefault(name, value)  # read by torch_xla at its first step boundary
     import torch_xla
 
     return torch_xla.device()
+
+
+def choose_device(say=None) -> str:
+    """PJRT_DEVICE as set; unset, TPU on a machine whose PCI bus has TPU chips and CPU elsewhere,
+    said once to `say` (default: stderr) and set for this process and its children. (torch_xla
+    would guess too, with a warning on every run; defaulting to CPU everywhere would train a
+    TPU VM's run on its CPU when a shell lacks the variable.)"""
+    if "PJRT_DEVICE" not in os.environ:
+        from utils.tpu_detect import tpu_chips
+
+        chips = tpu_chips()
+        os.environ["PJRT_DEVICE"] = "TPU" if chips else "CPU"
+        found = f"{chips} TPU chips found" if chips else "no TPU found on this machine"
+        (say or (lambda line: print(line, file=sys.stderr, flush=True)))(
+            f"device: {os.environ['PJRT_DEVICE']} (PJRT_DEVICE is not set and {found}; set PJRT_DEVICE=CPU or "
+            "PJRT_DEVICE=TPU to choose)")
+    return os.environ["PJRT_DEVICE"]
 
 
 def runtime_env_defaults(pjrt_device: str) -> dict[str, str]:

@@ -19,7 +19,9 @@ compile seconds measured on it are the chip's), on a CPU it is also narrowed (ch
   compile, MFU    compile seconds and step time, measured: the figures the next plan uses
 
 Each is one line: passed, failed (with the setting that avoids it), skipped (why), or measured.
-What a CPU cannot show (kernels, donation with aliasing off, HBM, MFU) is skipped, saying so.
+On a CPU the runs take the TPU host's path where a CPU can (cpu_environment: two replicas started
+by the TPU's launcher, donation on); what a CPU cannot show (kernels, HBM, MFU) is skipped,
+saying so. Adapters side by side are checked together, each adapter's losses compared.
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ from finetuning_pipeline.planning.tpu_chips import Slice, parse_tpu_type
 from finetuning_pipeline.planning.tpu_plan import ModelShape, plan
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import RunConfig
+from lora_logic.config import DEFAULT_ADAPTER
 from utils.atomic_io import atomic_write_json
 from utils.hub_models import HubModelError, model_dir
 
 CHECK_STEPS = 6
 CHECK_LAYERS = 2
+CPU_REPLICAS = 2  # on a CPU, dp runs two replicas: the v2/v3 chip's shape, their sums checked
 # How far two runs that differ in one setting may drift apart, per step, relative to the loss:
 # summation order only (fp32), or bf16 rounding (kernels keep other intermediates than dense).
 LOSS_TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2}
@@ -90,13 +94,16 @@ def check_data(config: RunConfig, root: Path, seq_len: int) -> tuple[Path, Path,
     under the demo's tokenizer (only token ids matter to what is checked)."""
     from dataset.manifest import MANIFEST_NAME
 
-    prepared = Path(config.phase(1).data or "")
+    given = next(iter(config.data_dirs(1).values()), None) or ""  # side by side: the first adapter's
+    prepared = Path(given)
+    adapters = list(config.phase(1).adapters)
+    shared = f"; the {len(adapters)} adapters side by side ({', '.join(adapters)}) each train on it" if adapters else ""
     try:
         tokenizer = Path(config.model.tokenizer or model_dir(config.model.path, config.model.revision))
     except HubModelError:  # a Hub id not downloaded yet: the bundled text instead
         tokenizer = None
     if (prepared / MANIFEST_NAME).is_file() and tokenizer and (tokenizer / "tokenizer_config.json").is_file():
-        return prepared, tokenizer, f"the run's prepared data ({prepared})"
+        return prepared, tokenizer, f"the run's prepared data ({prepared}){shared}"
     from dataset.prepare import PrepareOptions, prepare
     from dataset.samples import DOMAIN_TEXT
     from finetuning_pipeline.demo.tiny_model import write_tiny_model
@@ -108,21 +115,32 @@ def check_data(config: RunConfig, root: Path, seq_len: int) -> tuple[Path, Path,
     text.write_text("\n".join(records * copies) + "\n")
     data = root / "data"
     prepare(PrepareOptions(inputs=[str(text)], tokenizer=str(tokenizer), seq_len=seq_len, out=str(data), quiet=True))
-    return data, tokenizer, f"the bundled domain text at seq_len {seq_len} (phase1.data is not prepared)"
+    return data, tokenizer, f"the bundled domain text at seq_len {seq_len} ({given or 'phase1.data'} is not " \
+                            f"prepared){shared}"
 
 
-def losses(out: Path) -> list[float]:
+def losses(out: Path) -> dict[str, list[float]]:
+    """Each adapter's logged training losses of phase 1 (one adapter: {"default": its losses})."""
     lines = (out / "phase1" / "metrics.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
+    found = {}
+    for record in map(json.loads, lines):
+        if record["kind"] == "train":
+            for name, each in (record.get("adapters") or {DEFAULT_ADAPTER: record}).items():
+                found.setdefault(name, []).append(each["loss"])
+    return found
 
 
 def compare(name: str, ours: Path, theirs: Path, dtype: str, avoid: str) -> Check:
+    """The two runs' losses, each adapter's side by side, agree within the dtype's tolerance."""
     a, b = losses(ours), losses(theirs)
-    if len(a) != len(b) or not a:
-        return Check(name, "failed", f"{len(a)} vs {len(b)} logged steps", avoid)
-    gap = max(abs(x - y) / max(1.0, abs(y)) for x, y in zip(a, b))
+    steps = {k: (len(a[k]), len(b.get(k, []))) for k in a.keys() | b.keys()}
+    if not a or any(x != y or not x for x, y in steps.values()):
+        return Check(name, "failed", f"logged steps differ: {steps}", avoid)
+    gap = max(abs(x - y) / max(1.0, abs(y)) for k in a for x, y in zip(a[k], b[k]))
     tolerance = LOSS_TOLERANCE[dtype]
-    detail = f"{len(a)} steps, largest loss gap {gap:.2e} (tolerance {tolerance:g}, {dtype})"
+    each = f" of each of {len(a)} adapters side by side" if len(a) > 1 else ""
+    detail = f"{max(x for x, _ in steps.values())} steps{each}, largest loss gap {gap:.2e} (tolerance {tolerance:g}, " \
+             f"{dtype})"
     return Check(name, "passed" if gap <= tolerance else "failed", detail, avoid)
 
 
@@ -214,6 +232,16 @@ def measured_checks(summary: dict, planned: dict, slice_: Slice | None) -> tuple
     return checks, figures
 
 
+def cpu_environment(mode: str) -> dict[str, str]:
+    """On a CPU the check's runs take a TPU host's path where a CPU can: buffer donation on (the
+    XLA:CPU default is off), and under dp two replicas (the v2/v3 chip's shape, so that their sums
+    are checked) started by the TPU's launcher (run_config_for). What the user set wins."""
+    env = {"XLA_ENABLE_PARAM_ALIASING": os.environ.get("XLA_ENABLE_PARAM_ALIASING", "1")}
+    if mode == "dp":
+        env["CPU_NUM_DEVICES"] = os.environ.get("CPU_NUM_DEVICES", str(CPU_REPLICAS))
+    return env
+
+
 def run_config_for(config: RunConfig, model_path: Path, data: Path, out: Path, on_tpu: bool, overrides: dict) -> dict:
     """The check's run: rehearsal.small_run as configured, with `overrides` ({"section.key": value})."""
     run = small_run(config, model_path=model_path, output_dir=out, data={1: data}, steps=CHECK_STEPS,
@@ -221,6 +249,8 @@ def run_config_for(config: RunConfig, model_path: Path, data: Path, out: Path, o
     run["train"]["recompile_policy"] = "warn"  # a recompile is one of the check's lines, not the end of it
     if not on_tpu:
         run["train"]["micro_batch"] = 1
+        if config.parallel.mode == "dp":
+            run["parallel"]["launcher"] = "tpu"  # the TPU host's launcher: a worker process, a thread a replica
     run["checkpoint"].update(every=0, keep=1)
     run["xla"]["compile_cache_dir"] = ""  # compiled here, every time: the compile seconds are what the plan takes
     for key, value in overrides.items():
@@ -263,7 +293,8 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
         run = run_config_for(config, root / "model", data, root / name, on_tpu, overrides)
         path = root / f"{name}.yaml"
         path.write_text(yaml.safe_dump(run))
-        proc = run_trainer(path, ["--phase", "1", "--resume", "never", "--force"], config.parallel.mode, log, device)
+        proc = run_trainer(path, ["--phase", "1", "--resume", "never", "--force"], config.parallel.mode, log, device,
+                           env=None if on_tpu else cpu_environment(config.parallel.mode))
         return root / name, None if proc.returncode == 0 else (proc.stdout + proc.stderr)[-1500:]
 
     reference, failure = train("as_configured", {})
@@ -284,7 +315,8 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
         else:
             tolerance_dtype = "bfloat16" if "bfloat16" in (dtype, variant.overrides.get("model.dtype")) else dtype
             checks.append(compare(variant.check, reference, out, tolerance_dtype, variant.avoid))
-    aliasing = os.environ.get("XLA_ENABLE_PARAM_ALIASING", "1" if on_tpu else "0") != "0"
+    aliasing = (os.environ if on_tpu else cpu_environment(config.parallel.mode)).get("XLA_ENABLE_PARAM_ALIASING",
+                                                                                      "1") != "0"
     checks += summary_checks(summary, aliasing)
     slice_ = parse_tpu_type(config.tpu.type)
     small_config = copy.deepcopy(config)  # the plan of the check's own run

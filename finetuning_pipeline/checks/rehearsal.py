@@ -40,10 +40,11 @@ def shrunken_config(model_config, vocab_size: int):
 
 
 def run_trainer(config_path: Path, args: list[str], mode: str, log: Path,
-                device: str = "CPU") -> subprocess.CompletedProcess:
-    """main.py in a process of its own on `device` (PJRT_DEVICE); an fsdp run on a CPU gets
-    REHEARSAL_CHIPS virtual devices. Its output is appended to `log`."""
-    env = {**os.environ, "PJRT_DEVICE": device, "PYTHONUNBUFFERED": "1"}
+                device: str = "CPU", env: dict | None = None) -> subprocess.CompletedProcess:
+    """main.py in a process of its own on `device` (PJRT_DEVICE), with `env` added to this
+    process's environment; an fsdp run on a CPU gets REHEARSAL_CHIPS virtual devices. Its output
+    is appended to `log`."""
+    env = {**os.environ, **(env or {}), "PJRT_DEVICE": device, "PYTHONUNBUFFERED": "1"}
     if mode == "fsdp" and device == "CPU":
         env["CPU_NUM_DEVICES"] = str(REHEARSAL_CHIPS)
     proc = subprocess.run([sys.executable, str(ROOT / "finetuning_pipeline" / "main.py"), "--config", str(config_path),

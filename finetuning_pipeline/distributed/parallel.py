@@ -136,7 +136,9 @@ def start(mode: str, mesh: tuple[int, int] = (1, -1), host_timeout_s: float = 18
     must use_compile_cache, once per process, before (launch.py)."""
     import os
 
-    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    from utils.xla_runtime import choose_device
+
+    choose_device()
     import torch_xla.runtime as xr
 
     if mode == "fsdp":

@@ -21,7 +21,7 @@ from finetuning_pipeline.planning.tpu_plan import ModelShape, PlanInputs, mode_a
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import ConfigError, RunConfig
 from utils.durations import parse_duration
-from utils.hub_models import hub_cache, is_hub_id, offline
+from utils.hub_models import hub_cache, hub_unavailable, is_hub_id
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"
 
@@ -37,7 +37,7 @@ def architecture_source(model_path: str, revision: str | None = None) -> Path:
 
         try:
             return Path(hf_hub_download(model_path, "config.json", revision=revision, cache_dir=hub_cache(),
-                                        local_files_only=offline()))
+                                        local_files_only=hub_unavailable()))
         except (OSError, ValueError):  # offline and not cached, gated, unreachable (huggingface_hub's errors
             pass                       # are OSErrors), a malformed id: plan with the shipped copy
     shipped = SHIPPED_CONFIGS / Path(model_path).name / "config.json"

@@ -1,7 +1,7 @@
-"""make tpu-check on a CPU, the way a TPU host runs it: two replica threads started by the TPU's
-launcher (CPU_NUM_DEVICES=2, parallel.launcher=tpu: the v2/v3 shape), bf16 and buffer donation
-on. Every check a CPU can run passes; the TPU-only ones say they were skipped; nothing measured
-on a CPU reaches the plan. (The scanned-layers pair is left to its unit test and to
+"""make tpu-check on a CPU takes, by default, the way a TPU host runs it: two replica threads
+started by the TPU's launcher (the v2/v3 shape), buffer donation on; here with bf16. Every check
+a CPU can run passes; the TPU-only ones say they were skipped; nothing measured on a CPU reaches
+the plan. (The scanned-layers pair is left to its unit test and to
 test_scan_trainer: the tiny model is not scanned by default, and each pair is a run.)"""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 
+import yaml
 from conftest import REPO
 from trainer_helpers import write_run_config
 
@@ -23,9 +24,9 @@ def test_the_self_check_runs_every_path_a_cpu_can_and_skips_the_rest(tiny_model_
     import os
 
     config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out",
-                              model={"dtype": "bfloat16"}, train={"grad_accum": 2},
-                              parallel={"launcher": "tpu"})
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "XLA_ENABLE_PARAM_ALIASING": "1"}
+                              model={"dtype": "bfloat16"}, train={"grad_accum": 2})
+    env = {k: v for k, v in os.environ.items() if k not in ("CPU_NUM_DEVICES", "XLA_ENABLE_PARAM_ALIASING")}
+    env["PJRT_DEVICE"] = "CPU"
     done = tpu_check(config, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "tpu_check.json").read_text())
@@ -36,18 +37,25 @@ def test_the_self_check_runs_every_path_a_cpu_can_and_skips_the_rest(tiny_model_
     assert report["ok"] is True and report["device"] == "CPU" and report["measured"] == {}
     for name in status:
         assert f"  {status[name]:>8}  {name}: " in done.stdout
+    runs = tmp_path / "out" / "tpu_check"
+    assert json.loads((runs / "as_configured" / "phase1" / "summary.json").read_text())["world_size"] == 2
+    assert yaml.safe_load((runs / "as_configured.yaml").read_text())["parallel"]["launcher"] == "tpu"
     again = tpu_check(config, env=env)
     assert again.returncode == 2 and "pass --force to replace it" in again.stderr
 
 
-def test_the_self_check_of_an_fsdp_run_on_four_devices(tiny_model_dir, data, tmp_path):
+def test_the_self_check_of_adapters_side_by_side_in_an_fsdp_run_on_four_devices(tiny_model_dir, data, tmp_path):
     """parallel.mode=fsdp (the mode splash attention needs): the check's runs get four virtual
-    devices, donation on; the replicas' sums are inside the SPMD graph, so that line is skipped."""
+    devices, donation on; the replicas' sums are inside the SPMD graph, so that line is skipped.
+    Two adapters side by side: both train on the check's data, each one's losses compared."""
     import os
 
+    adapters = {"text": {"data": str(data[1])}, "chat": {"data": str(data[2]), "lr": 3e-3}}
     config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out",
-                              train={"grad_accum": 2}, parallel={"mode": "fsdp"})
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "XLA_ENABLE_PARAM_ALIASING": "1"}
+                              train={"grad_accum": 2}, parallel={"mode": "fsdp"},
+                              phase1={"data": "", "adapters": adapters}, phase2={"init": "fresh"})
+    env = {k: v for k, v in os.environ.items() if k != "XLA_ENABLE_PARAM_ALIASING"}
+    env["PJRT_DEVICE"] = "CPU"
     done = tpu_check(config, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "tpu_check.json").read_text())
@@ -55,5 +63,9 @@ def test_the_self_check_of_an_fsdp_run_on_four_devices(tiny_model_dir, data, tmp
     assert {name: status[name] for name in ("captured step", "collectives", "recompiles", "donation")} == {
         "captured step": "passed", "collectives": "skipped", "recompiles": "passed", "donation": "passed"}, done.stdout
     assert "inside the SPMD graph" in done.stdout
+    # (the config file lists them sorted, yaml.safe_dump: chat first, and its data)
+    assert f"the run's prepared data ({data[2]}); the 2 adapters side by side (chat, text) each train on it" \
+        in done.stdout
+    assert "passed  captured step: 6 steps of each of 2 adapters side by side, largest loss gap" in done.stdout
     summary = json.loads((tmp_path / "out" / "tpu_check" / "as_configured" / "phase1" / "summary.json").read_text())
     assert summary["parallel"]["mode"] == "fsdp" and summary["parallel"]["sharded_base_parameters"] > 0

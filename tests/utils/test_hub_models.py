@@ -53,6 +53,30 @@ def test_offline_and_not_in_the_cache_says_how_to_download(hub):
     assert "hf download tiny-org/never-downloaded --revision v1 --include '*.json' '*.safetensors'" in message
 
 
+def test_without_a_network_the_cache_is_read_at_once_not_after_half_a_minute_of_retries(hub, monkeypatch):
+    """HF_HUB_OFFLINE unset, the Hub's host refuses connections (a closed local port): one probe
+    says so, and the cache and the shipped configs are read as offline."""
+    import socket
+
+    import utils.hub_models as hub_models
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # free once the socket is closed: nothing listens there
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    hub_models.hub_reachable.cache_clear()
+    try:
+        assert hub_models.hub_unavailable() and not hub_models.hub_reachable()
+        assert resolve_model(MODEL_ID).commit == FIRST
+        with pytest.raises(HubModelError, match=f"it is not in {hub} and the Hub cannot be reached"):
+            resolve_model("tiny-org/never-downloaded")
+        config, source = load_architecture("google/gemma-3-270m")
+        assert "model_configs" in str(source)
+    finally:
+        hub_models.hub_reachable.cache_clear()
+
+
 def test_preflight_reads_the_architecture_from_the_cache_offline_else_the_shipped_copy(hub):
     config, source = load_architecture(MODEL_ID)
     assert config.model_type == "mistral" and source.parent.name == FIRST

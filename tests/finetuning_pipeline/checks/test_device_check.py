@@ -61,6 +61,38 @@ def test_a_loss_gap_over_the_tolerance_fails_naming_the_setting_that_avoids_it(t
     assert device_check.compare("attention", tmp_path / "ours", tmp_path / "close", "float32", "x").status == "failed"
 
 
+def test_side_by_side_each_adapters_losses_are_compared_not_their_mean(tmp_path):
+    """Adapter b's gap is hidden in the mean of the two (a's goes the other way): it fails."""
+    def write(name, a, b):
+        metrics = tmp_path / name / "phase1" / "metrics.jsonl"
+        metrics.parent.mkdir(parents=True)
+        metrics.write_text("".join(json.dumps({"kind": "train", "step": i + 1, "loss": (x + y) / 2,
+                                               "adapters": {"a": {"loss": x}, "b": {"loss": y}}}) + "\n"
+                                   for i, (x, y) in enumerate(zip(a, b))))
+
+    write("ours", [2.0, 1.9], [2.0, 1.9])
+    write("theirs", [2.0, 1.95], [2.0, 1.85])
+    failed = device_check.compare("bf16", tmp_path / "ours", tmp_path / "theirs", "float32", "model.dtype=float32")
+    assert failed.status == "failed" and failed.detail.startswith("2 steps of each of 2 adapters side by side, "
+                                                                  "largest loss gap 2.70e-02")
+    write("fewer", [2.0], [2.0])
+    assert "logged steps differ" in device_check.compare("bf16", tmp_path / "ours", tmp_path / "fewer", "float32",
+                                                         "x").detail
+
+
+def test_on_a_cpu_the_check_takes_the_tpu_hosts_path_unless_told_otherwise(tmp_path, monkeypatch):
+    monkeypatch.delenv("CPU_NUM_DEVICES", raising=False)
+    monkeypatch.delenv("XLA_ENABLE_PARAM_ALIASING", raising=False)
+    assert device_check.cpu_environment("dp") == {"XLA_ENABLE_PARAM_ALIASING": "1", "CPU_NUM_DEVICES": "2"}
+    assert device_check.cpu_environment("fsdp") == {"XLA_ENABLE_PARAM_ALIASING": "1"}  # its own device count
+    monkeypatch.setenv("CPU_NUM_DEVICES", "4")
+    monkeypatch.setenv("XLA_ENABLE_PARAM_ALIASING", "0")
+    assert device_check.cpu_environment("dp") == {"XLA_ENABLE_PARAM_ALIASING": "0", "CPU_NUM_DEVICES": "4"}
+    run = device_check.run_config_for(config(tmp_path), tmp_path / "model", tmp_path / "data", tmp_path / "o",
+                                      on_tpu=False, overrides={})
+    assert run["parallel"]["launcher"] == "tpu" and run["train"]["micro_batch"] == 1
+
+
 def test_recompiles_and_a_donation_short_of_the_updated_state_fail(tmp_path):
     checks = {c.name: c for c in device_check.summary_checks(SUMMARY, aliasing=True)}
     assert checks["recompiles"].status == "passed" and checks["donation"].status == "passed"

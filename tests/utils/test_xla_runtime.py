@@ -1,0 +1,40 @@
+"""Which device a command runs on when PJRT_DEVICE is not set: said once, in our words."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import utils.tpu_detect
+from utils.xla_runtime import choose_device
+
+
+@pytest.mark.parametrize("chips, device", [(0, "CPU"), (4, "TPU")])
+def test_unset_it_is_the_tpu_where_one_is_found_and_the_cpu_elsewhere(monkeypatch, chips, device):
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    monkeypatch.setattr(utils.tpu_detect, "tpu_chips", lambda: chips)
+    said = []
+    assert choose_device(said.append) == device
+    found = f"{chips} TPU chips found" if chips else "no TPU found on this machine"
+    assert said == [f"device: {device} (PJRT_DEVICE is not set and {found}; set PJRT_DEVICE=CPU or PJRT_DEVICE=TPU "
+                    "to choose)"]
+    assert choose_device(said.append) == device and len(said) == 1  # once: the process now has it set
+
+
+def test_set_it_is_taken_as_it_is_without_a_word(monkeypatch):
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    said = []
+    assert choose_device(said.append) == "CPU" and said == []
+
+
+def test_torch_xla_never_guesses_and_warns_in_a_command(tmp_path):
+    """A command run without PJRT_DEVICE: our one line, not torch_xla's WARNING."""
+    env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
+    code = ("from utils.xla_runtime import init_xla_device; import torch; "
+            "print((torch.ones(2, device=init_xla_device()) * 2).sum().item())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "4.0", done.stderr
+    assert "device: CPU (PJRT_DEVICE is not set" in done.stderr and "Defaulting to PJRT_DEVICE" not in done.stderr
