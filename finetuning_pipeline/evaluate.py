@@ -28,6 +28,7 @@ from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss
 from utils.cli_types import non_negative_int, positive_int
 from utils.hub_models import resolve_model
 from utils.tokenizer_loading import load_tokenizer
+from utils.xla_runtime import choose_device, on_the_host_only
 
 
 def chat_samples(model, tokenizer, data: str, split: str, n: int, max_new_tokens: int) -> list[dict]:
@@ -82,6 +83,10 @@ def evaluate(argv: list[str] | None) -> int:
     parser.add_argument("--device", choices=("cpu", "xla"), default="cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
+    if args.device == "xla":
+        choose_device()
+    else:
+        on_the_host_only()
     args.model = resolve_model(args.model).local_dir
     model, _ = load_model(args.model, args.adapter)
     tokenizer = load_tokenizer(args.model, "--model")

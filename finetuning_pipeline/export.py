@@ -31,6 +31,7 @@ from finetuning_pipeline.exporters.combined import export_combined
 from finetuning_pipeline.exporters.merged import DTYPES, export_merged
 from lora_logic.combine import COMBINE_METHODS
 from utils.hub_models import resolve_model
+from utils.xla_runtime import on_the_host_only
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +57,7 @@ def export_command(argv: list[str] | None) -> int:
     parser.add_argument("--adapter-only", action="store_true",
                         help="with --combine: write the combined adapter (PEFT's layout), not a merged model")
     args = parser.parse_args(argv)
+    on_the_host_only()
     if not args.combine:
         given = [flag for flag, value in (("--weights", args.weights), ("--density", args.density),
                                           ("--svd-rank", args.svd_rank), ("--adapter-only", args.adapter_only))

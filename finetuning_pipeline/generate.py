@@ -19,6 +19,7 @@ from finetuning_pipeline.model.loading import load_model
 from utils.cli_types import non_negative_float, positive_int
 from utils.hub_models import resolve_model
 from utils.tokenizer_loading import load_tokenizer
+from utils.xla_runtime import on_the_host_only
 
 
 def generate(model_dir: str, prompt: str, adapters: list[str] = (), max_new_tokens: int = 64,
@@ -55,6 +56,7 @@ def generate_command(argv: list[str] | None) -> int:
     parser.add_argument("--max-new-tokens", type=positive_int, default=64)
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 (default): greedy")
     args = parser.parse_args(argv)
+    on_the_host_only()
     print(
         generate(
             resolve_model(args.model).local_dir,

@@ -42,6 +42,13 @@ def choose_device(say=None) -> str:
     return os.environ["PJRT_DEVICE"]
 
 
+def on_the_host_only() -> None:
+    """For a command that computes with torch on the host's CPU, not on an XLA device (export,
+    generate, evaluate --device cpu): torch_xla, which transformers imports, then takes the CPU
+    without a TPU probe or its warning (a value already set is kept)."""
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+
 def runtime_env_defaults(pjrt_device: str) -> dict[str, str]:
     """torch_xla settings we change by default, per device kind (a user's own value wins).
 

@@ -38,3 +38,14 @@ def test_torch_xla_never_guesses_and_warns_in_a_command(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "4.0", done.stderr
     assert "device: CPU (PJRT_DEVICE is not set" in done.stderr and "Defaulting to PJRT_DEVICE" not in done.stderr
+
+
+def test_a_command_on_the_host_cpu_takes_the_cpu_without_a_probe_or_a_warning(tiny_model_dir):
+    """generate (as export and evaluate --device cpu) computes on torch's CPU device: torch_xla,
+    imported by transformers, is told CPU before it guesses."""
+    env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
+    done = subprocess.run([sys.executable, "-m", "finetuning_pipeline.generate", "--model", str(tiny_model_dir),
+                           "--prompt", "Bună", "--max-new-tokens", "2"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "PJRT_DEVICE" not in done.stderr and "Defaulting" not in done.stderr
