@@ -149,14 +149,15 @@ def data_content_key(config, phase: int, adapter: str) -> str:
 
 
 def resume_keys(config, phase: int, manifests: dict | None = None) -> dict:
-    """What a checkpoint records to refuse a resume that would not continue the same run: the
-    settings that decide the result (RunConfig.exactness_keys) and the content of the phase's
+    """The phase's resume keys, what a checkpoint (trainer_state.json) and the summary record to
+    refuse a resume that would not continue the same run: the settings that decide the result
+    (RunConfig.resume_keys) and the content of the phase's
     prepared data (re-preparing into the same directory between a stop and its resume would
     otherwise silently continue on another stream; `phaseN.adapters.<name>.data.content` for
     each adapter side by side), and the digest of each earlier phase's adapter it is built on
     (RunConfig.lineage: an earlier phase trained again makes this phase another run).
     manifests: the phase's, if already read ({adapter: manifest}, as PhaseData.manifests)."""
-    keys = config.exactness_keys(phase)
+    keys = config.resume_keys(phase)
     for name, data in config.data_dirs(phase).items():
         manifest = manifests[name] if manifests is not None else read_manifest(data)
         keys[data_content_key(config, phase, name)] = content_digest(manifest)
@@ -166,6 +167,12 @@ def resume_keys(config, phase: int, manifests: dict | None = None) -> dict:
         weights = layout.adapter(earlier) / "adapter_model.safetensors"
         keys[f"phase{earlier}.adapter"] = sha256_file(weights) if weights.is_file() else None
     return keys
+
+
+def saved_resume_keys(record: dict) -> dict:
+    """The resume keys a trainer_state.json or summary.json holds (written before they had one
+    name: "exactness" in a checkpoint, "settings" in a summary)."""
+    return record.get("resume_keys") or record.get("exactness") or record.get("settings") or {}
 
 
 def prune_checkpoints(root: Path, keep: int) -> None:

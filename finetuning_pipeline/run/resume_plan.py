@@ -21,6 +21,7 @@ from finetuning_pipeline.run.checkpointing import (
     newest_intact_checkpoint,
     read_json,
     resume_keys,
+    saved_resume_keys,
     verify_checkpoint,
 )
 from finetuning_pipeline.run.run_layout import RunLayout
@@ -90,7 +91,7 @@ def check_resumable(config: RunConfig, plans: list[PhasePlan], accept_changes: b
     for plan in plans:
         if plan.resume_from is None:
             continue
-        saved = read_json(plan.resume_from / "trainer_state.json").get("exactness", {})
+        saved = saved_resume_keys(read_json(plan.resume_from / "trainer_state.json"))
         current = resume_keys(config, plan.phase)
         changed = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
         if changed and accept_changes:
@@ -176,7 +177,7 @@ def check_finished_phase(config: RunConfig, phase: int, say) -> None:
     refused, naming the change. Other changed settings are pointed out, not refused."""
     layout = RunLayout(config.output_dir)
     try:
-        saved = read_json(layout.summary(phase)).get("settings") or {}
+        saved = saved_resume_keys(read_json(layout.summary(phase)))
     except ValueError as err:
         raise ConfigError(
             f"--resume auto: {err}; rerun the phase with --phase {phase} --resume never --force"

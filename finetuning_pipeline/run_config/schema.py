@@ -351,11 +351,11 @@ class RunConfig:
             data[f"phase{number}"] = phase
         return data
 
-    def exactness_keys(self, phase: int) -> dict:
-        """The settings a resumed phase must share with the run that saved the checkpoint for
-        the result to equal an uninterrupted run's (logging, eval and checkpoint cadence may change).
-        micro_batch and grad_accum may change with the number of chips as long as the global
-        batch stays the same: the trainer checks that product itself."""
+    def resume_keys(self, phase: int) -> dict:
+        """The config's resume keys: the settings a resumed phase must share with the run that
+        saved the checkpoint for the result to equal an uninterrupted run's (logging, eval and
+        checkpoint cadence may change). micro_batch and grad_accum may change with the number of
+        chips as long as the global batch stays the same: the trainer checks that product itself."""
         flat = {"model.path": self.model.path, "model.revision": self.model.revision, "model.dtype": self.model.dtype}
         flat.update({f"lora.{k}": v for k, v in dataclasses.asdict(self.lora).items()})
         skip = {"warmup_compiles_steps", "recompile_policy", "max_bad_steps", "micro_batch", "grad_accum",

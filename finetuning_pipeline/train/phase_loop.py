@@ -129,7 +129,7 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
         # What serves this phase's adapter: the base with these merged first (export takes them
         # as --adapter each, then this phase's).
         "merged_adapters": p.merged_adapters,
-        "settings": p.settings,
+        "resume_keys": p.resume_keys,
         "tokens": step * p.data.tokens_per_step,
         "label_tokens_this_run": int(sum(label_tokens) if isinstance(label_tokens, list) else label_tokens),
         "skipped_steps": final_state["skipped_steps"],

@@ -113,7 +113,7 @@ class Phase:
     resumed: bool
     eval_before: dict
     sharded: list
-    settings: dict  # what the phase is built on (checkpointing.resume_keys), fixed for the phase
+    resume_keys: dict  # what the phase is built on (checkpointing.resume_keys), fixed for the phase
     merged_adapters: list[str]  # earlier phases' adapters merged into the base beneath this one's, in order
     trained_on: dict  # the base and those adapters by content, recorded with the phase's adapters (lineage.py)
     accepted_changes: dict  # settings changed at a resume with --accept-changes: {key: [saved, now]}
@@ -139,7 +139,7 @@ class Phase:
         """What a checkpoint records besides weights and optimizer, as of the step just run."""
         return {"phase": self.number, "eval_before": self.eval_before, **self.logger.state_dict(),
                 **self.monitor.state_dict(), "global_batch": self.data.batches_per_step, "chips": self.parallel.chips,
-                "exactness": self.settings, "accepted_changes": self.accepted_changes}
+                "resume_keys": self.resume_keys, "accepted_changes": self.accepted_changes}
 
     def save(self, step: int, state: dict | None = None) -> None:
         state = state if state is not None else self.trainer_state()
@@ -208,7 +208,7 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
               guard=guard, monitor=monitor, checkpointer=checkpointer, logger=logger,
               stop=StopVote(parallel.collectives, stop_requested), start_step=start_step,
               resumed=resume_from is not None, eval_before=state.get("eval_before"), sharded=sharded,
-              settings=resume_keys(config, phase, data.manifests),
+              resume_keys=resume_keys(config, phase, data.manifests),
               merged_adapters=[str(layout.adapter(n)) for n in merged],
               trained_on=lineage_with(model_dir(config.model.path, config.model.revision),
                                       [layout.adapter(n) for n in merged], config.model.path, config.model.revision),

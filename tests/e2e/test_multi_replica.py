@@ -97,7 +97,7 @@ def test_replicas_share_one_wandb_run_per_phase_and_one_pinned_hub_commit(torchr
     for phase in (1, 2):
         [run] = (two / f"phase{phase}" / "wandb").glob("offline-run-*")
         assert run.name.endswith((two / f"phase{phase}" / "wandb_run_id").read_text().strip())
-    settings = json.loads((four / "phase1" / "summary.json").read_text())["settings"]
+    settings = json.loads((four / "phase1" / "summary.json").read_text())["resume_keys"]
     assert settings["model.path"] == HUB_ID and settings["model.revision"] == HUB_COMMIT
 
 

@@ -91,7 +91,7 @@ def test_training_on_a_hub_id_records_the_commit_and_refuses_another_on_resume(h
                               train={"max_steps": 4}, checkpoint={"every": 2, "keep": 2}, eval={"every": 0})
     assert main.main(["--config", str(config), "--phase", "1"]) == 0
     summary = json.loads((out / "phase1" / "summary.json").read_text())
-    assert summary["settings"]["model.path"] == MODEL_ID and summary["settings"]["model.revision"] == FIRST
+    assert summary["resume_keys"]["model.path"] == MODEL_ID and summary["resume_keys"]["model.revision"] == FIRST
     adapter = json.loads((out / "phase1" / "adapter" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == MODEL_ID and adapter["revision"] == FIRST  # what PEFT loads
 
@@ -109,7 +109,7 @@ def test_training_on_a_hub_id_records_the_commit_and_refuses_another_on_resume(h
     assert f"model.revision: '{FIRST}' -> '{SECOND}'" in err and f"set model.revision={FIRST}" in err
     assert main.main(["--config", str(config), "--phase", "1", "--resume", "auto", f"model.revision={FIRST}"]) == 0
     resumed = json.loads((out / "phase1" / "summary.json").read_text())
-    assert resumed["resumed_from_step"] == 2 and resumed["settings"]["model.revision"] == FIRST
+    assert resumed["resumed_from_step"] == 2 and resumed["resume_keys"]["model.revision"] == FIRST
 
 
 def test_a_hub_id_that_is_not_cached_stops_before_training(hub, tiny_model_dir, tmp_path, capsys):

@@ -27,7 +27,7 @@ def finished(config, phase: int, **changed) -> None:
     settings = {**resume_keys(config, phase), **changed}
     directory = Path(config.output_dir) / f"phase{phase}"
     directory.mkdir(parents=True)
-    (directory / "summary.json").write_text(json.dumps({"phase": phase, "settings": settings}))
+    (directory / "summary.json").write_text(json.dumps({"phase": phase, "resume_keys": settings}))
 
 
 def test_auto_on_an_empty_output_dir_starts_every_phase_fresh(config):
@@ -73,7 +73,7 @@ def test_a_resume_dir_that_is_not_a_complete_checkpoint_is_refused(config, tmp_p
 def checkpoint(path: Path, config, phase: int = 1, **changed) -> PhasePlan:
     """What check_resumable reads of a checkpoint: the settings it was saved under."""
     path.mkdir(parents=True)
-    (path / "trainer_state.json").write_text(json.dumps({"exactness": {**resume_keys(config, phase), **changed}}))
+    (path / "trainer_state.json").write_text(json.dumps({"resume_keys": {**resume_keys(config, phase), **changed}}))
     return PhasePlan(phase, path)
 
 
@@ -81,6 +81,21 @@ def test_a_resume_under_other_settings_is_refused_naming_each(config, tmp_path):
     plan = checkpoint(tmp_path / "ckpt", config, **{"train.seed": 7, "lora.r": 4})
     with pytest.raises(ConfigError, match=r"other settings \(lora.r: 4 -> 8, train.seed: 7 -> 0\)"):
         check_resumable(config, [plan])
+
+
+def test_checkpoints_and_summaries_written_before_resume_keys_had_one_name_are_compared_too(config, tmp_path):
+    """A checkpoint's keys were "exactness", a summary's "settings": still read."""
+    path = tmp_path / "old-ckpt"
+    path.mkdir()
+    (path / "trainer_state.json").write_text(json.dumps({"exactness": {**resume_keys(config, 1), "lora.r": 4}}))
+    with pytest.raises(ConfigError, match=r"other settings \(lora.r: 4 -> 8\)"):
+        check_resumable(config, [PhasePlan(1, path)])
+    directory = Path(config.output_dir) / "phase1"
+    directory.mkdir(parents=True)
+    old_data = {**resume_keys(config, 1), "phase1.data.content": "sha256:other"}
+    (directory / "summary.json").write_text(json.dumps({"phase": 1, "settings": old_data}))
+    with pytest.raises(ConfigError, match="finished on other inputs"):
+        plan_phases(config, [1], "auto", force=False)
 
 
 def test_a_resume_with_another_set_of_adapters_is_refused_naming_the_set_not_their_order(config, tmp_path):

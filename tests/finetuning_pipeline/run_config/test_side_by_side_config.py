@@ -59,11 +59,11 @@ def test_the_config_written_back_loads_as_the_same_config(tmp_path):
 
 
 def test_a_resume_compares_each_adapters_settings_and_lets_its_lr_and_steps_change(tmp_path):
-    keys = side_by_side(tmp_path).exactness_keys(1)
+    keys = side_by_side(tmp_path).resume_keys(1)
     assert keys["phase1.adapters.sql.lr"] == 3e-4 and keys["phase1.adapters.code.max_steps"] == 12
     # The set of adapters is a key, their order is not (each one's state is kept by its name).
     assert keys["phase1.adapters"] == ["chat", "code", "sql"]
-    assert side_by_side(tmp_path).exactness_keys(2)["phase2.adapters"] == ["default"]  # one adapter: a set of one
+    assert side_by_side(tmp_path).resume_keys(2)["phase2.adapters"] == ["default"]  # one adapter: a set of one
     assert not tunable_on_resume("phase1.adapters") and is_phase_input("phase1.adapters")
     assert tunable_on_resume("phase1.adapters.sql.lr") and tunable_on_resume("phase1.adapters.sql.max_steps")
     assert not tunable_on_resume("phase1.adapters.sql.data")
