@@ -28,7 +28,7 @@ from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss
 from utils.cli_types import non_negative_int, positive_int
 from utils.hub_models import resolve_model
 from utils.tokenizer_loading import load_tokenizer
-from utils.xla_runtime import choose_device, on_the_host_only
+from utils.xla_runtime import choose_device, init_xla_device, on_the_host_only
 
 
 def chat_samples(model, tokenizer, data: str, split: str, n: int, max_new_tokens: int) -> list[dict]:
@@ -92,8 +92,6 @@ def evaluate(argv: list[str] | None) -> int:
     tokenizer = load_tokenizer(args.model, "--model")
     manifest = open_prepared(args.data, fingerprint=tokenizer_fingerprint(tokenizer))
     if args.device == "xla":
-        from utils.xla_runtime import init_xla_device
-
         device = init_xla_device()
     else:
         device = torch.device("cpu")

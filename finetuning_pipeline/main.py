@@ -36,18 +36,24 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: python finetuning_pipeline/main.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from finetuning_pipeline.demo.inputs import DEMO_CONFIG, REPO, anchored_paths, ensure_demo_inputs
 from finetuning_pipeline.distributed.collectives import launch_rank, torchrun_world
+from finetuning_pipeline.distributed.host_agreement import check_hosts_agree
+from finetuning_pipeline.distributed.launch import apply_single_chip, launch_replicas, resolve_launcher
+from finetuning_pipeline.distributed.parallel import start, use_compile_cache
 from finetuning_pipeline.errors import ConfigError, OutputWriteError, run_command
 from finetuning_pipeline.monitor.console import summary_lines
+from finetuning_pipeline.monitor.metrics_log import plot_losses
 from finetuning_pipeline.run.checkpointing import complete_checkpoints
 from finetuning_pipeline.run.input_checks import check_inputs, pin_model
 from finetuning_pipeline.run.resume_plan import PhasePlan, check_resumable, plan_phases
 from finetuning_pipeline.run.run_layout import OutputLock, RunLayout
-from finetuning_pipeline.run.stop_signal import WallClockBudget
+from finetuning_pipeline.run.stop_signal import StopOnSignal, WallClockBudget
 from finetuning_pipeline.run_config import RunConfig, load_config
+from finetuning_pipeline.train.phase_loop import run_phase
 from utils.durations import parse_duration
 from utils.stack_dump import dump_stacks_on_signal
-from utils.xla_runtime import choose_device
+from utils.xla_runtime import choose_device, device_kind
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -124,10 +130,6 @@ def run_replica(config: RunConfig, plans: list[PhasePlan], resume_command: str, 
     """Entry point of each replica (one per chip under dp, one per host under fsdp), on the
     main thread of its process or on a launcher's worker thread. Every replica runs the same
     phases and stops after the same one."""
-    from finetuning_pipeline.distributed.host_agreement import check_hosts_agree
-    from finetuning_pipeline.distributed.parallel import start
-    from finetuning_pipeline.run.stop_signal import StopOnSignal
-
     parallel, device = start(config.parallel.mode, (config.parallel.mesh.data, config.parallel.mesh.fsdp),
                              config.parallel.host_timeout_s)
     layout = RunLayout(config.output_dir)
@@ -155,8 +157,6 @@ def run_replica(config: RunConfig, plans: list[PhasePlan], resume_command: str, 
 def run_one_phase(config: RunConfig, plan: PhasePlan, parallel, device, stop, layout: RunLayout):
     """run_phase, with a file-system error named for the user (metrics, TensorBoard, adapter,
     summary, data shards; checkpoints vote on theirs)."""
-    from finetuning_pipeline.train.phase_loop import run_phase
-
     try:
         return run_phase(config, plan.phase, parallel=parallel, device=device, resume_from=plan.resume_from,
                          stop_requested=stop.requested, accepted_changes=plan.accepted_changes)
@@ -193,8 +193,6 @@ def train(argv: list[str] | None) -> int:
     if plans:
         start_replicas(config, (config, plans, resume_command(args), budget))
     if launch_rank() == 0:
-        from finetuning_pipeline.monitor.metrics_log import plot_losses
-
         plot = plot_losses(config.output_dir, config.phase_numbers())
         if plot is not None:
             print(f"loss plot: {plot}")
@@ -203,10 +201,6 @@ def train(argv: list[str] | None) -> int:
 
 def start_replicas(config: RunConfig, args: tuple) -> None:
     """run_replica on every replica of this host, started as parallel.launcher says (distributed/launch.py)."""
-    from finetuning_pipeline.distributed.launch import apply_single_chip, launch_replicas, resolve_launcher
-    from finetuning_pipeline.distributed.parallel import use_compile_cache
-    from utils.xla_runtime import device_kind
-
     kind = device_kind()
     if torchrun_world() > 1 and kind != "CPU":
         raise ConfigError("torchrun starts replicas on a CPU only (PJRT_DEVICE=CPU); on a TPU run plain python: "
@@ -242,8 +236,6 @@ def choose_config(given: str | None, overrides: list[str], phase: str = "all") -
     if os.environ.get(CONFIG_ENV):
         print(f"config: {os.environ[CONFIG_ENV]} (from ${CONFIG_ENV})", flush=True)
         return Path(os.environ[CONFIG_ENV]), overrides
-    from finetuning_pipeline.demo.inputs import DEMO_CONFIG, REPO, anchored_paths, ensure_demo_inputs
-
     print(f"config: {DEMO_CONFIG} (the embedded default: no --config given and ${CONFIG_ENV} unset)", flush=True)
     anchored = anchored_paths(DEMO_CONFIG, REPO)
     demo = load_config(DEMO_CONFIG, anchored + overrides)

@@ -41,6 +41,7 @@ from finetuning_pipeline.planning.phase_plan import (
     phases_of,
     planned_generation,
 )
+from finetuning_pipeline.run.input_checks import check_inputs, phase_data
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import ConfigError, RunConfig, load_config
 from utils.atomic_io import atomic_write_json
@@ -50,8 +51,6 @@ from utils.hub_models import HubModelError, model_dir
 def check_data(config: RunConfig) -> dict:
     """The trainer's own start-up checks (shards against the tokenizer, seq_len, phases), when
     the model's tokenizer and the data are on disk."""
-    from finetuning_pipeline.run.input_checks import check_inputs, phase_data
-
     phases = phases_of(config)
     try:
         on_disk = (Path(model_dir(config.model.path, config.model.revision)) / "config.json").is_file()

@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from utils.tpu_detect import tpu_chips
+
 
 def init_xla_device() -> torch.device:
     """Initialise the PJRT runtime and return this process's XLA device.
@@ -31,8 +33,6 @@ def choose_device(say=None) -> str:
     would guess too, with a warning on every run; defaulting to CPU everywhere would train a
     TPU VM's run on its CPU when a shell lacks the variable.)"""
     if "PJRT_DEVICE" not in os.environ:
-        from utils.tpu_detect import tpu_chips
-
         chips = tpu_chips()
         os.environ["PJRT_DEVICE"] = "TPU" if chips else "CPU"
         found = f"{chips} TPU chips found" if chips else "no TPU found on this machine"

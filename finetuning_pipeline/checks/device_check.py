@@ -34,6 +34,11 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import yaml
+
+from dataset.manifest import MANIFEST_NAME
+from dataset.prepare import PrepareOptions, prepare
+from dataset.samples import DOMAIN_TEXT
 from finetuning_pipeline.checks.rehearsal import run_trainer, shrunken_config, small_run
 from finetuning_pipeline.model.kernel_attention import IMPLEMENTATION
 from finetuning_pipeline.planning.phase_plan import plan_inputs
@@ -44,6 +49,7 @@ from finetuning_pipeline.run_config import RunConfig
 from lora_logic.config import DEFAULT_ADAPTER
 from utils.atomic_io import atomic_write_json
 from utils.hub_models import HubModelError, model_dir
+from utils.tpu_detect import tpu_generation
 
 CHECK_STEPS = 6
 CHECK_LAYERS = 2
@@ -92,8 +98,6 @@ def check_data(config: RunConfig, root: Path, seq_len: int) -> tuple[Path, Path,
     """(data dir, tokenizer dir, description): the run's prepared phase-1 data when it is there
     with its tokenizer, else the bundled domain text, repeated to fill ~64 blocks of `seq_len`,
     under the demo's tokenizer (only token ids matter to what is checked)."""
-    from dataset.manifest import MANIFEST_NAME
-
     given = next(iter(config.data_dirs(1).values()), None) or ""  # side by side: the first adapter's
     prepared = Path(given)
     adapters = list(config.phase(1).adapters)
@@ -104,9 +108,7 @@ def check_data(config: RunConfig, root: Path, seq_len: int) -> tuple[Path, Path,
         tokenizer = None
     if (prepared / MANIFEST_NAME).is_file() and tokenizer and (tokenizer / "tokenizer_config.json").is_file():
         return prepared, tokenizer, f"the run's prepared data ({prepared}){shared}"
-    from dataset.prepare import PrepareOptions, prepare
-    from dataset.samples import DOMAIN_TEXT
-    from finetuning_pipeline.demo.tiny_model import write_tiny_model
+    from finetuning_pipeline.demo.tiny_model import write_tiny_model  # transformers: only when it is needed
 
     tokenizer = write_tiny_model(root / "tokenizer")
     records = DOMAIN_TEXT.read_text().splitlines()
@@ -262,15 +264,12 @@ def run_config_for(config: RunConfig, model_path: Path, data: Path, out: Path, o
 def device_check(config: RunConfig, model_config, root: Path, *, device: str, seq_len: int) -> dict:
     """Run the checks in `root` (the runs' directory, claimed by the caller); returns the report
     tpu_check.json holds (see the module docstring)."""
-    import yaml
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     on_tpu = device == "TPU"
     checked_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     report = {"device": device, "tpu_type": config.tpu.type, "checked_at": checked_at, "measured": {}}
     if on_tpu:
-        from utils.tpu_detect import tpu_generation
-
         planned = parse_tpu_type(config.tpu.type).generation.name
         here = tpu_generation()
         if here != {"v2": "v2/v3", "v3": "v2/v3"}.get(planned, planned):

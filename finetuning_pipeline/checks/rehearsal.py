@@ -14,6 +14,12 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+from safetensors.torch import load_file
+
+from dataset.prepare import PrepareOptions, prepare
+from dataset.samples import ALPACA, CHAT_QA, DOMAIN_TEXT
+from finetuning_pipeline.exporters.merged import export_merged
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import RunConfig
 from utils.hub_models import model_dir
@@ -97,9 +103,7 @@ def rehearsal_data(config: RunConfig, phases: list[int], root: Path, data_ready:
         # (adapters side by side rehearse on their first adapter's data)
         return ({p: Path(next(iter(config.data_dirs(p).values()))) for p in phases}, tokenizer,
                 "prepared data (phaseN.data)")
-    from dataset.prepare import PrepareOptions, prepare
-    from dataset.samples import ALPACA, CHAT_QA, DOMAIN_TEXT
-    from finetuning_pipeline.demo.tiny_model import write_tiny_model
+    from finetuning_pipeline.demo.tiny_model import write_tiny_model  # transformers: only when it is needed
 
     tokenizer = write_tiny_model(root / "tokenizer")
     inputs = {1: [DOMAIN_TEXT], 2: [CHAT_QA, ALPACA]}  # phase 1 text, every later phase chat
@@ -116,8 +120,6 @@ def rehearse(config: RunConfig, model_config, root: Path, data_ready: bool, *, p
     """Train, checkpoint, resume and export a shrunken model through the real entry points.
     phases: the phases the config runs; scan_layers: whether the real model's layers will be
     scanned (the 2-layer model takes the same path; unset would decide by its own depth)."""
-    import yaml
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     shutil.rmtree(root, ignore_errors=True)
@@ -164,8 +166,6 @@ def rehearse(config: RunConfig, model_config, root: Path, data_ready: bool, *, p
     steps["resume_bitwise_identical"] = bool(identical)
     if not identical:
         return {**steps, "passed": False, "failed_at": "resume", "detail": "the resumed adapter differs"}
-
-    from finetuning_pipeline.exporters.merged import export_merged
 
     last = phases[-1]  # served as the run's summary says: the adapters merged beneath it, then its own
     adapters = [str(out.adapter(n)) for n in config.lineage(last)[0]] + [str(trained_adapter(config, out, last))]

@@ -13,6 +13,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from dataset import prepare
+from finetuning_pipeline.errors import ConfigError
+from finetuning_pipeline.run_config import read_config_file
+
 REPO = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO / "finetuning_pipeline" / "configs" / "demo.yaml"
 # The demo config's keys that name local paths (relative to the repository).
@@ -24,8 +28,6 @@ INPUTS = {"phase1": [SAMPLES / "domain_text.jsonl"], "phase2": [SAMPLES / "chat_
 
 def anchored_paths(config_path: Path, root: Path) -> list[str]:
     """key=value overrides that put the config's relative paths under `root`."""
-    from finetuning_pipeline.run_config import read_config_file
-
     raw = read_config_file(config_path)
     overrides = []
     for key in PATH_KEYS:
@@ -46,8 +48,7 @@ def demo_paths() -> dict[str, Path]:
 
 def build(what: str, force: bool = False) -> int:
     """Build one input of the demo ("base", "phase1" or "phase2"); returns the exit status."""
-    from dataset import prepare
-    from finetuning_pipeline.demo import tiny_model
+    from finetuning_pipeline.demo import tiny_model  # transformers: only when the base is built
 
     paths = demo_paths()
     if what == "base":
@@ -62,8 +63,6 @@ def ensure_demo_inputs(config, phases: list[int]) -> None:
     """Build the demo inputs this run reads and that are missing: the base, and the data of
     the phases it runs, prepared with that base's tokenizer (so only on the demo's own base).
     Paths overridden to somewhere else are the user's own, left alone."""
-    from finetuning_pipeline.errors import ConfigError
-
     paths = demo_paths()
     ours = Path(config.model.path) == paths["base"]
     needed = {"base": ours and not (paths["base"] / "config.json").is_file()}

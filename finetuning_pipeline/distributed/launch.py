@@ -32,7 +32,11 @@ import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 
+from finetuning_pipeline.distributed.parallel import use_compile_cache
 from finetuning_pipeline.errors import ConfigError, ReplicaLost
+from finetuning_pipeline.run.stop_signal import PROCESS_SIGNALS
+from utils.stack_dump import dump_stacks_on_signal
+from utils.xla_runtime import device_kind
 
 # What torch_xla and libtpu read to give a process one chip of a multi-chip host (torch_xla's
 # tpu.configure_one_chip_topology; with them tpu.num_local_processes() is 1). TPU_NUM_DEVICES
@@ -40,7 +44,7 @@ from finetuning_pipeline.errors import ConfigError, ReplicaLost
 SINGLE_CHIP_ENV = {"TPU_VISIBLE_CHIPS": "0", "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1", "TPU_PROCESS_BOUNDS": "1,1,1"}
 
 
-def resolve_launcher(setting: str, mode: str, device_kind: str, torchrun_processes: int) -> str:
+def resolve_launcher(setting: str, mode: str, kind: str, torchrun_processes: int) -> str:
     """parallel.launcher -> "tpu" or "process" (see the module docstring)."""
     if torchrun_processes > 1:
         if setting == "tpu":
@@ -50,14 +54,14 @@ def resolve_launcher(setting: str, mode: str, device_kind: str, torchrun_process
     if mode == "fsdp":
         return "process"  # one SPMD process per host, on a TPU as on a CPU
     if setting == "auto":
-        return "tpu" if device_kind != "CPU" else "process"
+        return "tpu" if kind != "CPU" else "process"
     return setting
 
 
-def apply_single_chip(device_kind: str) -> None:
+def apply_single_chip(kind: str) -> None:
     """parallel.single_chip: one replica on one chip (the rest of the host's chips left free),
-    through the environment torch_xla reads; on a CPU, one device."""
-    if device_kind == "CPU":
+    through the environment torch_xla reads; on a CPU (kind "CPU"), one device."""
+    if kind == "CPU":
         os.environ["CPU_NUM_DEVICES"] = "1"
         return
     for name, value in SINGLE_CHIP_ENV.items():
@@ -67,8 +71,6 @@ def apply_single_chip(device_kind: str) -> None:
 def local_process_count() -> int:
     """How many worker processes this host starts: torch_xla 2.9's own rule (run_multiprocess):
     on a TPU the chips found on the PCI bus, capped by TPU_PROCESS_BOUNDS; elsewhere one."""
-    from utils.xla_runtime import device_kind
-
     if device_kind() != "TPU":
         return 1
     from torch_xla._internal import tpu
@@ -108,10 +110,6 @@ def _worker_process(local: int, *, processes: int, replica, args: tuple, compile
     torch_xla's topology set-up and one replica thread per device."""
     import torch_xla.runtime as xr
     from torch_xla._internal import pjrt
-
-    from finetuning_pipeline.distributed.parallel import use_compile_cache
-    from finetuning_pipeline.run.stop_signal import PROCESS_SIGNALS
-    from utils.stack_dump import dump_stacks_on_signal
 
     launcher = os.getppid()
     PROCESS_SIGNALS.install()

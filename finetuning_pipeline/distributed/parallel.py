@@ -24,12 +24,15 @@ Every process calls the same functions in the same order; `Parallel` holds what 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from finetuning_pipeline.distributed.collectives import Collectives, replica_group, torchrun_world
+from utils.xla_runtime import choose_device, device_kind, init_xla_device
 
 DATA_AXIS, FSDP_AXIS = "data", "fsdp"
 BATCH_AXES = (DATA_AXIS, FSDP_AXIS)  # the batch is split over both axes
@@ -134,16 +137,11 @@ def start(mode: str, mesh: tuple[int, int] = (1, -1), host_timeout_s: float = 18
     mesh: (data, fsdp) axis sizes under fsdp, -1 for "the remaining chips".
     Under fsdp this must run before any XLA tensor exists (SPMD is a process-wide switch); so
     must use_compile_cache, once per process, before (launch.py)."""
-    import os
-
-    from utils.xla_runtime import choose_device
-
     choose_device()
     import torch_xla.runtime as xr
 
     if mode == "fsdp":
         xr.use_spmd()
-    from utils.xla_runtime import device_kind, init_xla_device
 
     device = init_xla_device()  # before any backward in this process
     if torchrun_world() > 1:
@@ -163,7 +161,6 @@ def start(mode: str, mesh: tuple[int, int] = (1, -1), host_timeout_s: float = 18
         collectives = Collectives(rank, world, "none", *group)
     if mode == "dp":
         return Parallel("dp", collectives), device
-    import numpy as np
     import torch_xla.distributed.spmd as xs
 
     # The mesh spans every chip of the SPMD program: all hosts' on a pod, this process's own
@@ -179,7 +176,6 @@ def use_compile_cache(setting: str, mode: str, local_process: int) -> None:
     """Turn on XLA's persistent compilation cache for this process (xla.compile_cache_dir), in
     a directory of its own: processes of one host may not share one. Once per process, before
     its first computation: the replica threads of a process share its cache."""
-    import os
 
     directory = compile_cache_dir(setting)
     if not directory:
@@ -211,7 +207,6 @@ def compile_cache_dir(setting: str) -> str:
     """xla.compile_cache_dir resolved: "" -> off; "auto" -> the user's cache directory on an
     accelerator, off on XLA:CPU, where torch_xla 2.9 writes entries it then cannot load
     (PersistentCacheDeserializeFailure on every graph: measured, no time saved)."""
-    import os
 
     if setting != "auto":
         return setting

@@ -37,6 +37,9 @@ import functools
 import torch
 
 from finetuning_pipeline.model.attention_masks import ONE_MASK, mask_windows
+from utils.tpu_detect import tpu_generation
+from utils.tpu_install import pallas_problem
+from utils.xla_runtime import device_kind
 
 CHOICES = ("auto", "dense", "splash", "flash")
 # (transformers reads any implementation name containing "flash" as a Hub flash-attention kernel)
@@ -123,10 +126,6 @@ def choose_attention(setting: str, model_config, *, tpu: str | None, spmd_mesh: 
 def attention_here(setting: str, model_config, *, spmd_mesh: bool, seq_len: int | None) -> tuple[str, str]:
     """choose_attention for the machine this process runs on: its TPU generation read from the
     PCI bus, and whether its install has what the kernels need."""
-    from utils.tpu_detect import tpu_generation
-    from utils.tpu_install import pallas_problem
-    from utils.xla_runtime import device_kind
-
     tpu = (tpu_generation() or "of unknown generation") if device_kind() == "TPU" else None
     install = pallas_problem() if tpu is not None and setting != "dense" else None
     return choose_attention(setting, model_config, tpu=tpu, spmd_mesh=spmd_mesh, seq_len=seq_len,

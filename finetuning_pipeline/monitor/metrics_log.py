@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 from finetuning_pipeline.monitor.console import step_line
+from finetuning_pipeline.run.run_layout import RunLayout
 
 
 class MetricsLog:
@@ -91,8 +93,6 @@ def plot_losses(output_dir: str | Path, phases: list[int]) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from finetuning_pipeline.run.run_layout import RunLayout
-
     layout = RunLayout(output_dir)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     offset = 0
@@ -161,8 +161,6 @@ class StepLogger:
         """values: host floats of loss, lr, grad_norm, label_tokens, skipped_steps; adapters:
         the same of each adapter side by side (the record's "adapters"; values then hold their
         token-weighted mean loss and total tokens)."""
-        import time
-
         now = time.perf_counter()
         rate = None
         if self._last is not None:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from dataset.manifest import content_digest, read_manifest
+from finetuning_pipeline.errors import CheckpointWriteError
 from finetuning_pipeline.run.run_layout import RunLayout, adapter_dirs
 from lora_logic.adapter_io import load_adapters, save_adapters
 from lora_logic.adapters import adapter_names, per_layer_lora, per_layer_lora_names, stacked_lora
@@ -330,8 +331,6 @@ class Checkpointer:
     def save(self, step: int, *, model, optimizer, trainer_state: dict) -> None:
         """Every replica, at the same step (after the step's `torch_xla.sync()`)."""
         import torch_xla
-
-        from finetuning_pipeline.errors import CheckpointWriteError
 
         torch_xla.sync()
         error, rescued = None, None

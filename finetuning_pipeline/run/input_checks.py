@@ -8,27 +8,26 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dataset.loader import open_prepared
+from dataset.manifest import tokenizer_fingerprint
 from finetuning_pipeline.errors import ConfigError
+from finetuning_pipeline.model.attention_masks import mask_windows
+from finetuning_pipeline.model.causal_lm_loss import resolve_chunk_tokens
+from finetuning_pipeline.model.kernel_attention import attention_here, choose_attention
+from finetuning_pipeline.model.loading import check_lora_targets
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import RunConfig
 from utils.hub_models import model_dir, resolve_model
+from utils.tokenizer_loading import load_tokenizer
+from utils.tpu_install import libtpu_problem
+from utils.xla_runtime import device_kind
 
 
 def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | None = None) -> None:
     """Everything that can fail before a device is touched; raises ConfigError / DataError /
     HubModelError. The attention kernels are judged for this machine, or with `planned_tpu` (a
     generation, e.g. v5e: preflight planning a TPU from a CPU) for that TPU with the tested install."""
-    from transformers import AutoConfig
-
-    from dataset.loader import open_prepared
-    from dataset.manifest import tokenizer_fingerprint
-    from finetuning_pipeline.model.attention_masks import mask_windows
-    from finetuning_pipeline.model.causal_lm_loss import resolve_chunk_tokens
-    from finetuning_pipeline.model.kernel_attention import attention_here, choose_attention
-    from finetuning_pipeline.model.loading import check_lora_targets
-    from utils.tokenizer_loading import load_tokenizer
-    from utils.tpu_install import libtpu_problem
-    from utils.xla_runtime import device_kind
+    from transformers import AutoConfig  # seconds to import: not for `main.py --help`
 
     missing_runtime = libtpu_problem() if planned_tpu is None and device_kind() == "TPU" else None
     if missing_runtime:

@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-import utils.tpu_detect
+import utils.xla_runtime
 from utils.xla_runtime import choose_device
 
 
 @pytest.mark.parametrize("chips, device", [(0, "CPU"), (4, "TPU")])
 def test_unset_it_is_the_tpu_where_one_is_found_and_the_cpu_elsewhere(monkeypatch, chips, device):
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
-    monkeypatch.setattr(utils.tpu_detect, "tpu_chips", lambda: chips)
+    monkeypatch.setattr(utils.xla_runtime, "tpu_chips", lambda: chips)
     said = []
     assert choose_device(said.append) == device
     found = f"{chips} TPU chips found" if chips else "no TPU found on this machine"

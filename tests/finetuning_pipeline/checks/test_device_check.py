@@ -163,12 +163,11 @@ def test_a_tpu_type_that_is_not_this_hosts_and_a_configured_run_that_fails_are_f
 
     from trainer_helpers import write_run_config
 
-    import utils.tpu_detect
     from finetuning_pipeline.planning.phase_plan import load_architecture
 
     run = load_config(write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out"), [])
     model_config, _ = load_architecture(str(tiny_model_dir))
-    monkeypatch.setattr(utils.tpu_detect, "tpu_generation", lambda: "v6e")
+    monkeypatch.setattr(device_check, "tpu_generation", lambda: "v6e")
     report = device_check.device_check(run, model_config, tmp_path / "runs", device="TPU", seq_len=64)
     assert [(c["name"], c["status"]) for c in report["checks"]] == [("TPU type", "failed")]
     assert "tpu.type=v5e-8, but this host's chips are v6e" in device_check.format_report(report)

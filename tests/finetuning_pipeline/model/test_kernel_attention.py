@@ -75,21 +75,17 @@ def test_without_the_pinned_jax_auto_falls_back_and_a_named_kernel_names_the_ins
 def test_this_machines_generation_and_install_are_what_a_run_is_judged_by(monkeypatch):
     """attention_here reads the TPU generation from the PCI bus and the install from the package
     metadata: on a v3 host no kernel; on a v5e host without jax, dense with the reason."""
-    import utils.tpu_detect
-    import utils.tpu_install
-    import utils.xla_runtime
-
-    monkeypatch.setattr(utils.xla_runtime, "device_kind", lambda: "TPU")
-    monkeypatch.setattr(utils.tpu_detect, "tpu_generation", lambda: "v2/v3")
+    monkeypatch.setattr(kernel_attention, "device_kind", lambda: "TPU")
+    monkeypatch.setattr(kernel_attention, "tpu_generation", lambda: "v2/v3")
     assert "no Pallas kernels on TPU v2/v3" in kernel_attention.attention_here("auto", LLAMA, spmd_mesh=False,
                                                                                  seq_len=1024)[1]
-    monkeypatch.setattr(utils.tpu_detect, "tpu_generation", lambda: "v5e")
-    monkeypatch.setattr(utils.tpu_install, "pallas_problem", lambda: "jax is not installed")
+    monkeypatch.setattr(kernel_attention, "tpu_generation", lambda: "v5e")
+    monkeypatch.setattr(kernel_attention, "pallas_problem", lambda: "jax is not installed")
     kind, why = kernel_attention.attention_here("auto", LLAMA, spmd_mesh=False, seq_len=1024)
     assert kind == "dense" and "jax is not installed" in why
-    monkeypatch.setattr(utils.tpu_install, "pallas_problem", lambda: None)
+    monkeypatch.setattr(kernel_attention, "pallas_problem", lambda: None)
     assert kernel_attention.attention_here("auto", LLAMA, spmd_mesh=False, seq_len=1024)[0] == "flash"
-    monkeypatch.setattr(utils.xla_runtime, "device_kind", lambda: "CPU")
+    monkeypatch.setattr(kernel_attention, "device_kind", lambda: "CPU")
     assert kernel_attention.attention_here("auto", LLAMA, spmd_mesh=False, seq_len=1024)[0] == "dense"
 
 
