@@ -57,8 +57,7 @@ def add_adapter(model, adapter: str | Path, *, merge: bool) -> dict[str, LoraCon
         if merge:
             merge_and_unload(model)
     except (FileNotFoundError, ValueError, OSError) as err:
-        message = str(err)  # most already name the adapter's file: the path once
-        raise ModelLoadError(message if str(adapter) in message else f"adapter {adapter}: {message}") from None
+        raise ModelLoadError(f"adapter {adapter}: {err}") from None
     return configs
 
 

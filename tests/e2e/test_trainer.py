@@ -39,7 +39,10 @@ def test_every_output_of_both_phases(finished_run):
         assert sorted(p.name for p in (phase_dir / "adapter").iterdir()) == [
             "adapter_config.json",
             "adapter_model.safetensors",
+            "lineage.json",  # what it was trained on (model/lineage.py)
         ]
+        lineage = json.loads((phase_dir / "adapter" / "lineage.json").read_text())
+        assert lineage["base"]["name"] == config.model.path and lineage["merged_adapters"] == []
         checkpoints = sorted(p.name for p in (phase_dir / "checkpoints").iterdir())
         assert checkpoints == ["step_00000008", "step_00000012"]  # every 4, keep 2, final included
         assert all((phase_dir / "checkpoints" / c / "COMPLETE").is_file() for c in checkpoints)
