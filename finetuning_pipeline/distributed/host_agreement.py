@@ -21,9 +21,10 @@ import uuid
 from pathlib import Path
 
 from finetuning_pipeline.errors import ConfigError
-from finetuning_pipeline.run.checkpointing import COMPLETE, PREFIX, sha256_file
+from finetuning_pipeline.run.checkpointing import COMPLETE, PREFIX
 from finetuning_pipeline.run.resume_plan import PhasePlan
 from finetuning_pipeline.run.run_layout import RunLayout
+from utils.file_digest import sha256_file
 
 SHARED_STORAGE_HELP = ("On a pod, put output_dir on storage every host mounts at the same path (a Filestore NFS "
                        "share, or a Cloud Storage bucket through gcsfuse; README: \"TPU pod\"), and run the same "

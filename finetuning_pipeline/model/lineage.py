@@ -21,6 +21,7 @@ from pathlib import Path
 from finetuning_pipeline.errors import ModelLoadError
 from lora_logic.adapter_io import WEIGHTS_NAME
 from utils.atomic_io import atomic_write_json
+from utils.file_digest import sha256_file
 
 LINEAGE = "lineage.json"
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
@@ -48,11 +49,7 @@ def base_fingerprint(model_dir: str | os.PathLike) -> str:
 
 def adapter_entry(adapter_dir: str | os.PathLike) -> dict:
     """An adapter merged beneath another: where it was, and its weights' sha256."""
-    digest = hashlib.sha256()
-    with open(Path(adapter_dir) / WEIGHTS_NAME, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return {"path": str(adapter_dir), "sha256": "sha256:" + digest.hexdigest()}
+    return {"path": str(adapter_dir), "sha256": "sha256:" + sha256_file(Path(adapter_dir) / WEIGHTS_NAME)}
 
 
 def read_lineage(directory: str | os.PathLike) -> dict | None:

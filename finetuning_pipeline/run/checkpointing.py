@@ -15,7 +15,6 @@ removed on the next start.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -33,6 +32,7 @@ from lora_logic.adapter_io import load_adapters, save_adapters
 from lora_logic.adapters import adapter_names, per_layer_lora, per_layer_lora_names, stacked_lora
 from lora_logic.config import LoraConfig, adapter_set
 from utils.atomic_io import fsync_dir
+from utils.file_digest import sha256_file
 
 COMPLETE = "COMPLETE"
 PREFIX = "step_"
@@ -47,14 +47,6 @@ def checkpoint_adapters(path: Path, names: list[str]) -> dict[str, Path]:
 
 def checkpoint_name(step: int) -> str:
     return f"{PREFIX}{step:08d}"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def is_complete(path: Path) -> bool:
