@@ -12,4 +12,6 @@ without torch):
   merge.py       merge_lora, unmerge_lora, merge_and_unload
   combine.py     several adapters combined into one (PEFT's add_weighted_adapter)
   dropout.py     seeded LoRA dropout (a mask from a seed tensor, replayable on XLA)
+  quantize.py    block quantization: ggml's q8_0 / q4_0 (as gguf-py writes them), QLoRA's nf4
+  quantized_linear.py  QuantizedLinear: a frozen Linear stored quantized, dequantized at its matmul
 """

@@ -10,6 +10,7 @@ from torch import nn
 from lora_logic.adapters import lora_modules
 from lora_logic.config import LoraConfig, adapter_set
 from lora_logic.layer import LoRALinear
+from lora_logic.quantized_linear import is_linear
 
 
 def matches_target(module_name: str, target: str) -> bool:
@@ -38,7 +39,7 @@ def inject_lora(model: nn.Module, adapters: LoraConfig | Mapping[str, LoraConfig
             f"model already has {len(existing)} LoRA layers (e.g. {existing[0]!r}); "
             "inject_lora must be called once per model (load a fresh base, or merge and re-load)"
         )
-    linear_names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linear_names = [name for name, m in model.named_modules() if is_linear(m)]
     targets = {}
     for adapter, config in adapters.items():
         targets[adapter] = [n for n in linear_names if any(matches_target(n, t) for t in config.target_modules)]

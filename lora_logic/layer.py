@@ -25,6 +25,7 @@ from torch import nn
 
 from lora_logic.config import DEFAULT_ADAPTER, LoraConfig, lora_scaling
 from lora_logic.dropout import SeededDropout
+from lora_logic.quantized_linear import QuantizedLinear, is_linear
 
 
 def init_lora_A_(weight: torch.Tensor) -> None:
@@ -47,8 +48,9 @@ class LoRALinear(nn.Module):
     """y = W0 x + b0 + scaling * B(A(dropout(x))) per adapter, with W0, b0 frozen and each
     adapter's A, B trainable.
 
-    Wraps (does not subclass) `base_layer`, so any `nn.Linear` (bias or not, any dtype) works
-    and the base stays reachable as `self.base_layer`, the name PEFT gives it too.
+    Wraps (does not subclass) `base_layer`, so any `nn.Linear` (bias or not, any dtype) works,
+    and a `QuantizedLinear` too (a quantized base beneath the LoRA, QLoRA), and the base stays
+    reachable as `self.base_layer`, the name PEFT gives it too.
     groups: the model's adapters in the order of their rows in a batch (one adapter: every row).
 
     Shapes: x [..., in] -> A: [r, in] -> [..., r] -> B: [out, r] -> [..., out]. The update is
@@ -64,10 +66,11 @@ class LoRALinear(nn.Module):
     the branch. `merge()`/`unmerge()` are idempotent and never write NaN/inf into W0.
     """
 
-    def __init__(self, base_layer: nn.Linear, groups: list[str] | tuple[str, ...] = (DEFAULT_ADAPTER,)) -> None:
+    def __init__(self, base_layer: nn.Linear | QuantizedLinear,
+                 groups: list[str] | tuple[str, ...] = (DEFAULT_ADAPTER,)) -> None:
         super().__init__()
-        if not isinstance(base_layer, nn.Linear):
-            raise TypeError(f"LoRALinear wraps nn.Linear, got {type(base_layer).__name__}")
+        if not is_linear(base_layer):
+            raise TypeError(f"LoRALinear wraps nn.Linear or QuantizedLinear, got {type(base_layer).__name__}")
         if not groups:
             raise ValueError("LoRALinear needs the model's adapters (groups), at least one")
         self.base_layer = base_layer
@@ -97,7 +100,8 @@ class LoRALinear(nn.Module):
             raise ValueError(f"adapter {name!r}: already here, or not one of the model's adapters {self.groups}")
         if self.merged:
             raise ValueError(f"adapter {name!r}: the layer's adapters are merged; unmerge first")
-        device = self.base_layer.weight.device
+        base = self.base_layer
+        device = base.codes.device if isinstance(base, QuantizedLinear) else base.weight.device
         self.lora_A[name] = nn.Linear(self.in_features, config.r, bias=False, device=device, dtype=lora_dtype)
         self.lora_B[name] = nn.Linear(config.r, self.out_features, bias=False, device=device, dtype=lora_dtype)
         init_lora_A_(self.lora_A[name].weight)
@@ -153,6 +157,9 @@ class LoRALinear(nn.Module):
     def _merged_adapter(self, action: str) -> str | None:
         """The adapter a merge folds in: the one every row goes through (None: it does not adapt
         this layer). Adapters side by side serve different rows, so no one weight holds them."""
+        if isinstance(self.base_layer, QuantizedLinear):
+            raise ValueError(f"cannot {action} into a {self.base_layer.format} base: it would quantize the update "
+                             "away; merge the adapter into the base's full-precision weights (load them unquantized)")
         if len(self.groups) != 1:
             raise ValueError(f"cannot {action} adapters side by side ({', '.join(self.groups)}): each serves its own "
                              "rows; write them (save_adapters) and merge each into a base of its own")

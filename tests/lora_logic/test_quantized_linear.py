@@ -1,0 +1,100 @@
+"""QuantizedLinear under the LoRA: it computes what an nn.Linear holding its dequantized weight
+computes, forward and backward (the LoRA's gradients and the input's), on the host and on the
+XLA device, and a merge into it is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch_xla
+from torch import nn
+
+from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
+from lora_logic.layer import LoRALinear
+from lora_logic.quantized_linear import QuantizedLinear
+
+FORMATS = ["q8_0", "q4_0", "nf4"]
+
+
+def pair(fmt: str, bias: bool = True) -> tuple[LoRALinear, LoRALinear]:
+    """The LoRA over a quantized Linear, and the same LoRA over an nn.Linear holding the
+    dequantized weight; B random so both LoRA matrices get gradients."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=bias)
+    quantized = QuantizedLinear.from_linear(linear, fmt)
+    with torch.no_grad():
+        linear.weight.copy_(quantized.dequantized_weight())
+    layers = []
+    for base in (quantized, linear):
+        torch.manual_seed(1)
+        layer = LoRALinear(base)
+        layer.add_adapter(DEFAULT_ADAPTER, LoraConfig(r=4, alpha=8))
+        with torch.no_grad():
+            layer.lora_B[DEFAULT_ADAPTER].weight.normal_(std=0.1)
+        layers.append(layer)
+    return layers[0], layers[1]
+
+
+def forward_backward(layer: LoRALinear, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    x = x.clone().requires_grad_(True)
+    y = layer(x)
+    (y.square().sum()).backward()
+    assert x.grad is not None  # the gradient reaching the activations: never None
+    return {"y": y, "x.grad": x.grad, "A.grad": layer.lora_A[DEFAULT_ADAPTER].weight.grad,
+            "B.grad": layer.lora_B[DEFAULT_ADAPTER].weight.grad}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_lora_over_a_quantized_linear_equals_it_over_the_dequantized_weight(fmt):
+    quantized, reference = pair(fmt)
+    x = torch.randn(3, 5, 64)
+    got, want = forward_backward(quantized, x), forward_backward(reference, x)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    assert not any(p.requires_grad for p in quantized.base_layer.parameters())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_on_the_xla_device_too_with_the_activations_gradient(fmt):
+    device = torch_xla.device()
+    results = []
+    for layer in pair(fmt):
+        layer.to(device)
+        out = forward_backward(layer, torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(2)).to(device))
+        torch_xla.sync()
+        results.append({key: value.cpu() for key, value in out.items()})
+    for key in results[1]:
+        torch.testing.assert_close(results[0][key], results[1][key], rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_compute_dequantizes_in_fp32_and_casts_once():
+    linear = nn.Linear(64, 32, bias=False).to(torch.bfloat16)
+    quantized = QuantizedLinear.from_linear(linear, "q4_0")
+    assert quantized.dequantized_weight().dtype == torch.bfloat16
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    reference = quantized.dequantized_weight()
+    assert torch.equal(quantized(x), nn.functional.linear(x, reference))
+
+
+def test_a_merge_into_a_quantized_base_is_refused_saying_what_to_do():
+    quantized, _ = pair("q8_0")
+    with pytest.raises(ValueError, match="cannot merge into a q8_0 base.*full-precision weights"):
+        quantized.merge()
+
+
+def test_adapters_side_by_side_over_a_quantized_base_each_give_their_rows_what_alone_they_would():
+    torch.manual_seed(0)
+    quantized = QuantizedLinear.from_linear(nn.Linear(64, 48), "nf4")
+    configs = {"a": LoraConfig(r=4, alpha=8), "b": LoraConfig(r=2, alpha=2)}
+    together = LoRALinear(quantized, list(configs))
+    for name, config in configs.items():
+        together.add_adapter(name, config)
+        with torch.no_grad():
+            together.lora_B[name].weight.normal_(std=0.1)
+    x = torch.randn(4, 3, 64)
+    y = together(x)
+    for k, (name, config) in enumerate(configs.items()):
+        alone = LoRALinear(quantized, [name])
+        alone.add_adapter(name, config)
+        alone.load_state_dict(together.state_dict(), strict=False)
+        torch.testing.assert_close(y[2 * k:2 * k + 2], alone(x[2 * k:2 * k + 2]), rtol=0, atol=1e-6)
