@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from finetuning_pipeline.distributed.collectives import Collectives, replica_group, torchrun_world
+from lora_logic.quantized_linear import QuantizedLinear
 from utils.xla_runtime import choose_device, device_kind, init_xla_device
 
 DATA_AXIS, FSDP_AXIS = "data", "fsdp"
@@ -71,9 +72,9 @@ class Parallel:
         return self.mesh.mesh_shape[1] if self.mesh is not None else 1
 
     def place_model(self, model: torch.nn.Module, device) -> list[str]:
-        """Move the model to the device; under fsdp shard frozen weights as they arrive, so no
-        chip ever holds a full copy of the model (moving it whole would need one). Returns the
-        names of the sharded parameters."""
+        """Move the model to the device; under fsdp shard frozen weights (and a quantized base's
+        codes and scales) as they arrive, so no chip ever holds a full copy of the model (moving
+        it whole would need one). Returns the names of the sharded tensors."""
         if self.mesh is None:
             model.to(device)
             return []
@@ -91,7 +92,15 @@ class Parallel:
                     xs.mark_sharding(on_device, self.mesh, spec or replicated(param))
                     moved[id(param)] = on_device
                 setattr(module, name, moved[id(param)])
-        model.to(device)  # buffers (rotary tables): small, replicated
+            if isinstance(module, QuantizedLinear):  # a quantized weight's codes and scales shard by its rows
+                for name in ("codes", "scales"):
+                    on_device = getattr(module, name).to(device)
+                    spec = shard_spec(on_device, self.fsdp_size())
+                    if spec is not None:
+                        sharded.append(f"{module_name}.{name}")
+                    xs.mark_sharding(on_device, self.mesh, spec or replicated(on_device))
+                    setattr(module, name, on_device)
+        model.to(device)  # the other buffers (rotary tables): small, replicated
         for layer in decoder_layers(model):
             layer.register_forward_hook(self._shard_hidden_states)
         return sharded

@@ -76,9 +76,12 @@ class ScannedLayers(nn.Module):
             self.register_parameter(self.keys[name], nn.Parameter(stacked, requires_grad=param.requires_grad))
             for layer in layers[1:]:  # replaced by the stacks: freed as we go (peak: one weight's stack more)
                 layer.get_parameter(name).data = torch.empty(0, dtype=param.dtype, device=param.device)
-        for name, _ in template.named_buffers():
+        for name, buffer in template.named_buffers():
             self.register_buffer(self.keys[name], torch.stack([layer.get_buffer(name) for layer in layers]),
                                  persistent=False)
+            owner, _, leaf = name.rpartition(".")
+            for layer in layers[1:]:  # a quantized base's codes and scales are buffers: freed as the weights are
+                setattr(layer.get_submodule(owner), leaf, torch.empty(0, dtype=buffer.dtype, device=buffer.device))
         # The trainable weights: LoRA's A and B (of each adapter, side by side), in module order.
         self.lora_names = [name for name, param in template.named_parameters() if param.requires_grad]
         self.dropouts = [name for name, m in template.named_modules() if isinstance(m, SeededDropout)]

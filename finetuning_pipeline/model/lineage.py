@@ -8,7 +8,8 @@ later phase's adapter without the earlier one beneath it. `load_model` checks ea
 applies against what lies beneath it there: other adapters beneath it are refused, naming the
 ones to pass; another base is warned about (a copy of the base saved again in another dtype has
 other bytes and is still the base). Adapters without the file (PEFT's, older runs') are applied
-unchecked. Weights are compared by content, not by path: a run's directory may move.
+unchecked. Weights are compared by content, not by path: a run's directory may move. An adapter
+trained on a quantized base (model.quantize) records the format too.
 """
 
 from __future__ import annotations
@@ -89,6 +90,17 @@ def lineage_with(model_dir: str | os.PathLike, adapters: list, name: str | None 
     for adapter in adapters:
         lineage = with_merged(lineage, adapter)
     return lineage
+
+
+def quantized_with(lineage: dict, fmt: str) -> dict:
+    """`lineage` of an adapter trained on the base stored in `fmt` (model.quantize; "none": as it is)."""
+    return lineage if fmt == "none" else {**lineage, "quantize": fmt}
+
+
+def trained_quantized(adapter_dir: str | os.PathLike) -> str | None:
+    """The format of the quantized base the adapter was trained on (model.quantize), or None."""
+    lineage = read_lineage(adapter_dir)
+    return lineage.get("quantize") if lineage else None
 
 
 def write_lineage(directory: str | os.PathLike, lineage: dict) -> None:

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from finetuning_pipeline.errors import ModelLoadError
-from finetuning_pipeline.model.lineage import check_beneath, model_lineage, with_merged
+from finetuning_pipeline.model.lineage import check_beneath, model_lineage, trained_quantized, with_merged
+from finetuning_pipeline.model.quantized_base import NONE, quantization_problems, quantize_base
 from lora_logic.adapter_io import WEIGHTS_NAME, load_adapters
 from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
@@ -48,6 +49,22 @@ def check_lora_targets(model_config, lora_config: LoraConfig) -> dict:
     return {"wrapped_modules": len(wrapped), "architecture": type(model).__name__}
 
 
+def check_quantizable(model_config, fmt: str) -> None:
+    """A ValueError, naming `model.quantize` and what to do, when the architecture's decoder
+    Linears cannot be stored in `fmt` (their shapes, read from a weightless meta-device model)."""
+    if fmt == NONE:
+        return
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    problems = quantization_problems(model, fmt)
+    if problems:
+        raise ValueError(f"model.quantize={fmt}: cannot store the decoder's " + "; ".join(problems)
+                         + ". Choose a format whose block fits them (q8_0 and q4_0: input dimensions that are "
+                         "multiples of 32; nf4: weights of a multiple of 64 values), or model.quantize=none")
+
+
 def add_adapter(model, adapter: str | Path, *, merge: bool) -> dict[str, LoraConfig]:
     """Load the PEFT-layout adapter in `adapter` into `model` as its only adapter; with merge,
     fold it into the base weights (W0 += scaling B A, in the model's dtype) and drop the LoRA
@@ -62,10 +79,14 @@ def add_adapter(model, adapter: str | Path, *, merge: bool) -> dict[str, LoraCon
 
 
 def load_model(path: str | Path, adapters: list[str | Path] = (), dtype: torch.dtype = torch.float32,
-               keep_last: bool = False, warn=None):
+               keep_last: bool = False, warn=None, quantize: str = NONE):
     """The base in `path` with `adapters` merged in order. keep_last: the last adapter stays a
     trainable LoRA (not merged). Returns (model, the last adapter's set of one {DEFAULT_ADAPTER:
-    its LoraConfig}, or None without adapters).
+    its LoraConfig}, or None when none is kept).
+
+    quantize: the decoder Linears' format (model.quantize, quantized_base.py), applied after the
+    merges (an adapter merges into the full-precision weights, as QLoRA users merge) and before
+    the kept adapter wraps them.
 
     Each adapter must lie on what it was trained on (lineage.py): other adapters beneath it are
     a ModelLoadError; another base is a warning, to `warn` (default: stderr)."""
@@ -77,8 +98,13 @@ def load_model(path: str | Path, adapters: list[str | Path] = (), dtype: torch.d
         check_beneath(adapter, beneath, warn)
         beneath = with_merged(beneath, adapter)
     model = load_base(path, dtype)
-    configs = None
-    for index, adapter in enumerate(adapters):
-        last = index == len(adapters) - 1
-        configs = add_adapter(model, adapter, merge=not (keep_last and last))
+    kept = adapters[-1:] if keep_last else []
+    for adapter in adapters[:len(adapters) - len(kept)]:
+        fmt = trained_quantized(adapter)
+        if fmt:
+            warn(f"adapter {adapter} was trained on the base stored as {fmt} (model.quantize); it is merged into "
+                 "the base's full-precision weights, as QLoRA adapters are: close to, not equal to, what it trained on")
+        add_adapter(model, adapter, merge=True)
+    quantize_base(model, quantize)
+    configs = add_adapter(model, kept[0], merge=False) if kept else None
     return model, configs

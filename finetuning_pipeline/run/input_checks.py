@@ -14,7 +14,7 @@ from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.model.attention_masks import mask_windows
 from finetuning_pipeline.model.causal_lm_loss import resolve_chunk_tokens
 from finetuning_pipeline.model.kernel_attention import attention_here, choose_attention
-from finetuning_pipeline.model.loading import check_lora_targets
+from finetuning_pipeline.model.loading import check_lora_targets, check_quantizable
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import RunConfig
 from utils.hub_models import model_dir, resolve_model
@@ -81,6 +81,10 @@ def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | Non
             check_lora_targets(model_config, config.lora_config())
         except ValueError as err:
             raise ConfigError(f"lora.target_modules: {err}") from None
+    try:
+        check_quantizable(model_config, config.model.quantize)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     check_earlier_adapters(config, phases)
     if config.logging.wandb.project:
         try:

@@ -17,6 +17,7 @@ from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
 
 Dtype = Literal["bfloat16", "float32", "float16"]
 Attention = Literal["auto", "dense", "splash", "flash"]
+Quantize = Literal["none", "q8_0", "q4_0", "nf4"]
 RecompilePolicy = Literal["error", "warn"]
 WandbMode = Literal["online", "offline", "disabled"]
 ParallelMode = Literal["dp", "fsdp"]
@@ -39,6 +40,10 @@ class ModelConfig:
         parallel.mode=fsdp, flash under dp for models without window or soft-cap; dense
         elsewhere, and the log says why), "dense", "splash" or "flash" (TPU only; refused where
         the kernel cannot run the model). See finetuning_pipeline/model/kernel_attention.py.
+    quantize: store the frozen base's decoder Linears block-quantized under the LoRA (QLoRA), so a
+        7B-9B model fits one 16 GiB chip: "none" (default), "q8_0" or "q4_0" (ggml's formats, the
+        values llama.cpp serves from a GGUF of that type) or "nf4" (QLoRA's). Embeddings, LM head
+        and norms stay in `dtype`; the LoRA's A and B stay fp32. See lora_logic/quantize.py.
     """
 
     path: str = ""
@@ -47,6 +52,7 @@ class ModelConfig:
     dtype: Dtype = "bfloat16"
     activation_checkpointing: bool = False
     attention: Attention = "auto"
+    quantize: Quantize = "none"
 
 
 @dataclass
@@ -356,7 +362,8 @@ class RunConfig:
         saved the checkpoint for the result to equal an uninterrupted run's (logging, eval and
         checkpoint cadence may change). micro_batch and grad_accum may change with the number of
         chips as long as the global batch stays the same: the trainer checks that product itself."""
-        flat = {"model.path": self.model.path, "model.revision": self.model.revision, "model.dtype": self.model.dtype}
+        flat = {"model.path": self.model.path, "model.revision": self.model.revision, "model.dtype": self.model.dtype,
+                "model.quantize": self.model.quantize}
         flat.update({f"lora.{k}": v for k, v in dataclasses.asdict(self.lora).items()})
         skip = {"warmup_compiles_steps", "recompile_policy", "max_bad_steps", "micro_batch", "grad_accum",
                 "max_wall_time", "capture_step", "scan_layers"}

@@ -147,6 +147,7 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
         "parallel": {**p.parallel.describe(), "sharded_base_parameters": len(p.sharded)},
         "attention": p.model.config._attn_implementation,
         "scanned_layers": any(isinstance(m, ScannedLayers) for m in p.model.modules()),
+        "quantized_base": p.quantized_base,
         "seq_len": p.data.seq_len,
         "global_batch": p.data.batches_per_step,
     }

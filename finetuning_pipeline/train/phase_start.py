@@ -28,8 +28,9 @@ import torch
 from finetuning_pipeline.distributed.parallel import Parallel
 from finetuning_pipeline.model.activation_checkpointing import enable_activation_checkpointing
 from finetuning_pipeline.model.kernel_attention import attention_here, enable_kernel_attention
-from finetuning_pipeline.model.lineage import lineage_with
-from finetuning_pipeline.model.loading import DTYPES, load_base, load_model
+from finetuning_pipeline.model.lineage import lineage_with, quantized_with
+from finetuning_pipeline.model.loading import DTYPES, load_model
+from finetuning_pipeline.model.quantized_base import quantized_summary
 from finetuning_pipeline.model.scan_choice import scan_layers
 from finetuning_pipeline.monitor.compile_guard import CompileGuard
 from finetuning_pipeline.monitor.divergence import DivergenceMonitor
@@ -75,10 +76,8 @@ def build_model(model_settings: ModelConfig, adapters: dict[str, LoraConfig], *,
     dtype = DTYPES[model_settings.dtype]
     files = model_dir(model_settings.path, model_settings.revision)  # a Hub id: its snapshot, pinned by main.py
     earlier = merged + ([continued] if continued else [])
-    if earlier:
-        model, continued_config = load_model(files, earlier, dtype, keep_last=continued is not None)
-    else:
-        model, continued_config = load_base(files, dtype), None
+    model, continued_config = load_model(files, earlier, dtype, keep_last=continued is not None,
+                                         quantize=model_settings.quantize)
     if model_settings.activation_checkpointing:
         enable_activation_checkpointing(model)
     if continued is not None:
@@ -118,6 +117,7 @@ class Phase:
     trained_on: dict  # the base and those adapters by content, recorded with the phase's adapters (lineage.py)
     accepted_changes: dict  # settings changed at a resume with --accept-changes: {key: [saved, now]}
     adapters: dict[str, int]  # adapters side by side, in their rows' order -> their max_steps ({}: one adapter)
+    quantized_base: dict | None  # model.quantize's decoder Linears (quantized_base.quantized_summary), or None
 
     def evaluate(self) -> dict:
         """The eval loss; side by side, each adapter's on its own data (alone on every row), and
@@ -164,6 +164,7 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
         # The resumed adapter goes into the layers before they are stacked (on the host), the
         # optimizer's moments into the optimizer built on the stacks.
         state = load_checkpoint(resume_from, model=model) if resume_from else {}
+        quantized = quantized_summary(model)  # before the layers are stacked
         scanned = scan_layers(model, t.scan_layers, activation_checkpointing=config.model.activation_checkpointing,
                               spmd=parallel.mesh is not None)
     checkpointer = Checkpointer(layout.checkpoints(phase), every=config.checkpoint.every, keep=config.checkpoint.keep,
@@ -177,6 +178,10 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
         enable_kernel_attention(model, attention, parallel.mesh)
     if parallel.master:
         print(f"phase {phase}: {why}; {scanned}", flush=True)
+        if quantized:
+            size, bf16 = quantized["weight_bytes"], quantized["bf16_bytes"]
+            print(f"phase {phase}: base quantized: {quantized['linears']} decoder Linears in {quantized['format']}, "
+                  f"{size / 2**20:,.1f} MiB ({size / bf16:.2f}x their bf16 size)", flush=True)
     model.train()
     # One optimizer; side by side, a group per adapter (adamw.py).
     groups = adapter_groups(model) if adapters else None
@@ -210,10 +215,11 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
               resumed=resume_from is not None, eval_before=state.get("eval_before"), sharded=sharded,
               resume_keys=resume_keys(config, phase, data.manifests),
               merged_adapters=[str(layout.adapter(n)) for n in merged],
-              trained_on=lineage_with(model_dir(config.model.path, config.model.revision),
-                                      [layout.adapter(n) for n in merged], config.model.path, config.model.revision),
+              trained_on=quantized_with(lineage_with(model_dir(config.model.path, config.model.revision),
+                                                     [layout.adapter(n) for n in merged], config.model.path,
+                                                     config.model.revision), config.model.quantize),
               accepted_changes={**state.get("accepted_changes", {}), **(accepted_changes or {})},
-              adapters={name: config.adapter_max_steps(phase, name) for name in adapters})
+              adapters={name: config.adapter_max_steps(phase, name) for name in adapters}, quantized_base=quantized)
     if p.eval_before is None:
         p.eval_before = p.evaluate()
         p.logger.log_eval(0, p.eval_before)

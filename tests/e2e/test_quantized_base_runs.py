@@ -1,0 +1,125 @@
+"""model.quantize through the trainer: a run on a quantized base takes the steps of the same run on
+a base whose decoder Linears hold the dequantized weights (what the quantized base stands for),
+on the paths the TPU takes: the captured step with the layer loop's activation checkpointing,
+scanned layers with activation checkpointing and LoRA dropout, bf16 with buffer donation under
+recompile_policy=error, fsdp over four devices (codes and scales sharded by rows); a checkpoint
+resumes bitwise, and not under another format.
+
+Tolerance: the same arithmetic on the same values (the weight x scale product, then the same
+matmuls), so the losses and adapters are held bitwise, fp32 and bf16 alike."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from trainer_helpers import adapter_tensors, metric_records, train_in_fresh_process, train_losses, write_run_config
+
+from finetuning_pipeline import export, main
+from finetuning_pipeline.model.quantized_base import write_dequantized_copy
+from finetuning_pipeline.run.checkpointing import checkpoint_name, complete_checkpoints
+
+RUN = {"train": {"max_steps": 8}, "checkpoint": {"every": 4, "keep": 3}, "eval": {"every": 4, "max_batches": 2},
+       "logging": {"every": 1, "progress_bar": False, "tensorboard": False}}
+# name: (model.quantize, config changes, runs in a process of its own with this environment)
+VARIANTS = {
+    "captured": ("q4_0", {"model": {"activation_checkpointing": True}}, None),  # the layer loop's checkpoint
+    "scanned": ("nf4", {"train": {"scan_layers": True}, "model": {"activation_checkpointing": True},
+                        "lora": {"dropout": 0.1}}, None),
+    "bf16_donated": ("q8_0", {"model": {"dtype": "bfloat16"}, "train": {"scan_layers": True, "loss_chunk_tokens": 50,
+                                                                         "recompile_policy": "error"}},
+                     {"XLA_ENABLE_PARAM_ALIASING": "1"}),
+    "fsdp": ("q4_0", {"parallel": {"mode": "fsdp"}, "train": {"micro_batch": 1}, "eval": {"micro_batch": 1}},
+             {"CPU_NUM_DEVICES": "4"}),
+}
+
+
+def dtype_of(name: str) -> str:
+    return VARIANTS[name][1].get("model", {}).get("dtype", "float32")
+
+
+@pytest.fixture(scope="module")
+def dequantized_bases(tiny_model_dir, tmp_path_factory):
+    """{(format, dtype): a copy of the tiny model whose decoder Linears hold, in fp32, the
+    dequantized weights of the base loaded in `dtype` (what a run in that dtype quantizes)}."""
+    root = tmp_path_factory.mktemp("dequantized")
+    return {(fmt, dtype): write_dequantized_copy(tiny_model_dir, fmt, getattr(torch, dtype), root / f"{fmt}_{dtype}")
+            for fmt, dtype in sorted({(fmt, dtype_of(name)) for name, (fmt, _, _) in VARIANTS.items()})}
+
+
+def config_of(root, name: str, model_dir, data, quantize: str, out=None):
+    _, changes, _ = VARIANTS[name]
+    sections = {k: dict(v) for k, v in RUN.items()}
+    for section, values in changes.items():
+        sections.setdefault(section, {}).update(values)
+    sections["model"] = {"path": str(model_dir), "dtype": "float32", **sections.get("model", {}), "quantize": quantize}
+    label = f"{name}_{quantize}"
+    return write_run_config(root / f"{label}.yaml", model_dir, data, out or root / label, **sections)
+
+
+def train(config, name: str, *args: str) -> None:
+    env = VARIANTS[name][2]
+    if env is None:
+        assert main.main(["--config", str(config), "--phase", "1", *args]) == 0
+    else:
+        proc = train_in_fresh_process(config, "--phase", "1", *args, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def assert_same_steps(out, reference) -> None:
+    assert train_losses(out) == train_losses(reference) and train_losses(out)
+    assert [r["loss"] for r in metric_records(out, "eval")] == [r["loss"] for r in metric_records(reference, "eval")]
+    ours, theirs = adapter_tensors(out), adapter_tensors(reference)
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_a_quantized_base_trains_as_its_dequantized_weights_do(name, tiny_model_dir, dequantized_bases, data,
+                                                                tmp_path, capsys):
+    fmt = VARIANTS[name][0]
+    quantized = config_of(tmp_path, name, tiny_model_dir, data, fmt)
+    reference = config_of(tmp_path, name, dequantized_bases[fmt, dtype_of(name)], data, "none")
+    train(quantized, name)
+    train(reference, name)
+    out, ref = tmp_path / f"{name}_{fmt}", tmp_path / f"{name}_none"
+    assert_same_steps(out, ref)
+    summary = json.loads((out / "phase1" / "summary.json").read_text())
+    assert summary["quantized_base"]["format"] == fmt and summary["quantized_base"]["linears"] == 14
+    assert summary["quantized_base"]["weight_bytes"] <= 0.55 * summary["quantized_base"]["bf16_bytes"]
+    assert summary["resume_keys"]["model.quantize"] == fmt
+    assert json.loads((ref / "phase1" / "summary.json").read_text())["quantized_base"] is None
+    if name == "bf16_donated":
+        assert summary["compiles_after_warmup"] == 0 and summary["host_syncs_per_step"] == 0
+        assert summary["step_donated_buffers"] == summary["step_updated_state_tensors"] > 0
+    if name == "fsdp":
+        assert summary["parallel"]["sharded_base_parameters"] > 0
+    if name == "captured":
+        resumes_bitwise_and_not_under_another_format(out, tmp_path, tiny_model_dir, data)
+        assert json.loads((out / "phase1" / "adapter" / "lineage.json").read_text())["quantize"] == fmt
+        capsys.readouterr()
+        assert export.main(["--base", str(tiny_model_dir), "--adapter", str(out / "phase1" / "adapter"),
+                            "--out", str(tmp_path / "merged")]) == 0
+        assert "was trained on the base stored as q4_0 (model.quantize); it is merged into the base's " \
+               "full-precision weights" in capsys.readouterr().err
+
+
+def resumes_bitwise_and_not_under_another_format(out, tmp_path, tiny_model_dir, data) -> None:
+    """The quantized base is rebuilt from the base at a resume (a checkpoint holds the LoRA only):
+    from step 4, the uninterrupted run's steps, bitwise; under another model.quantize, refused."""
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out / "phase1" / "checkpoints", resumed / "phase1" / "checkpoints")
+    for checkpoint in complete_checkpoints(resumed / "phase1" / "checkpoints"):
+        if checkpoint.name != checkpoint_name(4):
+            shutil.rmtree(checkpoint)
+    other = config_of(tmp_path, "captured", tiny_model_dir, data, "q8_0", out=resumed)
+    assert main.main(["--config", str(other), "--phase", "1", "--resume", "auto"]) == 2
+    same = config_of(tmp_path, "captured", tiny_model_dir, data, "q4_0", out=resumed)
+    assert main.main(["--config", str(same), "--phase", "1", "--resume", "auto"]) == 0
+    assert train_losses(resumed)[-4:] == train_losses(out)[-4:]
+    ours, theirs = adapter_tensors(resumed), adapter_tensors(out)
+    for key in theirs:
+        assert torch.equal(ours[key], theirs[key]), key

@@ -1,0 +1,111 @@
+"""model.quantize on every family: the decoder's Linears (and nothing else) are stored quantized,
+and the model computes what the same model holding their dequantized weights computes (loss,
+LoRA gradients, the activations' gradient); shapes a format cannot hold are refused, naming the
+key; the stored bytes shrink as the formats say."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_families import FAMILIES, TARGETS, batch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from finetuning_pipeline.model.loading import check_quantizable
+from finetuning_pipeline.model.quantized_base import decoder_linears, decoder_weight_bytes, quantize_base
+from lora_logic.adapters import lora_modules
+from lora_logic.config import LoraConfig
+from lora_logic.inject import inject_lora
+from lora_logic.quantized_linear import QuantizedLinear
+
+FORMATS = ["q8_0", "q4_0", "nf4"]
+
+
+def wide_family(name: str) -> nn.Module:
+    """The family's tiny model at width 64 (nf4's block): fp32, every decoder Linear's input a
+    multiple of 64."""
+    config = FAMILIES[name]()
+    config.hidden_size, config.intermediate_size, config.head_dim = 64, 128, 16
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    model.config.use_cache = False
+    return model
+
+
+def with_lora(model: nn.Module, name: str) -> nn.Module:
+    torch.manual_seed(5)
+    targets = TARGETS.get(name)
+    inject_lora(model, LoraConfig(r=4, alpha=8, **({"target_modules": targets} if targets else {})))
+    with torch.no_grad():
+        for _, module in lora_modules(model):
+            module.lora_B["default"].weight.normal_(std=0.05)
+    return model.train()
+
+
+def loss_and_gradients(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    inputs = batch(packed=True)
+    embeddings = model.get_input_embeddings()(inputs["input_ids"]).detach().requires_grad_(True)
+    out = model(inputs_embeds=embeddings, labels=inputs["labels"], position_ids=inputs["position_ids"])
+    out.loss.backward()
+    assert embeddings.grad is not None  # the activations' gradient crosses the quantized layers
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
+    return out.loss.detach(), grads, embeddings.grad
+
+
+# Every family in q4_0 (ggml's nibble layout), and the other formats on three families (Phi-3's
+# fused projections among them): the arithmetic is the format's, where its Linears sit the family's.
+CASES = [(name, "q4_0") for name in sorted(FAMILIES)] + [(name, fmt) for fmt in ("q8_0", "nf4")
+                                                         for name in ("llama", "gemma3", "phi3")]
+
+
+@pytest.mark.parametrize(("name", "fmt"), CASES)
+def test_a_quantized_base_computes_what_its_dequantized_weights_compute(name, fmt):
+    quantized = wide_family(name)
+    assert quantize_base(quantized, fmt) == len(decoder_linears(wide_family(name)))
+    reference = wide_family(name)
+    stored = dict(quantized.named_modules())
+    with torch.no_grad():
+        for linear_name, linear in decoder_linears(reference):
+            linear.weight.copy_(stored[linear_name].dequantized_weight())
+    loss, grads, activation_grad = loss_and_gradients(with_lora(quantized, name))
+    want_loss, want_grads, want_activation_grad = loss_and_gradients(with_lora(reference, name))
+    assert torch.equal(loss, want_loss)
+    assert grads.keys() == want_grads.keys()
+    for key in grads:
+        assert torch.equal(grads[key], want_grads[key]), key
+    assert torch.equal(activation_grad, want_activation_grad)
+
+
+def test_only_the_decoder_linears_are_quantized():
+    model = wide_family("gemma2")
+    plain = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    quantize_base(model, "q4_0")
+    now = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert now == {"lm_head"} and {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)} == plain - now
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # embeddings, norms: model.dtype
+
+
+@pytest.mark.parametrize(("fmt", "ratio"), [("q8_0", 0.55), ("q4_0", 0.30), ("nf4", 0.30)])
+def test_the_decoder_weights_bytes_shrink_against_bf16(tiny_model_dir, fmt, ratio):
+    bf16 = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    quantized = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    quantize_base(quantized, fmt)
+    inject_lora(quantized, LoraConfig(r=8, alpha=16))  # the LoRA's own A and B are not the base's
+    assert decoder_weight_bytes(quantized) <= ratio * decoder_weight_bytes(bf16)
+
+
+def test_a_shape_a_format_cannot_hold_is_refused_naming_the_key_and_what_to_do():
+    config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2)
+    check_quantizable(config, "none")
+    with pytest.raises(ValueError) as err:
+        check_quantizable(config, "q4_0")
+    message = str(err.value)
+    assert message.startswith("model.quantize=q4_0: cannot store the decoder's q_proj (its input dimension 48 is "
+                              "not a multiple of q4_0's block of 32)")
+    assert "or model.quantize=none" in message
+    model = wide_family("llama")
+    with pytest.raises(ValueError, match="model.quantize=q8_0: cannot store"):
+        quantize_base(AutoModelForCausalLM.from_config(config), "q8_0")
+    assert quantize_base(model, "none") == 0 and not any(isinstance(m, QuantizedLinear) for m in model.modules())
