@@ -33,7 +33,7 @@ if __package__ in (None, ""):
 
 from dataset.errors import DataError
 from finetuning_pipeline.checks.rehearsal import rehearse
-from finetuning_pipeline.model.loading import check_lora_targets
+from finetuning_pipeline.model.loading import check_lora_targets, check_quantizable
 from finetuning_pipeline.planning.phase_plan import (
     layers_scanned,
     load_architecture,
@@ -133,11 +133,18 @@ def main(argv: list[str] | None = None) -> int:
                                   f"{found['architecture']} for targets {config.lora.target_modules}"}
     except ValueError as err:
         checks["lora_targets"] = {"status": "failed", "detail": str(err)}
+    if config.model.quantize != "none":
+        try:
+            check_quantizable(model_config, config.model.quantize)
+            checks["quantize"] = {"status": "passed",
+                                  "detail": f"every decoder Linear stores as {config.model.quantize}"}
+        except ValueError as err:
+            checks["quantize"] = {"status": "failed", "detail": str(err)}
     checks["data"] = check_data(config)
     output_dir = Path(config.output_dir)
     if args.no_rehearsal:
         checks["rehearsal"] = {"status": "skipped", "detail": "--no-rehearsal"}
-    elif checks["lora_targets"]["status"] == "failed" or checks["data"]["status"] == "failed":
+    elif any(checks[key]["status"] == "failed" for key in ("lora_targets", "quantize", "data") if key in checks):
         checks["rehearsal"] = {"status": "skipped", "detail": "a check above failed"}
     else:
         result = rehearse(config, model_config, output_dir / "preflight_rehearsal",

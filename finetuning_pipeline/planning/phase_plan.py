@@ -123,6 +123,7 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
                       checkpointing=config.model.activation_checkpointing, lora_r=config.lora.r,
                       lora_targets=list(config.lora.target_modules), lora_dropout=config.lora.dropout,
                       steps=config.max_steps(phase), adapters=max(1, len(config.phase(phase).adapters)),
+                      quantize=config.model.quantize,
                       fsdp_axis=fsdp_axis, loss_chunk=loss_chunk, attention=attention,
                       capture_step=config.train.capture_step,
                       scanned_layers=model_config is not None and layers_scanned(config, model_config, mode),

@@ -4,7 +4,10 @@ config.json and the run config, no weights and no device.
 HBM per device (a chip, or a v3 TensorCore), each term an estimate with its assumptions here:
 - weights: every base parameter in `model.dtype`; under fsdp, matrices are split over all
   devices, and two decoder layers' worth are whole at once (the all-gathered layer in use
-  and the next one, prefetched);
+  and the next one, prefetched). With `model.quantize`, the decoder Linears hold their codes
+  and scales (QUANTIZED_BYTES per parameter) and two decoder layers' Linears are dequantized
+  into `model.dtype` at once (assumed: XLA dequantizes each weight next to its matmul, in the
+  forward and again in the backward, rather than keeping every layer's copy alive);
 - LoRA and optimizer: fp32 master weights, gradients and AdamW's two moments (16 bytes per
   LoRA parameter), replicated in both modes (see finetuning_pipeline/distributed/parallel.py);
 - activations of one micro-batch kept for the backward: per layer and token, the hidden-size
@@ -42,6 +45,9 @@ from finetuning_pipeline.planning.tpu_chips import GIB, Slice
 HEADROOM = 0.10
 LOGIT_BYTES_PER_ENTRY = 2 + 4 + 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bytes per weight of a quantized Linear: codes plus one scale per block (lora_logic/quantize.py):
+# q8_0 and q4_0 an fp16 scale per 32 values, nf4 an fp32 scale per 64.
+QUANTIZED_BYTES = {"q8_0": 1 + 2 / 32, "q4_0": 0.5 + 2 / 32, "nf4": 0.5 + 4 / 64}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -92,7 +98,11 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        return sum(a * b for a, b in self.projections().values()) + 2 * self.hidden
+        return self.layer_linear_params + 2 * self.hidden
+
+    @property
+    def layer_linear_params(self) -> int:
+        return sum(a * b for a, b in self.projections().values())
 
     @property
     def matmul_params(self) -> int:
@@ -147,6 +157,7 @@ class PlanInputs:
     scanned_layers: bool = False  # train.scan_layers as resolved for the model: one layer compiled
     compile_s_scanned: float = 0.0  # compile seconds of a phase with scanned layers (tpu.compile_s_scanned)
     adapters: int = 1  # adapters trained side by side: micro_batch rows of each, and a LoRA and optimizer each
+    quantize: str = "none"  # model.quantize: the decoder Linears' storage format
 
 
 def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
@@ -154,12 +165,7 @@ def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
     devices = tpu.devices
     act_bytes = DTYPE_BYTES[inputs.dtype]
     tokens = inputs.micro_batch * inputs.seq_len * inputs.adapters  # per device per micro-batch
-    weights_full = shape.total_params * act_bytes
-    if inputs.mode == "fsdp":
-        shards = devices if inputs.fsdp_axis == -1 else inputs.fsdp_axis
-        weights = weights_full / shards + (2 * shape.layer_params * act_bytes if shards > 1 else 0)
-    else:
-        weights = weights_full
+    weights = weight_bytes(shape, inputs, devices)
     lora_params = shape.lora_params(inputs.lora_r, inputs.lora_targets)
     lora_and_optimizer = lora_params * 16 * inputs.adapters
     per_layer = activation_bytes_per_token_layer(shape, inputs.seq_len, act_bytes, inputs.lora_dropout > 0,
@@ -226,10 +232,25 @@ def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
     }
 
 
+def weight_bytes(shape: ModelShape, inputs: PlanInputs, devices: int) -> float:
+    """The base's bytes per device (see the module docstring)."""
+    act_bytes = DTYPE_BYTES[inputs.dtype]
+    linear_params = shape.layers * shape.layer_linear_params
+    per_linear = QUANTIZED_BYTES.get(inputs.quantize, act_bytes)
+    stored = linear_params * per_linear + (shape.total_params - linear_params) * act_bytes
+    shards = (devices if inputs.fsdp_axis == -1 else inputs.fsdp_axis) if inputs.mode == "fsdp" else 1
+    whole_at_once = 0.0  # layers all-gathered (fsdp) or dequantized (quantize) for their matmuls
+    if shards > 1:
+        whole_at_once += 2 * (shape.layer_linear_params * per_linear + 2 * shape.hidden * act_bytes)
+    if inputs.quantize in QUANTIZED_BYTES:
+        whole_at_once += 2 * shape.layer_linear_params * act_bytes
+    return stored / shards + whole_at_once
+
+
 def suggestions(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> list[dict]:
     """Changes that make a plan that does not fit fit, each as config overrides, cheapest first:
     the same run sharded, with checkpointing, with smaller micro-batches (grad_accum raised
-    to keep the global batch), and combinations."""
+    to keep the global batch), and combinations; and the base quantized (8 bits, else 4)."""
     candidates = []
     modes = [inputs.mode] + (["fsdp"] if inputs.mode == "dp" else [])
     for mode in modes:
@@ -256,6 +277,13 @@ def suggestions(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> list[dict]
                                            "step_time_s": result["step_time_s"]})
                         break  # the largest micro-batch that fits under these settings
                 micro //= 2
+    if inputs.quantize not in QUANTIZED_BYTES:  # the base stored in 8 bits, else in 4 (q4_0 and nf4: one size)
+        for fmt in ("q8_0", "q4_0"):
+            result = plan(shape, tpu, dataclasses.replace(inputs, quantize=fmt))
+            if result["fits"]:
+                candidates.append({"overrides": {"model.quantize": fmt}, "hbm_per_chip_gib": result["hbm_per_chip_gib"],
+                                   "step_time_s": result["step_time_s"]})
+                break
     return sorted(candidates, key=lambda c: (len(c["overrides"]), c["step_time_s"]))
 
 

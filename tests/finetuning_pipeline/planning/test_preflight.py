@@ -197,3 +197,35 @@ def test_adapters_side_by_side_are_planned_against_the_same_adapters_one_after_a
     assert apart["tpu_hours_saved"] == pytest.approx(3 * one["compile_s"] / 3600, abs=2e-3)  # one compile, not 4
     _, uneven = run_preflight(tmp_path / "uneven", config, "phase1.adapters.docs.max_steps=500")
     assert uneven["phases"]["phase1"]["one_after_another"]["tpu_hours_saved"] < 0
+
+
+MISTRAL_ON_ONE_CHIP = CONFIGS / "mistral7b_v5e1_q8.yaml"
+
+
+@pytest.mark.parametrize("quantize, weights_gib, fits", [("none", 13.5, False), ("q8_0", 8.2, True),
+                                                           ("q4_0", 5.0, True), ("nf4", 5.0, True)])
+def test_mistral_7b_fits_one_v5e_chip_with_a_quantized_base(tmp_path, quantize, weights_gib, fits):
+    """The shipped one-chip config: in bf16 the weights alone take 13.5 of 14.9 GiB; quantized,
+    the decoder's Linears hold codes and scales and two layers' dequantized copies."""
+    code, report = run_preflight(tmp_path, MISTRAL_ON_ONE_CHIP, f"model.quantize={quantize}")
+    phase = report["phases"]["phase1"]
+    assert report["fits"] is fits and code == (0 if fits else 1)
+    assert phase["inputs"]["quantize"] == quantize and phase["inputs"]["tpu_type"] == "v5e-1"
+    assert phase["hbm_breakdown_gib"]["weights"] == pytest.approx(weights_gib, abs=0.05)
+    if not fits:
+        assert {"model.quantize": "q8_0"} in [suggestion["overrides"] for suggestion in phase["to_fit"]]
+    else:
+        assert report["checks"]["quantize"]["status"] == "passed"
+
+
+def test_a_format_the_model_cannot_store_fails_its_check(tmp_path):
+    model = tmp_path / "odd_model"
+    AutoConfig.for_model("llama", vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2).save_pretrained(model)
+    config = tmp_path / "odd.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": str(model), "quantize": "q4_0"}, "train": {"max_steps": 10},
+                                      "tpu": {"type": "v5e-1"},
+                                      "phase1": {"data": str(tmp_path / "none"), "seq_len": 32}}))
+    code, report = run_preflight(tmp_path, config)
+    assert code == 1 and report["checks"]["quantize"]["status"] == "failed"
+    assert "input dimension 48 is not a multiple of q4_0's block of 32" in report["checks"]["quantize"]["detail"]
