@@ -12,6 +12,8 @@ compile seconds measured on it are the chip's), on a CPU it is also narrowed (ch
   captured step   train.capture_step vs the step traced every time
   scanned layers  train.scan_layers vs the layer loop
   bf16            model.dtype=bfloat16 vs float32
+  quantized base  model.quantize as configured vs the same model holding its dequantized weights
+                  (equal step for step), and the step time of the two
   collectives     N replicas vs one chip with their global batch (parallel.single_chip)
   recompiles      no graph compiled after warm-up; no host sync in a step
   donation        every state tensor the captured step updates donates its buffer
@@ -41,6 +43,8 @@ from dataset.prepare import PrepareOptions, prepare
 from dataset.samples import DOMAIN_TEXT
 from finetuning_pipeline.checks.rehearsal import run_trainer, shrunken_config, small_run
 from finetuning_pipeline.model.kernel_attention import IMPLEMENTATION
+from finetuning_pipeline.model.loading import DTYPES
+from finetuning_pipeline.model.quantized_base import write_dequantized_copy
 from finetuning_pipeline.planning.phase_plan import plan_inputs
 from finetuning_pipeline.planning.tpu_chips import Slice, parse_tpu_type
 from finetuning_pipeline.planning.tpu_plan import ModelShape, plan
@@ -147,10 +151,11 @@ def compare(name: str, ours: Path, theirs: Path, dtype: str, avoid: str) -> Chec
 
 
 def variants(config: RunConfig, summary: dict, dtype: str, grad_accum: int,
-             devices_per_chip: int = 1) -> tuple[list[Variant], list[Check]]:
+             devices_per_chip: int = 1, dequantized: Path | None = None) -> tuple[list[Variant], list[Check]]:
     """The runs to compare with "as configured", from what it took (its summary); skipped lines
     for the rest. grad_accum: the check's own; devices_per_chip: the replicas one chip runs (2 on
-    v2/v3), which share the global batch in the one-chip run."""
+    v2/v3), which share the global batch in the one-chip run; dequantized: the check model with
+    its decoder Linears dequantized (quantized_base.write_dequantized_copy), under model.quantize."""
     runs, skipped = [], []
     if summary["attention"] in IMPLEMENTATION.values():
         runs.append(Variant("attention", {"model.attention": "dense"}, "model.attention=dense"))
@@ -168,6 +173,11 @@ def variants(config: RunConfig, summary: dict, dtype: str, grad_accum: int,
         runs.append(Variant("bf16", {"model.dtype": "float32"}, "model.dtype=float32"))
     else:
         skipped.append(Check("bf16", "skipped", f"model.dtype={dtype}"))
+    if dequantized is not None:
+        runs.append(Variant("quantized base", {"model.path": str(dequantized), "model.quantize": "none"},
+                            "model.quantize=none"))
+    else:
+        skipped.append(Check("quantized base", "skipped", "model.quantize=none"))
     if config.parallel.mode == "dp" and summary["world_size"] > 1:
         one_chip = summary["global_batch"] // (grad_accum * devices_per_chip)  # every replica's rows on one chip
         runs.append(Variant("collectives", {"parallel.single_chip": True, "train.micro_batch": one_chip},
@@ -177,6 +187,15 @@ def variants(config: RunConfig, summary: dict, dtype: str, grad_accum: int,
                else "parallel.mode=fsdp: the sums are inside the SPMD graph, compared by the checks above")
         skipped.append(Check("collectives", "skipped", why))
     return runs, skipped
+
+
+def quantized_step(quantized: dict, dequantized: dict) -> Check:
+    """The step time on the quantized base against the same step on its dequantized weights."""
+    a, b = quantized["step_time_s"], dequantized["step_time_s"]
+    if not a or not b:
+        return Check("quantized step", "skipped", "a step time is missing (too few steps after warm-up)")
+    return Check("quantized step", "measured", f"{a} s a step, {a / b:.2f}x the step on the dequantized base ({b} s); "
+                 f"decoder Linears {quantized['quantized_base']['weight_bytes'] / 2**20:.1f} MiB")
 
 
 def summary_checks(summary: dict, aliasing: bool) -> list[Check]:
@@ -287,6 +306,10 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
     report.update(data=data_note, log=str(log),
                   model=f"{type(model).__name__}, {CHECK_LAYERS} layers, hidden {small.hidden_size}")
     del model
+    dequantized = None
+    if config.model.quantize != "none":
+        dequantized = write_dequantized_copy(root / "model", config.model.quantize, DTYPES[config.model.dtype],
+                                             root / "model_dequantized")
 
     def train(name: str, overrides: dict) -> tuple[Path, str | None]:
         run = run_config_for(config, root / "model", data, root / name, on_tpu, overrides)
@@ -304,7 +327,7 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
     dtype = config.model.dtype
     grad_accum = min(config.train.grad_accum, 2)
     per_chip = parse_tpu_type(config.tpu.type).generation.devices_per_chip if on_tpu else 1
-    runs, checks = variants(config, summary, dtype, grad_accum, per_chip)
+    runs, checks = variants(config, summary, dtype, grad_accum, per_chip, dequantized)
     for variant in runs:
         out, failure = train(variant.check.replace(" ", "_"), variant.overrides)
         changed = " ".join(f"{k}={v}" for k, v in variant.overrides.items())
@@ -314,6 +337,8 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
         else:
             tolerance_dtype = "bfloat16" if "bfloat16" in (dtype, variant.overrides.get("model.dtype")) else dtype
             checks.append(compare(variant.check, reference, out, tolerance_dtype, variant.avoid))
+            if variant.check == "quantized base":
+                checks.append(quantized_step(summary, json.loads((out / "phase1" / "summary.json").read_text())))
     aliasing = (os.environ if on_tpu else cpu_environment(config.parallel.mode)).get("XLA_ENABLE_PARAM_ALIASING",
                                                                                       "1") != "0"
     checks += summary_checks(summary, aliasing)
@@ -328,8 +353,8 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
                    plan_inputs(small_config, 1, devices=slice_.devices, model_config=small))
     measured_lines, figures = measured_checks(summary, planned, slice_ if on_tpu else None)
     checks += measured_lines
-    order = ["attention", "captured step", "scanned layers", "bf16", "collectives", "recompiles", "donation", "HBM",
-             "compile", "MFU"]
+    order = ["attention", "captured step", "scanned layers", "bf16", "quantized base", "quantized step", "collectives",
+             "recompiles", "donation", "HBM", "compile", "MFU"]
     checks.sort(key=lambda c: order.index(c.name) if c.name in order else len(order))
     report.update(checks=[asdict(c) for c in checks], measured=figures if on_tpu else {},
                   ok=all(c.status != "failed" for c in checks))

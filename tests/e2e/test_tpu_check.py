@@ -1,5 +1,6 @@
 """make tpu-check on a CPU takes, by default, the way a TPU host runs it: two replica threads
-started by the TPU's launcher (the v2/v3 shape), buffer donation on; here with bf16. Every check
+started by the TPU's launcher (the v2/v3 shape), buffer donation on; here with bf16 and a q4_0
+base (model.quantize: its run equals the run on its dequantized weights). Every check
 a CPU can run passes; the TPU-only ones say they were skipped; nothing measured on a CPU reaches
 the plan. (The scanned-layers pair is left to its unit test and to
 test_scan_trainer: the tiny model is not scanned by default, and each pair is a run.)"""
@@ -24,7 +25,7 @@ def test_the_self_check_runs_every_path_a_cpu_can_and_skips_the_rest(tiny_model_
     import os
 
     config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out",
-                              model={"dtype": "bfloat16"}, train={"grad_accum": 2})
+                              model={"dtype": "bfloat16", "quantize": "q4_0"}, train={"grad_accum": 2})
     env = {k: v for k, v in os.environ.items() if k not in ("CPU_NUM_DEVICES", "XLA_ENABLE_PARAM_ALIASING")}
     env["PJRT_DEVICE"] = "CPU"
     done = tpu_check(config, env=env)
@@ -32,8 +33,10 @@ def test_the_self_check_runs_every_path_a_cpu_can_and_skips_the_rest(tiny_model_
     report = json.loads((tmp_path / "out" / "tpu_check.json").read_text())
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status == {"attention": "skipped", "captured step": "passed", "scanned layers": "skipped", "bf16": "passed",
-                      "collectives": "passed", "recompiles": "passed", "donation": "passed", "HBM": "skipped",
-                      "compile": "measured", "MFU": "skipped"}, done.stdout
+                      "quantized base": "passed", "quantized step": "measured", "collectives": "passed",
+                      "recompiles": "passed", "donation": "passed", "HBM": "skipped", "compile": "measured",
+                      "MFU": "skipped"}, done.stdout
+    assert "passed  quantized base: 6 steps, largest loss gap 0.00e+00" in done.stdout
     assert report["ok"] is True and report["device"] == "CPU" and report["measured"] == {}
     for name in status:
         assert f"  {status[name]:>8}  {name}: " in done.stdout
@@ -60,8 +63,10 @@ def test_the_self_check_of_adapters_side_by_side_in_an_fsdp_run_on_four_devices(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "tpu_check.json").read_text())
     status = {c["name"]: c["status"] for c in report["checks"]}
-    assert {name: status[name] for name in ("captured step", "collectives", "recompiles", "donation")} == {
-        "captured step": "passed", "collectives": "skipped", "recompiles": "passed", "donation": "passed"}, done.stdout
+    assert {name: status[name] for name in ("captured step", "quantized base", "collectives", "recompiles",
+                                            "donation")} == {
+        "captured step": "passed", "quantized base": "skipped", "collectives": "skipped", "recompiles": "passed",
+        "donation": "passed"}, done.stdout
     assert "inside the SPMD graph" in done.stdout
     # (the config file lists them sorted, yaml.safe_dump: chat first, and its data)
     assert f"the run's prepared data ({data[2]}); the 2 adapters side by side (chat, text) each train on it" \

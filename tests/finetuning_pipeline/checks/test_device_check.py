@@ -29,10 +29,14 @@ def config(tmp_path, **sections):
 
 
 def test_every_tpu_only_path_the_run_takes_is_compared_with_it_turned_off(tmp_path):
-    runs, skipped = device_check.variants(config(tmp_path), SUMMARY, "bfloat16", grad_accum=2)
+    quantized = config(tmp_path, model={"path": "models/mistral-7b", "dtype": "bfloat16", "quantize": "q8_0"})
+    runs, skipped = device_check.variants(quantized, SUMMARY, "bfloat16", grad_accum=2,
+                                          dequantized=tmp_path / "dequantized")
     assert {v.check: v.overrides for v in runs} == {
         "attention": {"model.attention": "dense"}, "captured step": {"train.capture_step": False},
         "scanned layers": {"train.scan_layers": False}, "bf16": {"model.dtype": "float32"},
+        # the same model holding the weights its q8_0 codes and scales stand for
+        "quantized base": {"model.path": str(tmp_path / "dequantized"), "model.quantize": "none"},
         # 8 replicas' micro-batches on one chip: the same global batch of 16, 2 micro-batches a step
         "collectives": {"parallel.single_chip": True, "train.micro_batch": 8}}
     assert skipped == []
@@ -41,7 +45,7 @@ def test_every_tpu_only_path_the_run_takes_is_compared_with_it_turned_off(tmp_pa
     plain = {**SUMMARY, "attention": "sdpa", "step_updated_state_tensors": None, "scanned_layers": False,
              "world_size": 1}
     runs, skipped = device_check.variants(config(tmp_path), plain, "float32", grad_accum=2)
-    assert runs == [] and [c.status for c in skipped] == ["skipped"] * 5
+    assert runs == [] and [c.status for c in skipped] == ["skipped"] * 6
     runs, skipped = device_check.variants(config(tmp_path, parallel={"mode": "fsdp"}), SUMMARY, "float32", 2)
     assert "collectives" not in {v.check for v in runs}
     assert "inside the SPMD graph" in next(c.detail for c in skipped if c.name == "collectives")
