@@ -26,7 +26,7 @@ DEMO_ANSWER := Județul Brașov se află în Transilvania.
 PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 
 # phase1, phase2, ... are a pattern rule (below): make skips pattern rules for .PHONY targets.
-.PHONY: help setup test test-fast lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-prepare bench-memory bench-side-by-side clean
+.PHONY: help setup test test-fast lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-prepare bench-memory bench-side-by-side bench-quantized clean
 
 help:
 	@echo "make setup       create .venv with the pinned stack (torch 2.9.0 + torch_xla 2.9.0) and test tools"
@@ -42,12 +42,13 @@ help:
 	@echo "make tpu-check   the first command on a TPU VM (PJRT_DEVICE=TPU make tpu-check CONFIG=...): every"
 	@echo "                 TPU-only path of CONFIG on a 2-layer copy of its model, one line each (tpu_check.json)"
 	@echo "make tiny-model  build and pretrain the tiny demo base model + tokenizer (outputs/demo/base)"
-	@echo "make bench       the five benchmarks below (about 32 minutes on 2 cores)"
+	@echo "make bench       the six benchmarks below (about 42 minutes on 2 cores)"
 	@echo "make bench-train our trainer vs HF Trainer + PEFT on XLA:CPU, two shapes (outputs/bench/bench.json)"
 	@echo "make bench-host  host time per step and compile time, 32 layers, grad_accum 1 and 8, captured vs traced"
 	@echo "make bench-prepare  measure dataset.prepare throughput and peak memory (a few minutes)"
 	@echo "make bench-memory   peak memory of a step with a 262k vocabulary: chunked loss, full logits, HF + PEFT"
 	@echo "make bench-side-by-side  4 adapters side by side in one run vs 4 runs one after another (2 minutes)"
+	@echo "make bench-quantized     a LoRA step on a q8_0 / q4_0 / nf4 base vs the bf16 base: step time, base bytes"
 	@echo "make clean       remove outputs/ and caches (keeps .venv)"
 
 setup: $(STAMP)
@@ -106,7 +107,7 @@ preflight: $(STAMP) $(PHASE_DEPS)
 tpu-check: $(STAMP) $(PHASE_DEPS)
 	$(BIN)/python -m finetuning_pipeline.tpu_check --config $(CONFIG) $(ARGS)
 
-bench: bench-train bench-host bench-prepare bench-memory bench-side-by-side
+bench: bench-train bench-host bench-prepare bench-memory bench-side-by-side bench-quantized
 
 bench-train: $(STAMP)
 	$(BIN)/python -m benchmarks.train_bench
@@ -122,6 +123,9 @@ bench-memory: $(STAMP)
 
 bench-side-by-side: $(STAMP)
 	$(BIN)/python -m benchmarks.side_by_side_bench
+
+bench-quantized: $(STAMP)
+	$(BIN)/python -m benchmarks.quantized_bench
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -31,6 +31,7 @@ import torch
 FORMATS = ("q8_0", "q4_0", "nf4")
 BLOCK = {"q8_0": 32, "q4_0": 32, "nf4": 64}
 VALUES_PER_BYTE = {"q8_0": 1, "q4_0": 2, "nf4": 2}
+CHUNK_VALUES = 1 << 20  # values quantized at a time: bounds the host's temporaries (about 4 MB each)
 
 # The NF4 code values (QLoRA, appendix E) and bitsandbytes' decision thresholds between them
 # (`dQuantizeNF4`, csrc/kernels.cu), as the fp32 constants bitsandbytes compiles.
@@ -76,12 +77,17 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
     problem = quantization_problem(fmt, tuple(weight.shape))
     if problem:
         raise ValueError(f"cannot quantize a weight of shape {list(weight.shape)} to {fmt}: {problem}")
-    blocks = weight.detach().to(device="cpu", dtype=torch.float32).reshape(-1, BLOCK[fmt])
-    if not bool(torch.isfinite(blocks).all()):
-        raise ValueError(f"cannot quantize a weight of shape {list(weight.shape)}: it holds NaN or inf")
-    codes, scales = {"q8_0": _q8_0, "q4_0": _q4_0, "nf4": _nf4}[fmt](blocks)
-    out = weight.shape[0]
-    return QuantizedWeight(fmt, tuple(weight.shape), codes.reshape(out, -1), scales.reshape(out, -1))
+    out, width = weight.shape
+    rows = max(1, CHUNK_VALUES // width)
+    codes, scales = [], []
+    for start in range(0, out, rows):  # a few MB of fp32 temporaries at a time, whatever the weight's size
+        blocks = weight[start:start + rows].detach().to(device="cpu", dtype=torch.float32).reshape(-1, BLOCK[fmt])
+        if not bool(torch.isfinite(blocks).all()):
+            raise ValueError(f"cannot quantize a weight of shape {list(weight.shape)}: it holds NaN or inf")
+        chunk_codes, chunk_scales = {"q8_0": _q8_0, "q4_0": _q4_0, "nf4": _nf4}[fmt](blocks)
+        codes.append(chunk_codes.reshape(-1, width // VALUES_PER_BYTE[fmt]))
+        scales.append(chunk_scales.reshape(-1, width // BLOCK[fmt]))
+    return QuantizedWeight(fmt, (out, width), torch.cat(codes), torch.cat(scales))
 
 
 def _reciprocal(d: torch.Tensor) -> torch.Tensor:
