@@ -81,7 +81,7 @@ def decoder_weight_bytes(model: nn.Module) -> int:
 def quantized_summary(model: nn.Module) -> dict | None:
     """What the base's decoder Linears hold on the device, quantized: {"format", "linears",
     "weight_bytes", "bf16_bytes"} (the same weights in bf16); None when none is quantized."""
-    layers = [m for m in model.get_decoder().layers.modules() if isinstance(m, QuantizedLinear)]
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]  # a model without them: any layout
     if not layers:
         return None
     return {"format": layers[0].format, "linears": len(layers), "weight_bytes": decoder_weight_bytes(model),
@@ -101,6 +101,7 @@ def write_dequantized_copy(model_dir: Path, fmt: str, dtype: torch.dtype, out: P
     with torch.no_grad():
         for name, linear in decoder_linears(model):
             linear.weight.copy_(dequantize(stored[name].quantized, torch.float32))
-    shutil.copytree(model_dir, out)
+    # The config and tokenizer files; the weights are the ones saved here (in as many shards as they take).
+    shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.index.json"))
     model.save_pretrained(out)
     return out

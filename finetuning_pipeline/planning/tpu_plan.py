@@ -277,13 +277,13 @@ def suggestions(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> list[dict]
                                            "step_time_s": result["step_time_s"]})
                         break  # the largest micro-batch that fits under these settings
                 micro //= 2
-    if inputs.quantize not in QUANTIZED_BYTES:  # the base stored in 8 bits, else in 4 (q4_0 and nf4: one size)
-        for fmt in ("q8_0", "q4_0"):
-            result = plan(shape, tpu, dataclasses.replace(inputs, quantize=fmt))
-            if result["fits"]:
-                candidates.append({"overrides": {"model.quantize": fmt}, "hbm_per_chip_gib": result["hbm_per_chip_gib"],
-                                   "step_time_s": result["step_time_s"]})
-                break
+    # The base stored in fewer bits than now: 8 if that is enough, else 4 (q4_0 and nf4: one size).
+    for fmt in {"none": ("q8_0", "q4_0"), "q8_0": ("q4_0",)}.get(inputs.quantize, ()):
+        result = plan(shape, tpu, dataclasses.replace(inputs, quantize=fmt))
+        if result["fits"]:
+            candidates.append({"overrides": {"model.quantize": fmt}, "hbm_per_chip_gib": result["hbm_per_chip_gib"],
+                               "step_time_s": result["step_time_s"]})
+            break
     return sorted(candidates, key=lambda c: (len(c["overrides"]), c["step_time_s"]))
 
 

@@ -229,3 +229,19 @@ def test_a_format_the_model_cannot_store_fails_its_check(tmp_path):
     code, report = run_preflight(tmp_path, config)
     assert code == 1 and report["checks"]["quantize"]["status"] == "failed"
     assert "input dimension 48 is not a multiple of q4_0's block of 32" in report["checks"]["quantize"]["detail"]
+
+
+def test_gemma_2_9b_at_2k_fits_one_v5e_chip_only_in_4_bits(tmp_path):
+    """Gemma 2 9B, seq_len 2048, micro-batch 4, checkpointing: 8 bits are not enough on 14.9 GiB;
+    the plan at q8_0 names q4_0, which fits."""
+    config = tmp_path / "gemma2_9b_v5e1.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"path": "models/gemma-2-9b", "dtype": "bfloat16", "activation_checkpointing": True,
+                  "quantize": "q8_0"},
+        "train": {"max_steps": 100, "micro_batch": 4, "grad_accum": 4}, "tpu": {"type": "v5e-1"},
+        "phase1": {"data": str(tmp_path / "none1"), "seq_len": 2048}}))
+    code, report = run_preflight(tmp_path, config)
+    assert code == 1 and report["fits"] is False
+    assert {"model.quantize": "q4_0"} in [s["overrides"] for s in report["phases"]["phase1"]["to_fit"]]
+    code, report = run_preflight(tmp_path / "q4", config, "model.quantize=q4_0")
+    assert code == 0 and report["hbm_per_chip_gib"] == pytest.approx(12.9, abs=0.05)
