@@ -47,6 +47,11 @@ def family_model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(FAMILIES[name]()).float()
     model.config.use_cache = False
+    return with_family_lora(model, name)
+
+
+def with_family_lora(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """`model` (of family `name`) with LoRA r 4 on the family's targets, B random, in training mode."""
     targets = TARGETS.get(name)
     inject_lora(model, LoraConfig(r=4, alpha=8, **({"target_modules": targets} if targets else {})))
     with torch.no_grad():

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_families import FAMILIES, TARGETS, batch
+from model_families import FAMILIES, batch, with_family_lora
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from finetuning_pipeline.model.loading import check_quantizable
 from finetuning_pipeline.model.quantized_base import decoder_linears, decoder_weight_bytes, quantize_base
-from lora_logic.adapters import lora_modules
 from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
 from lora_logic.quantized_linear import QuantizedLinear
@@ -32,14 +31,9 @@ def wide_family(name: str) -> nn.Module:
     return model
 
 
-def with_lora(model: nn.Module, name: str) -> nn.Module:
-    torch.manual_seed(5)
-    targets = TARGETS.get(name)
-    inject_lora(model, LoraConfig(r=4, alpha=8, **({"target_modules": targets} if targets else {})))
-    with torch.no_grad():
-        for _, module in lora_modules(model):
-            module.lora_B["default"].weight.normal_(std=0.05)
-    return model.train()
+def with_family_lora_seeded(model: nn.Module, name: str) -> nn.Module:
+    torch.manual_seed(5)  # the same LoRA on both models
+    return with_family_lora(model, name)
 
 
 def loss_and_gradients(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
@@ -68,8 +62,8 @@ def test_a_quantized_base_computes_what_its_dequantized_weights_compute(name, fm
     with torch.no_grad():
         for linear_name, linear in decoder_linears(reference):
             linear.weight.copy_(stored[linear_name].dequantized_weight())
-    loss, grads, activation_grad = loss_and_gradients(with_lora(quantized, name))
-    want_loss, want_grads, want_activation_grad = loss_and_gradients(with_lora(reference, name))
+    loss, grads, activation_grad = loss_and_gradients(with_family_lora_seeded(quantized, name))
+    want_loss, want_grads, want_activation_grad = loss_and_gradients(with_family_lora_seeded(reference, name))
     assert torch.equal(loss, want_loss)
     assert grads.keys() == want_grads.keys()
     for key in grads:
