@@ -95,8 +95,9 @@ def test_a_quantized_base_trains_as_its_dequantized_weights_do(name, tiny_model_
     if name == "bf16_donated":
         assert summary["compiles_after_warmup"] == 0 and summary["host_syncs_per_step"] == 0
         assert summary["step_donated_buffers"] == summary["step_updated_state_tensors"] > 0
-    if name == "fsdp":
-        assert summary["parallel"]["sharded_base_parameters"] > 0
+    if name == "fsdp":  # each Linear's weight sharded there, its codes and its scales here
+        unquantized = json.loads((ref / "phase1" / "summary.json").read_text())["parallel"]["sharded_base_parameters"]
+        assert summary["parallel"]["sharded_base_parameters"] == unquantized + 14 > 14
     if name == "captured":
         resumes_bitwise_and_not_under_another_format(out, tmp_path, tiny_model_dir, data)
         assert json.loads((out / "phase1" / "adapter" / "lineage.json").read_text())["quantize"] == fmt
