@@ -57,11 +57,7 @@ def linear_bf16_bytes(model_dir: Path) -> int:
 
     from finetuning_pipeline.planning.tpu_plan import ModelShape
 
-    config = AutoConfig.from_pretrained(model_dir)
-    shape = ModelShape(layers=config.num_hidden_layers, hidden=config.hidden_size,
-                       intermediate=config.intermediate_size, heads=config.num_attention_heads,
-                       kv_heads=config.num_key_value_heads, head_dim=config.head_dim, vocab=config.vocab_size,
-                       total_params=0)
+    shape = ModelShape.from_config(AutoConfig.from_pretrained(model_dir))
     return 2 * shape.layers * shape.layer_linear_params
 
 

@@ -136,8 +136,9 @@ def code_values(fmt: str, codes: torch.Tensor, nf4_code: torch.Tensor | None = N
     packed = codes.reshape(-1, block // 2)
     if fmt == "q4_0":
         return torch.cat([packed & 15, packed >> 4], dim=1).float() - 8
-    indices = torch.stack([packed >> 4, packed & 15], dim=2).reshape(-1, block)
-    return nf4_code[indices.long()]
+    # int32 indices: int64 ones would be a weight-sized 8-byte tensor in the step (emulated on a TPU).
+    indices = torch.stack([packed >> 4, packed & 15], dim=2).reshape(-1, block).int()
+    return nf4_code[indices]
 
 
 def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32,
