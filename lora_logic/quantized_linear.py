@@ -3,7 +3,10 @@
 
 The codes and scales are the module's buffers, so they move with the model, are stacked by the
 layer scan and sharded by fsdp like any weight, and the weight in the compute dtype exists only
-inside the step, where XLA fuses the dequantization into its consumer. torch_xla's own quantized
+inside the step, where XLA fuses the dequantization into its consumer. The matmul's backward
+dequantizes again rather than keep the forward's dequantized weight (what `F.linear`'s autograd
+would save, layer after layer, until the backward: the memory quantization saves, given back),
+as bitsandbytes' 4-bit matmul does. torch_xla's own quantized
 matmul cannot stand in: on the XLA device it has no autograd kernel, so the input's gradient is
 None after backward and the LoRA beneath would get no gradient.
 """
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lora_logic.quantize import QuantizedWeight, dequantize, nf4_code_tensor, quantize
+from utils.xla_runtime import barrier_copies
 
 
 class QuantizedLinear(nn.Module):
@@ -46,13 +50,46 @@ class QuantizedLinear(nn.Module):
         return dequantize(self.quantized, self.compute_dtype, getattr(self, "nf4_code", None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized_weight(), self.bias)
+        layout = (self.format, (self.out_features, self.in_features), self.compute_dtype)
+        return _QuantizedMatmul.apply(x, self.codes, self.scales, getattr(self, "nf4_code", None), self.bias, layout)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"format={self.format}, compute_dtype={self.compute_dtype}")
 
 
+class _QuantizedMatmul(torch.autograd.Function):
+    """F.linear(x, dequantized weight, bias) for a frozen weight and bias, saving for the
+    backward only the codes and scales (which the model holds anyway). The backward
+    dequantizes them again behind an optimization barrier that takes the incoming gradient
+    too: XLA can then neither merge it with the forward's dequantization (keeping that weight
+    alive in between) nor compute it before the gradient arrives. The values are the same
+    expression's, so the gradient is bitwise F.linear's."""
+
+    @staticmethod
+    def forward(ctx, x, codes, scales, nf4_code, bias, layout):
+        fmt, shape, dtype = layout
+        ctx.layout = layout
+        ctx.save_for_backward(codes, scales, nf4_code)
+        return F.linear(x, dequantize(QuantizedWeight(fmt, shape, codes, scales), dtype, nf4_code), bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        fmt, shape, dtype = ctx.layout
+        codes, scales, nf4_code = ctx.saved_tensors
+        grad_output, codes, scales = barrier_copies(grad_output, codes, scales)
+        weight = dequantize(QuantizedWeight(fmt, shape, codes, scales), dtype, nf4_code)
+        return grad_output.matmul(weight), None, None, None, None, None
+
+
 def is_linear(module: nn.Module) -> bool:
     """A layer the LoRA can wrap: an `nn.Linear`, stored plain or quantized."""
     return isinstance(module, (nn.Linear, QuantizedLinear))
+
+
+def packed_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name in `module`, tensor) of the codes and scales of every QuantizedLinear inside
+    `module`, in module order."""
+    return [(f"{prefix}.{leaf}" if prefix else leaf, getattr(m, leaf))
+            for prefix, m in module.named_modules() if isinstance(m, QuantizedLinear)
+            for leaf in ("codes", "scales")]

@@ -100,3 +100,23 @@ def peak_memory_bytes(device) -> int | None:
 def device_kind() -> str:
     """The PJRT device kind this process runs on ("TPU", "CPU", ...)."""
     return os.environ.get("PJRT_DEVICE", "CPU").upper()
+
+
+def barrier_copies(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors, passed through one XLA optimization barrier: what is computed from the copies
+    is computed again where they are used, not merged by XLA's common-subexpression elimination
+    with the same expression elsewhere in the graph (which would keep its result alive in between).
+
+    The originals are untouched (the barrier rewrites the copies in place; a module's buffer
+    rewritten would become an output of the step). On a host tensor there is no graph to
+    separate, and inside a trace (the layer scan's body: fake tensors, no lazy graph yet) a
+    copy is all that can be recorded, which keeps the traced expression apart from the
+    forward's; both get the tensors back as they are or as copies."""
+    if not tensors or tensors[0].device.type != "xla":
+        return list(tensors)
+    copies = [t.clone() for t in tensors]
+    if all(type(t) is torch.Tensor for t in tensors):  # lazy tensors, not a trace's subclasses
+        import torch_xla.core.xla_model as xm
+
+        xm.optimization_barrier_(copies)
+    return copies

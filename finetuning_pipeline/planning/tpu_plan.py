@@ -6,8 +6,8 @@ HBM per device (a chip, or a v3 TensorCore), each term an estimate with its assu
   devices, and two decoder layers' worth are whole at once (the all-gathered layer in use
   and the next one, prefetched). With `model.quantize`, the decoder Linears hold their codes
   and scales (QUANTIZED_BYTES per parameter) and two decoder layers' Linears are dequantized
-  into `model.dtype` at once (assumed: XLA dequantizes each weight next to its matmul, in the
-  forward and again in the backward, rather than keeping every layer's copy alive);
+  into `model.dtype` at once (the graph keeps no dequantized weight from the forward to the
+  backward: docs/quantized-base.md; how many XLA on a TPU holds at once is assumed);
 - LoRA and optimizer: fp32 master weights, gradients and AdamW's two moments (16 bytes per
   LoRA parameter), replicated in both modes (see finetuning_pipeline/distributed/parallel.py);
 - activations of one micro-batch kept for the backward: per layer and token, the hidden-size

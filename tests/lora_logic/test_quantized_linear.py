@@ -1,6 +1,6 @@
 """QuantizedLinear under the LoRA: it computes what an nn.Linear holding its dequantized weight
 computes, forward and backward (the LoRA's gradients and the input's), on the host and on the
-XLA device, and a merge into it is refused."""
+XLA device; its backward keeps no dequantized weight from the forward; a merge into it is refused."""
 
 from __future__ import annotations
 
@@ -65,6 +65,39 @@ def test_on_the_xla_device_too_with_the_activations_gradient(fmt):
         results.append({key: value.cpu() for key, value in out.items()})
     for key in results[1]:
         torch.testing.assert_close(results[0][key], results[1][key], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_backward_keeps_the_codes_and_scales_not_the_dequantized_weight(fmt):
+    # F.linear's autograd would save the dequantized weight of every layer until the backward:
+    # as much memory as the unquantized weights, given back.
+    quantized, reference = pair(fmt)
+    saved = {"quantized": [], "reference": []}
+    for key, layer in (("quantized", quantized), ("reference", reference)):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, key=key: saved[key].append(t) or t, lambda t: t):
+            forward_backward(layer, torch.randn(3, 5, 64))
+    def weights(tensors):  # as stored or transposed
+        return [t for t in tensors if t.is_floating_point() and sorted(t.shape) == [48, 64]]
+
+    assert weights(saved["reference"])  # the control: a plain Linear keeps its weight for the input's gradient
+    assert not weights(saved["quantized"])
+    base = quantized.base_layer
+    assert any(t is base.codes for t in saved["quantized"]) and any(t is base.scales for t in saved["quantized"])
+
+
+def test_on_the_xla_device_the_backward_dequantizes_behind_a_barrier_with_the_gradient():
+    # Without it XLA would merge the backward's dequantization with the forward's (the same
+    # expression) and keep that weight alive in between, which is what the line above avoids.
+    layer, _ = pair("q4_0")
+    layer.to(torch_xla.device())
+    out = forward_backward(layer, torch.randn(3, 5, 64).to(torch_xla.device()))
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([out["x.grad"]])
+    barriers = [line.split("opt-barrier(")[0] for line in hlo.splitlines() if "opt-barrier(" in line]
+    codes, scales = layer.base_layer.codes, layer.base_layer.scales
+    assert len(barriers) == 1
+    for shape in ("f32[3,5,48]", f"u8[{codes.shape[0]},{codes.shape[1]}]", f"f16[{scales.shape[0]},{scales.shape[1]}]"):
+        assert shape in barriers[0], (shape, barriers[0])
+    assert layer.base_layer.codes is codes  # the barrier rewrote copies, not the module's buffers
 
 
 def test_bf16_compute_dequantizes_in_fp32_and_casts_once():

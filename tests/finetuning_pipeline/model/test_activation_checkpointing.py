@@ -1,4 +1,5 @@
-"""Activation checkpointing on XLA: the same gradients, and a real recompute in the graph."""
+"""Activation checkpointing on XLA: the same gradients, and a real recompute in the graph, of a
+quantized base's dequantized weights too."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ from conftest import ARCHITECTURES, random_tokens, tiny_causal_lm
 
 from finetuning_pipeline.model.activation_checkpointing import enable_activation_checkpointing
 from finetuning_pipeline.model.causal_lm_loss import causal_lm_loss_sum
+from finetuning_pipeline.model.quantized_base import quantize_base
 from lora_logic.adapters import lora_parameters
 from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
 
 
-def lora_grads(arch: str, checkpointed: bool) -> tuple[list[torch.Tensor], str]:
+def lora_grads(arch: str, checkpointed: bool, quantize: str | None = None) -> tuple[list[torch.Tensor], str]:
     model = tiny_causal_lm(arch)
+    if quantize:
+        quantize_base(model, quantize)
     inject_lora(model, LoraConfig(r=4, alpha=8))
     torch.manual_seed(3)
     for name, param in model.named_parameters():
@@ -45,3 +49,19 @@ def test_checkpointing_gives_the_same_gradients(arch):
     # torch_xla's checkpoint fences the recomputed inputs so XLA cannot merge the recompute
     # back into the forward (torch.utils.checkpoint would be silently undone).
     assert "opt-barrier" in hlo and "opt-barrier" not in plain_hlo
+
+
+def test_a_quantized_base_s_codes_and_scales_cross_each_layer_s_barrier():
+    # transformers hands torch_xla's checkpoint a partial, not the layer's bound method, so
+    # torch_xla would fence the hidden states only: the recomputed dequantization would then be
+    # the forward's own expression, merged with it, and every layer's dequantized weights would
+    # stay alive until the backward.
+    plain, _ = lora_grads("llama", checkpointed=False, quantize="q8_0")
+    checkpointed, hlo = lora_grads("llama", checkpointed=True, quantize="q8_0")
+    for reference, ours in zip(plain, checkpointed, strict=True):
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+    barriers = [line.split("opt-barrier(")[0] for line in hlo.splitlines() if "opt-barrier(" in line]
+    # A layer's barrier holds its hidden states [2, 16, 32] and its 7 Linears' codes (s8) and
+    # scales (f16); each matmul's own backward barrier holds one Linear's.
+    layer_barriers = [b for b in barriers if "f32[2,16,32]" in b and b.count("s8[") == 7 and b.count("f16[") >= 7]
+    assert len(layer_barriers) == 2, barriers

@@ -1,16 +1,19 @@
 """model.quantize on every family: the decoder's Linears (and nothing else) are stored quantized,
 and the model computes what the same model holding their dequantized weights computes (loss,
-LoRA gradients, the activations' gradient); shapes a format cannot hold are refused, naming the
+LoRA gradients, the activations' gradient); the scanned layers keep no dequantized weight from
+their forward loop to their backward loop; shapes a format cannot hold are refused, naming the
 key; the stored bytes shrink as the formats say."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch_xla
 from model_families import FAMILIES, batch, with_family_lora
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from finetuning_pipeline.model.layer_scan import scan_decoder_layers
 from finetuning_pipeline.model.loading import check_quantizable
 from finetuning_pipeline.model.quantized_base import decoder_linears, decoder_weight_bytes, quantize_base
 from lora_logic.config import LoraConfig
@@ -69,6 +72,28 @@ def test_a_quantized_base_computes_what_its_dequantized_weights_compute(name, fm
     for key in grads:
         assert torch.equal(grads[key], want_grads[key]), key
     assert torch.equal(activation_grad, want_activation_grad)
+
+
+@pytest.mark.parametrize("activation_checkpointing", [False, True])
+def test_scanned_layers_carry_codes_not_dequantized_weights_from_the_forward_to_the_backward(
+        activation_checkpointing):
+    # What the scan's forward loop hands its backward loop are the tensors autograd saves, stacked
+    # a layer each ([layers, ...]): a dequantized weight among them would cost every layer's
+    # weights in the compute dtype, the memory the quantization saves.
+    model = wide_family("llama")
+    quantize_base(model, "q8_0")
+    model = with_family_lora_seeded(model, "llama")
+    weights = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, QuantizedLinear)}
+    device = torch_xla.device()
+    model.to(device).train()
+    layers = scan_decoder_layers(model, activation_checkpointing=activation_checkpointing)
+    inputs = {key: value[:, :20].to(device) for key, value in batch(packed=True).items()}  # 40 tokens: no weight's size
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.shape, t.dtype)) or t, lambda t: t):
+        model(**inputs).loss.backward()
+    stacked = [(shape[1:], dtype) for shape, dtype in saved if len(shape) == 3 and shape[0] == len(layers)]
+    assert {tuple(shape) for shape, dtype in stacked if dtype == torch.int8} == weights  # q8_0: a byte a value
+    assert not [(shape, dtype) for shape, dtype in stacked if tuple(shape) in weights and dtype.is_floating_point]
 
 
 def test_only_the_decoder_linears_are_quantized():
