@@ -72,8 +72,9 @@ def quantization_problem(fmt: str, shape: tuple[int, ...]) -> str | None:
     return None
 
 
-def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
-    """`weight` (any float dtype, on the host) in `fmt`; its values are read as fp32."""
+def quantize(weight: torch.Tensor, fmt: str, values_in: torch.dtype | None = None) -> QuantizedWeight:
+    """`weight` (any float dtype, on the host) in `fmt`; its values are read as fp32, after a cast
+    to `values_in` when given (the weight as a model in that dtype would hold it), a chunk at a time."""
     problem = quantization_problem(fmt, tuple(weight.shape))
     if problem:
         raise ValueError(f"cannot quantize a weight of shape {list(weight.shape)} to {fmt}: {problem}")
@@ -81,7 +82,8 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
     rows = max(1, CHUNK_VALUES // width)
     codes, scales = [], []
     for start in range(0, out, rows):  # a few MB of fp32 temporaries at a time, whatever the weight's size
-        blocks = weight[start:start + rows].detach().to(device="cpu", dtype=torch.float32).reshape(-1, BLOCK[fmt])
+        chunk = weight[start:start + rows].detach().to(device="cpu", dtype=values_in or weight.dtype)
+        blocks = chunk.to(torch.float32).reshape(-1, BLOCK[fmt])
         if not bool(torch.isfinite(blocks).all()):
             raise ValueError(f"cannot quantize a weight of shape {list(weight.shape)}: it holds NaN or inf")
         chunk_codes, chunk_scales = {"q8_0": _q8_0, "q4_0": _q4_0, "nf4": _nf4}[fmt](blocks)

@@ -38,8 +38,12 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, fmt: str) -> "QuantizedLinear":
-        return cls(quantize(linear.weight, fmt), linear.bias, linear.weight.dtype)
+    def from_linear(cls, linear: nn.Linear, fmt: str, compute_dtype: torch.dtype | None = None) -> "QuantizedLinear":
+        """compute_dtype: the model's dtype when the Linear holds another (read as stored in its
+        file): its values are cast to it before they are quantized, and its bias is cast to it."""
+        dtype = compute_dtype or linear.weight.dtype
+        bias = linear.bias.to(dtype) if linear.bias is not None else None
+        return cls(quantize(linear.weight, fmt, dtype), bias, dtype)
 
     @property
     def quantized(self) -> QuantizedWeight:

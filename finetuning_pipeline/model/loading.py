@@ -14,7 +14,13 @@ import torch
 
 from finetuning_pipeline.errors import ModelLoadError
 from finetuning_pipeline.model.lineage import check_beneath, model_lineage, trained_quantized, with_merged
-from finetuning_pipeline.model.quantized_base import NONE, quantization_problems, quantize_base
+from finetuning_pipeline.model.quantized_base import (
+    NONE,
+    cast_as_loaded,
+    quantization_problems,
+    quantize_base,
+    reading_dtype,
+)
 from lora_logic.adapter_io import WEIGHTS_NAME, load_adapters
 from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
@@ -23,18 +29,26 @@ from lora_logic.merge import merge_and_unload
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_base(path: str | Path, dtype: torch.dtype = torch.float32):
+def load_base(path: str | Path, dtype: torch.dtype = torch.float32, quantize: str = NONE):
     """The Hugging Face causal LM in `path`, in `dtype`, with the KV cache off (training and
-    scoring never use it; under XLA transformers 5's cache code breaks with sliding windows)."""
+    scoring never use it; under XLA transformers 5's cache code breaks with sliding windows).
+
+    quantize: its decoder Linears stored in this format (quantized_base.py), quantized straight
+    from the files where they hold another dtype than `dtype` (reading_dtype): the host then
+    never holds the whole model in `dtype`."""
     from transformers import AutoModelForCausalLM
 
     if not (Path(path) / "config.json").is_file():
         raise ModelLoadError(f"{path}: no config.json here; expected a Hugging Face model directory")
+    read_as = reading_dtype(path, dtype) if quantize != NONE else dtype
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=read_as)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"{path}: cannot load the model ({err})") from None
     model.config.use_cache = False
+    quantize_base(model, quantize, dtype)
+    if read_as != dtype:
+        cast_as_loaded(model, dtype)
     return model
 
 
@@ -97,14 +111,16 @@ def load_model(path: str | Path, adapters: list[str | Path] = (), dtype: torch.d
             break  # not an adapter: add_adapter says what it lacks
         check_beneath(adapter, beneath, warn)
         beneath = with_merged(beneath, adapter)
-    model = load_base(path, dtype)
     kept = adapters[-1:] if keep_last else []
-    for adapter in adapters[:len(adapters) - len(kept)]:
+    merged = adapters[:len(adapters) - len(kept)]
+    model = load_base(path, dtype, quantize=NONE if merged else quantize)  # a merge needs the full weights
+    for adapter in merged:
         fmt = trained_quantized(adapter)
         if fmt:
             warn(f"adapter {adapter} was trained on the base stored as {fmt} (model.quantize); it is merged into "
                  "the base's full-precision weights, as QLoRA adapters are: close to, not equal to, what it trained on")
         add_adapter(model, adapter, merge=True)
-    quantize_base(model, quantize)
+    if merged:
+        quantize_base(model, quantize)
     configs = add_adapter(model, kept[0], merge=False) if kept else None
     return model, configs

@@ -50,9 +50,10 @@ def quantization_problems(model: nn.Module, fmt: str) -> list[str]:
     return [f"{leaf} ({problem})" for problem, leaf in problems.items()]
 
 
-def quantize_base(model: nn.Module, fmt: str) -> int:
+def quantize_base(model: nn.Module, fmt: str, dtype: torch.dtype | None = None) -> int:
     """Replace every decoder Linear of `model` by its quantized form in `fmt`, one at a time (the
-    full-precision weight is freed as the next is made); returns how many. `none`: nothing."""
+    full-precision weight is freed as the next is made); returns how many. `none`: nothing.
+    dtype: the model's dtype, when its Linears hold another (see QuantizedLinear.from_linear)."""
     if fmt == NONE:
         return 0
     problems = quantization_problems(model, fmt)
@@ -62,10 +63,57 @@ def quantize_base(model: nn.Module, fmt: str) -> int:
     for name, linear in linears:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        quantized = QuantizedLinear.from_linear(linear, fmt).to(linear.weight.device)
+        quantized = QuantizedLinear.from_linear(linear, fmt, dtype).to(linear.weight.device)
         quantized.train(linear.training)
         setattr(parent, child, quantized)
     return len(linears)
+
+
+# safetensors' names of the float dtypes a model is stored in.
+STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def reading_dtype(model_dir: str | Path, dtype: torch.dtype) -> torch.dtype:
+    """The dtype to read a base in whose decoder Linears are quantized as it loads: the files' own
+    float dtype where it is not `dtype`. transformers converts every tensor of a model read in
+    another dtype than its files' before a Linear can be quantized (the whole model in `dtype` in
+    host memory at once: a 7B model's 13.5 GiB in bf16 from fp16 files), and maps the files of a
+    model read in their own dtype. `dtype` where that cannot be done exactly as a model read in
+    `dtype` would hold it: files of several float dtypes or not in safetensors, or an
+    architecture that keeps modules in fp32."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    try:
+        architecture = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_dir))]
+    except (KeyError, OSError, ValueError):
+        return dtype
+    if not files or getattr(architecture, "_keep_in_fp32_modules", None) or getattr(
+            architecture, "_keep_in_fp32_modules_strict", None):
+        return dtype
+    stored = set()
+    for file in files:
+        with safe_open(file, "pt") as tensors:
+            stored |= {tensors.get_slice(key).get_dtype() for key in tensors.keys()}
+    floats = {name for name in stored if name.startswith(("F", "BF"))}
+    return STORED_DTYPES[floats.pop()] if len(floats) == 1 and floats <= STORED_DTYPES.keys() else dtype
+
+
+def cast_as_loaded(model: nn.Module, dtype: torch.dtype) -> None:
+    """Give every float parameter and buffer of a model read in another dtype (reading_dtype) the
+    dtype it has in the same model read in `dtype` (a weightless meta-device copy says which);
+    the quantized Linears' codes and scales are left as they are."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+    wanted = {name: t.dtype for name, t in [*reference.named_parameters(), *reference.named_buffers()]}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name in wanted and tensor.is_floating_point() and tensor.dtype != wanted[name]:
+            tensor.data = tensor.data.to(wanted[name])
+    model.config.dtype = dtype
 
 
 def decoder_weight_bytes(model: nn.Module) -> int:

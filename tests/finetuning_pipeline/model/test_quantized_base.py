@@ -2,7 +2,8 @@
 and the model computes what the same model holding their dequantized weights computes (loss,
 LoRA gradients, the activations' gradient); the scanned layers keep no dequantized weight from
 their forward loop to their backward loop; shapes a format cannot hold are refused, naming the
-key; the stored bytes shrink as the formats say."""
+key; the stored bytes shrink as the formats say; a base whose files hold another dtype is
+quantized as it is read, into what a model read in the run's dtype would hold."""
 
 from __future__ import annotations
 
@@ -14,8 +15,13 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from finetuning_pipeline.model.layer_scan import scan_decoder_layers
-from finetuning_pipeline.model.loading import check_quantizable
-from finetuning_pipeline.model.quantized_base import decoder_linears, decoder_weight_bytes, quantize_base
+from finetuning_pipeline.model.loading import check_quantizable, load_base
+from finetuning_pipeline.model.quantized_base import (
+    decoder_linears,
+    decoder_weight_bytes,
+    quantize_base,
+    reading_dtype,
+)
 from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
 from lora_logic.quantized_linear import QuantizedLinear
@@ -128,3 +134,31 @@ def test_a_shape_a_format_cannot_hold_is_refused_naming_the_key_and_what_to_do()
     with pytest.raises(ValueError, match="model.quantize=q8_0: cannot store"):
         quantize_base(AutoModelForCausalLM.from_config(config), "q8_0")
     assert quantize_base(model, "none") == 0 and not any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
+def state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, the non-persistent ones too (rotary tables, embedding scales)."""
+    return dict([*model.named_parameters(), *model.named_buffers()])
+
+
+# Every family from fp16 files (Llama 2's), and fp32 files on three, read into a bf16 run.
+FILE_CASES = [(name, torch.float16) for name in sorted(FAMILIES)] + [
+    (name, torch.float32) for name in ("llama", "gemma3", "phi3")]
+
+
+@pytest.mark.parametrize(("name", "stored"), FILE_CASES)
+def test_a_base_stored_in_another_dtype_is_quantized_as_read_into_what_a_bf16_read_gives(tmp_path, name, stored):
+    wide_family(name).to(stored).save_pretrained(tmp_path)
+    assert reading_dtype(tmp_path, torch.bfloat16) == stored  # read as stored: no whole-model copy in bf16
+    assert reading_dtype(tmp_path, stored) == stored
+    got = load_base(tmp_path, torch.bfloat16, quantize="q4_0")
+    want = load_base(tmp_path, torch.bfloat16)  # the whole model in bf16, then quantized
+    quantize_base(want, "q4_0")
+    assert got.config.dtype == want.config.dtype == torch.bfloat16
+    got_state, want_state = state(got), state(want)
+    assert got_state.keys() == want_state.keys()
+    for key, tensor in want_state.items():
+        assert got_state[key].dtype == tensor.dtype and torch.equal(got_state[key], tensor), key
+    inputs = batch(packed=True)
+    with torch.no_grad():
+        assert torch.equal(got(**inputs).logits, want(**inputs).logits)
