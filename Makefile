@@ -26,7 +26,7 @@ DEMO_ANSWER := Județul Brașov se află în Transilvania.
 PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 
 # phase1, phase2, ... are a pattern rule (below): make skips pattern rules for .PHONY targets.
-.PHONY: help setup test test-fast lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-prepare bench-memory bench-side-by-side bench-quantized clean
+.PHONY: help setup test test-fast lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load clean
 
 help:
 	@echo "make setup       create .venv with the pinned stack (torch 2.9.0 + torch_xla 2.9.0) and test tools"
@@ -49,6 +49,7 @@ help:
 	@echo "make bench-memory   peak memory of a step with a 262k vocabulary: chunked loss, full logits, HF + PEFT"
 	@echo "make bench-side-by-side  4 adapters side by side in one run vs 4 runs one after another (2 minutes)"
 	@echo "make bench-quantized     a LoRA step on a q8_0 / q4_0 / nf4 base vs the bf16 base: step time, base bytes"
+	@echo "make bench-quantized-load  the host memory of loading a 675M base quantized, from fp16 and bf16 files"
 	@echo "make clean       remove outputs/ and caches (keeps .venv)"
 
 setup: $(STAMP)
@@ -107,7 +108,7 @@ preflight: $(STAMP) $(PHASE_DEPS)
 tpu-check: $(STAMP) $(PHASE_DEPS)
 	$(BIN)/python -m finetuning_pipeline.tpu_check --config $(CONFIG) $(ARGS)
 
-bench: bench-train bench-host bench-prepare bench-memory bench-side-by-side bench-quantized
+bench: bench-train bench-host bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load
 
 bench-train: $(STAMP)
 	$(BIN)/python -m benchmarks.train_bench
@@ -126,6 +127,9 @@ bench-side-by-side: $(STAMP)
 
 bench-quantized: $(STAMP)
 	$(BIN)/python -m benchmarks.quantized_bench
+
+bench-quantized-load: $(STAMP)
+	$(BIN)/python -m benchmarks.quantized_load_bench
 
 clean:
 	rm -rf outputs .pytest_cache
