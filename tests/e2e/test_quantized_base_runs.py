@@ -2,8 +2,9 @@
 a base whose decoder Linears hold the dequantized weights (what the quantized base stands for),
 on the paths the TPU takes: the captured step with the layer loop's activation checkpointing,
 scanned layers with activation checkpointing and LoRA dropout, bf16 with buffer donation under
-recompile_policy=error, fsdp over four devices (codes and scales sharded by rows); a checkpoint
-resumes bitwise, and not under another format.
+recompile_policy=error, fsdp over four devices (codes and scales sharded by rows), two replicas
+through torchrun (each quantizes its own base); a checkpoint resumes bitwise, and not under
+another format.
 
 Tolerance: the same arithmetic on the same values (the weight x scale product, then the same
 matmuls), so the losses and adapters are held bitwise, fp32 and bf16 alike."""
@@ -15,6 +16,7 @@ import shutil
 
 import pytest
 import torch
+from replica_helpers import torchrun
 from trainer_helpers import adapter_tensors, metric_records, train_in_fresh_process, train_losses, write_run_config
 
 from finetuning_pipeline import export, main
@@ -33,7 +35,9 @@ VARIANTS = {
                      {"XLA_ENABLE_PARAM_ALIASING": "1"}),
     "fsdp": ("q4_0", {"parallel": {"mode": "fsdp"}, "train": {"micro_batch": 1}, "eval": {"micro_batch": 1}},
              {"CPU_NUM_DEVICES": "4"}),
+    "replicas": ("q8_0", {"train": {"max_steps": 4, "micro_batch": 1}, "checkpoint": {"every": 0}}, {}),
 }
+TORCHRUN = {"replicas": 2}  # variants run as this many torchrun processes
 
 
 def dtype_of(name: str) -> str:
@@ -61,7 +65,9 @@ def config_of(root, name: str, model_dir, data, quantize: str, out=None):
 
 def train(config, name: str, *args: str) -> None:
     env = VARIANTS[name][2]
-    if env is None:
+    if name in TORCHRUN:
+        torchrun(TORCHRUN[name], config, "--phase", "1", *args, env=env)
+    elif env is None:
         assert main.main(["--config", str(config), "--phase", "1", *args]) == 0
     else:
         proc = train_in_fresh_process(config, "--phase", "1", *args, env=env)
@@ -95,6 +101,8 @@ def test_a_quantized_base_trains_as_its_dequantized_weights_do(name, tiny_model_
     if name == "bf16_donated":
         assert summary["compiles_after_warmup"] == 0 and summary["host_syncs_per_step"] == 0
         assert summary["step_donated_buffers"] == summary["step_updated_state_tensors"] > 0
+    if name == "replicas":
+        assert summary["parallel"]["processes"] == 2
     if name == "fsdp":  # each Linear's weight sharded there, its codes and its scales here
         unquantized = json.loads((ref / "phase1" / "summary.json").read_text())["parallel"]["sharded_base_parameters"]
         assert summary["parallel"]["sharded_base_parameters"] == unquantized + 14 > 14
