@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 
@@ -46,19 +47,44 @@ def test_a_tpu_run_without_libtpu_is_refused_before_the_device(monkeypatch):
     assert tpu_install.libtpu_problem() is None
 
 
-@pytest.mark.slow
-def test_the_tpu_extra_resolves_to_the_versions_torch_xla_pins(tmp_path):
-    """What `pip install -e '.[tpu]'` would install on a TPU VM, resolved from the package index
-    (pip --dry-run: nothing is installed): jax, jaxlib and libtpu at torch_xla 2.9's own pins.
-    On main before this change the extra was torch_xla[tpu] only, and jax was not in the set."""
+def vm_python() -> str:
+    """The Python version utils/tpu_vm/ installs the TPU stack for (VENV_PYTHON in tpu_vm_lib.sh)."""
+    lib = (REPO / "utils" / "tpu_vm" / "tpu_vm_lib.sh").read_text()
+    return re.search(r"^VENV_PYTHON=([0-9.]+)$", lib, re.MULTILINE).group(1)
+
+
+def resolve_tpu_extra(tmp_path, python_version: str) -> subprocess.CompletedProcess:
+    """pip's resolution (--dry-run: nothing installed) of what `pip install -e '.[tpu]'` installs
+    on a TPU VM, for an interpreter of `python_version` (wheels only, as pip requires for another
+    interpreter than its own)."""
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["tpu"]
-    report = tmp_path / "report.json"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                    "--report", str(report), "torch==2.9.0", *extra], check=True, capture_output=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                           "--python-version", python_version, "--only-binary=:all:",
+                           "--report", str(tmp_path / "report.json"), "torch==2.9.0", *extra],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("python_version", sorted({vm_python(), f"{sys.version_info.major}.{sys.version_info.minor}"}))
+def test_the_tpu_extra_resolves_to_the_versions_torch_xla_pins(tmp_path, python_version):
+    """For the VM's venv and for this machine's Python: jax, jaxlib and libtpu at torch_xla 2.9's
+    own pins. (Before, the scripts installed into the TPU images' python3, 3.10, for which it
+    cannot resolve: the test below.)"""
+    proc = resolve_tpu_extra(tmp_path, python_version)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     resolved = {item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]["version"]
-                for item in json.loads(report.read_text())["install"]}
+                for item in json.loads((tmp_path / "report.json").read_text())["install"]}
     pins = {**tpu_install.extra_pins("pallas"), **tpu_install.extra_pins("tpu")}
     assert {"jax", "jaxlib", "libtpu"} <= set(pins)
     for name, version in pins.items():
         assert resolved.get(name) == version, (name, resolved.get(name), version)
     assert resolved["torch-xla"] == "2.9.0" and resolved["torch"] == "2.9.0"
+
+
+@pytest.mark.slow
+def test_the_tpu_images_own_python_cannot_take_the_tpu_extra(tmp_path):
+    """Python 3.10, the Ubuntu 22.04 TPU images' python3: jax 0.7.1 requires 3.11 or newer, so the
+    install must make its own venv (VENV_PYTHON, by uv)."""
+    proc = resolve_tpu_extra(tmp_path, "3.10")
+    assert proc.returncode != 0 and "jax" in proc.stderr
+    assert tuple(map(int, vm_python().split("."))) >= (3, 11)

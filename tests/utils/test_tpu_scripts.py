@@ -16,13 +16,18 @@ from conftest import REPO
 UTILS = REPO / "utils" / "tpu_vm"
 SCRIPTS = sorted(UTILS.glob("*.sh"))
 
-# Records its name and arguments as one JSON line, then behaves as FAKE_<NAME>_* say.
+# Records its name (.venv/bin/NAME inside a venv) and arguments as one JSON line, then behaves
+# as FAKE_<NAME>_* say; `python -m uv venv DIR` and `python -m venv DIR` make DIR/bin/python, a fake too.
 FAKE = """#!/usr/bin/env python3
-import json, os, sys
+import json, os, shutil, sys
 name = os.path.basename(sys.argv[0])
+label = ".venv/bin/" + name if ".venv/bin/" in sys.argv[0] else name
 with open(os.environ["FAKE_CALLS"], "a") as f:
-    f.write(json.dumps([name] + sys.argv[1:]) + "\\n")
+    f.write(json.dumps([label] + sys.argv[1:]) + "\\n")
 args = sys.argv[1:]
+if name.startswith("python") and (args[:3] == ["-m", "uv", "venv"] or args[:2] == ["-m", "venv"]):
+    os.makedirs(os.path.join(args[-1], "bin"), exist_ok=True)
+    shutil.copy(sys.argv[0], os.path.join(args[-1], "bin", "python"))
 if name == "gcloud" and "describe" in args:
     states = os.environ.get("FAKE_STATES", "READY").split(",")
     count_file = os.environ["FAKE_CALLS"] + ".describes"
@@ -182,23 +187,75 @@ def test_bad_arguments_say_what_is_missing(fakes, script, args, message):
     assert proc.returncode == 2 and message in proc.stderr and calls == []
 
 
-def test_clone_installs_the_pinned_stack_and_checks_the_tpu(fakes, tmp_path):
-    proc, calls = fakes("cloud-clone-public.sh", "--repo", "https://example.com/r.git", "--dir", str(tmp_path / "r"))
+def test_clone_installs_the_pinned_stack_in_a_python_3_11_venv_and_checks_the_tpu(fakes, tmp_path):
+    repo = tmp_path / "r"
+    proc, calls = fakes("cloud-clone-public.sh", "--repo", "https://example.com/r.git", "--dir", str(repo))
     assert proc.returncode == 0, proc.stderr
     assert calls[0] == ["git", "clone", "--filter=blob:none", "--sparse", "--branch", "main",
-                        "https://example.com/r.git", str(tmp_path / "r")]
-    assert calls[1] == ["git", "-C", str(tmp_path / "r"), "sparse-checkout", "set",
+                        "https://example.com/r.git", str(repo)]
+    assert calls[1] == ["git", "-C", str(repo), "sparse-checkout", "set",
                         "lora_logic", "dataset", "finetuning_pipeline", "utils"]
+    # The images' python3 is 3.10 and jax 0.7.1 needs 3.11: the image's Python only runs uv,
+    # which makes the venv everything is installed into.
+    assert calls[2] == ["python", "-m", "pip", "install", "--user", "--upgrade", "uv==0.13.9"]
+    assert calls[3] == ["python", "-m", "uv", "venv", "--seed", "--python", "3.11", str(repo / ".venv")]
     # The CPU build of torch first (PyPI's x86 wheel is the CUDA one), then the project's tpu extra,
     # which brings torch_xla[tpu,pallas] (test_tpu_install checks what that extra resolves to).
-    torch = ["python", "-m", "pip", "install", "torch==2.9.0", "--index-url", "https://download.pytorch.org/whl/cpu"]
-    project = ["python", "-m", "pip", "install", "-e", f"{tmp_path / 'r'}[tpu]"]
-    assert torch in calls and project in calls and calls.index(torch) < calls.index(project)
+    venv = ".venv/bin/python"
+    assert calls[4] == [venv, "-m", "pip", "install", "torch==2.9.0", "--index-url", "https://download.pytorch.org/whl/cpu"]
+    assert calls[5] == [venv, "-m", "pip", "install", "-e", f"{repo}[tpu]"]
     assert not [c for c in calls if "pip" in c and any(a.startswith(("torch_xla", "jax", "libtpu")) for a in c)]
-    assert calls[-1][:2] == ["python", "-c"] and "global_runtime_device_count" in calls[-1][2]
+    assert calls[6][:2] == [venv, "-c"] and "global_runtime_device_count" in calls[6][2] and len(calls) == 7
+    # Marked as the TPU's install, stamped: make's targets run in it (test below).
+    assert (repo / ".venv" / ".tpu").is_file() and (repo / ".venv" / ".installed").is_file()
+    assert "PJRT_DEVICE=TPU .venv/bin/python finetuning_pipeline/main.py" in proc.stdout
 
-    proc, _ = fakes("cloud-clone-public.sh", "--repo", "https://example.com/r.git", FAKE_TPU_STATUS="1")
+    # Run again (an update): the venv is kept, the stack installed again into it.
+    proc, calls = fakes("cloud-clone-public.sh", "--repo", "https://example.com/r.git", "--dir", str(repo))
+    assert proc.returncode == 0 and not [c for c in calls if "uv" in c and "venv" in c]
+    assert [venv, "-m", "pip", "install", "-e", f"{repo}[tpu]"] in calls
+
+    proc, _ = fakes("cloud-clone-public.sh", "--repo", "https://example.com/r.git", "--dir", str(repo),
+                    FAKE_TPU_STATUS="1")
     assert proc.returncode == 2 and "no TPU device is visible to torch_xla" in proc.stderr
+
+
+def test_a_venv_the_install_did_not_make_is_left_alone(fakes, tmp_path):
+    repo = tmp_path / "r"
+    (repo / ".venv").mkdir(parents=True)
+    proc, calls = fakes("cloud-clone-public.sh", "--repo", "https://example.com/r.git", "--dir", str(repo))
+    assert proc.returncode == 2 and f"{repo / '.venv'} exists and is not this script's TPU install" in proc.stderr
+    assert not [c for c in calls if "pip" in c or "uv" in c] and list((repo / ".venv").iterdir()) == []
+
+
+@pytest.mark.parametrize("tpu_install", [True, False])
+def test_make_targets_run_in_the_tpu_install_and_update_its_tpu_extra(fakes, tmp_path, tpu_install):
+    """On the VM `make tpu-check` must run with the TPU's stack: with .venv marked as the TPU's
+    install, a stale stamp updates its tpu extra there (before, make built a second venv with the
+    test extra: no libtpu, no jax, PyPI's CUDA torch); elsewhere, the test extra's venv."""
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(REPO / "Makefile", work / "Makefile")
+    (work / "pyproject.toml").write_text("")
+    if tpu_install:
+        fakes("cloud-clone-public.sh", "--repo", "https://example.com/r.git", "--dir", str(work))
+        os.utime(work / ".venv" / ".installed", (0, 0))  # older than pyproject.toml: a pulled change
+    bin_dir = tmp_path / "bin"
+    shutil.copy(bin_dir / "python", bin_dir / "python3")
+    calls_file = tmp_path / "make_calls.jsonl"
+    proc = subprocess.run(["make", "-C", str(work), "tpu-check", "CONFIG=my.yaml", "PYTHON=python3"],
+                          capture_output=True, text=True, timeout=60,
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_CALLS": str(calls_file)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = [json.loads(line) for line in calls_file.read_text().splitlines()]
+    venv = ".venv/bin/python"
+    if tpu_install:
+        assert calls[0] == [venv, "-m", "pip", "install", "--quiet", "-e", ".[tpu]"]
+    else:
+        assert calls[0] == ["python3", "-m", "venv", ".venv"]
+        assert calls[2] == [venv, "-m", "pip", "install", "--quiet", "-e", ".[test]"]
+    assert calls[-1] == [venv, "-m", "finetuning_pipeline.tpu_check", "--config", "my.yaml"]
+    assert not [c for c in calls if "venv" in c[1:3] and tpu_install]
 
 
 def test_private_clone_authenticates_without_exposing_the_token(fakes):

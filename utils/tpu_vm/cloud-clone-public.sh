@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# On a TPU VM: sparse-clone this repository, install torch 2.9 (CPU build) + torch_xla[tpu,pallas] 2.9 and the
-# project, and check that torch_xla sees the TPU chips.
+# On a TPU VM: sparse-clone this repository, install into its .venv (Python 3.11, made by uv) torch 2.9
+# (CPU build) + torch_xla[tpu,pallas] 2.9 and the project, and check that torch_xla sees the TPU chips.
 #
 #   utils/tpu_vm/cloud-clone-public.sh --repo https://github.com/OWNER/REPO.git [--branch main] [--dir ~/lora-tpu] [--dry-run]
 #
 # Run it on every worker of a pod slice at once with utils/tpu_vm/run-on-pod.sh. PYTHON picks the
-# interpreter (default python3); --dry-run prints the commands without running them.
+# interpreter that runs uv (default python3); --dry-run prints the commands without running them.
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=tpu_vm_lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/tpu_vm_lib.sh"
@@ -27,5 +27,5 @@ done
 
 sparse_clone "$REPO" "$DIR" "$BRANCH"
 install_stack "$DIR"
-verify_tpu
-echo "ready: cd $DIR && PJRT_DEVICE=TPU python finetuning_pipeline/main.py --config CONFIG"
+verify_tpu "$DIR"
+echo "ready: cd $DIR && PJRT_DEVICE=TPU make tpu-check CONFIG=CONFIG, then PJRT_DEVICE=TPU .venv/bin/python finetuning_pipeline/main.py --config CONFIG"

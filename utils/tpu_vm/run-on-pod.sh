@@ -4,7 +4,7 @@
 #   utils/tpu_vm/run-on-pod.sh --name my-pod --zone us-central2-b [--project P] [--dir lora-tpu] [--dry-run] -- COMMAND...
 #
 # Multi-host training is the same command on every worker: e.g.
-#   utils/tpu_vm/run-on-pod.sh --name my-pod --zone Z -- PJRT_DEVICE=TPU python finetuning_pipeline/main.py \
+#   utils/tpu_vm/run-on-pod.sh --name my-pod --zone Z -- PJRT_DEVICE=TPU .venv/bin/python finetuning_pipeline/main.py \
 #       --config finetuning_pipeline/configs/mistral7b_v6e8.yaml parallel.mode=fsdp
 # The command runs in --dir (default lora-tpu in the home directory: where cloud-clone-*.sh put it).
 set -euo pipefail

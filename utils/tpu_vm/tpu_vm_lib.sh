@@ -64,18 +64,34 @@ sparse_clone() {
 # TPU); this index has the CPU build of the same version (2.9.0+cpu satisfies torch==2.9.0).
 TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 
-# install_stack DIR: the CPU build of torch, then the project with its tpu extra, which brings
-# torch_xla[tpu,pallas] (libtpu, and the jax + jaxlib the Pallas kernels need, as torch_xla pins them).
+# The Python of the project's venv on the VM. torch_xla[pallas] pins jax 0.7.1, which needs
+# Python >= 3.11, and the Ubuntu 22.04 TPU images' python3 is 3.10: uv (pinned) brings this
+# version (a standalone build) for the venv; the image's python3 only runs uv.
+VENV_PYTHON=3.11
+UV_VERSION=0.13.9
+
+# install_stack DIR: DIR/.venv with Python $VENV_PYTHON, the CPU build of torch, then the project
+# with its tpu extra, which brings torch_xla[tpu,pallas] (libtpu, and the jax + jaxlib the Pallas
+# kernels need, as torch_xla pins them). The venv is marked as the TPU's (.venv/.tpu) and stamped
+# installed (.venv/.installed): every make target then runs in it, and a changed pyproject.toml
+# updates its tpu extra (Makefile). A .venv that this script did not make is left alone.
 install_stack() {
-  local dir=$1 python=${PYTHON:-python3}
-  run "$python" -m pip install --upgrade pip
-  run "$python" -m pip install "torch==$TORCH_VERSION" --index-url "$TORCH_CPU_INDEX"
-  run "$python" -m pip install -e "${dir}[tpu]"
+  local dir=$1 python=${PYTHON:-python3} venv=$1/.venv
+  if [[ -e "$venv" && ! -e "$venv/.tpu" ]]; then
+    die "$venv exists and is not this script's TPU install; move it away (or delete it) and run again"
+  fi
+  run "$python" -m pip install --user --upgrade "uv==$UV_VERSION"
+  if [[ ! -e "$venv/.tpu" ]]; then
+    run "$python" -m uv venv --seed --python "$VENV_PYTHON" "$venv"  # --seed: pip, which make's targets use
+  fi
+  run "$venv/bin/python" -m pip install "torch==$TORCH_VERSION" --index-url "$TORCH_CPU_INDEX"
+  run "$venv/bin/python" -m pip install -e "${dir}[tpu]"
+  run touch "$venv/.tpu" "$venv/.installed"
 }
 
-# verify_tpu: the TPU chips are visible to torch_xla (fails with a clear message if not).
+# verify_tpu DIR: the TPU chips are visible to torch_xla in DIR's venv (fails with a clear message if not).
 verify_tpu() {
-  local python=${PYTHON:-python3}
+  local python=$1/.venv/bin/python
   run env PJRT_DEVICE=TPU "$python" -c '
 import torch_xla, torch_xla.runtime as xr
 count = xr.global_runtime_device_count()
