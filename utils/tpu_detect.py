@@ -11,9 +11,10 @@ from pathlib import Path
 
 GOOGLE_PCI_VENDOR = "0x1ae0"
 # torch_xla 2.9's _TPU_PCI_DEVICE_IDS (tests/utils/test_tpu_detect.py checks they stay equal),
-# with the generation its comments give each ("test": ids it marks "testing only").
+# with the generation jax's hardware_utils gives each (torch_xla's comments mark 0x0062 "testing
+# only"; it is v5p; 0x0056 is an internal part, "test" here).
 TPU_PCI_GENERATIONS = {"0x0027": "v2/v3", "0x005e": "v4", "0x0063": "v5e", "0x006f": "v6e", "0x0056": "test",
-                       "0x0062": "test", "0x0076": "7x"}
+                       "0x0062": "v5p", "0x0076": "7x"}
 TPU_PCI_DEVICES = tuple(TPU_PCI_GENERATIONS)
 
 
@@ -37,7 +38,7 @@ def tpu_chips(sysfs: str | Path = "/sys") -> int:
 
 
 def tpu_generation(sysfs: str | Path = "/sys") -> str | None:
-    """The generation of this machine's TPU chips ("v2/v3", "v4", "v5e", "v6e", "7x", "test"),
+    """The generation of this machine's TPU chips ("v2/v3", "v4", "v5e", "v5p", "v6e", "7x", "test"),
     None when there are none: what the attention kernels are judged for (v2/v3 get none)."""
     ids = _tpu_device_ids(sysfs)
     return TPU_PCI_GENERATIONS[ids[0]] if ids else None

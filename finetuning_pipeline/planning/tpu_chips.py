@@ -1,6 +1,8 @@
 """Cloud TPU generations and accelerator types: what a `tpu.type` such as v5e-8 gives you.
 
 Chip facts, from the Cloud TPU system-architecture pages (read 2026-11):
+  v2   https://cloud.google.com/tpu/docs/v2    45 TFLOP/s bf16 per chip, 16 GiB HBM per chip
+       (two TensorCores per chip, each its own device with 8 GiB; Colab's and Kaggle's v2-8)
   v3   https://cloud.google.com/tpu/docs/v3    123 TFLOP/s bf16 per chip, 32 GiB HBM per chip
        (two TensorCores per chip, each its own device with 16 GiB)
   v4   https://cloud.google.com/tpu/docs/v4    275 TFLOP/s bf16 per chip, 32 GiB HBM2
@@ -11,7 +13,7 @@ Where a page says GB we count decimal gigabytes (16 GB = 14.9 GiB): the conserva
 
 Naming: for v2, v3, v4 and v5p the number in the type counts TensorCores (v4-8 is 4 chips);
 for v5e (v5litepod) and v6e it counts chips (v5e-8 is 8 chips). v4 and v5p chips present
-their two TensorCores as one device (megacore); v3's are two devices.
+their two TensorCores as one device (megacore); v2's and v3's are two devices.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Generation:
 GENERATIONS = {
     g.name: g
     for g in (
+        Generation("v2", 45, 16 * GIB, 2, True, 4, 4, "https://cloud.google.com/tpu/docs/v2"),
         Generation("v3", 123, 32 * GIB, 2, True, 4, 4, "https://cloud.google.com/tpu/docs/v3"),
         Generation("v4", 275, 32 * GIB, 1, True, 4, 4, "https://cloud.google.com/tpu/docs/v4"),
         Generation("v5e", 197, 16 * GB, 1, False, 4, 8, "https://cloud.google.com/tpu/docs/v5e"),

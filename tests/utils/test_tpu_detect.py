@@ -17,7 +17,7 @@ def fake_pci_device(sysfs: Path, slot: str, vendor: str, device: str) -> None:
 
 
 @pytest.mark.parametrize("generation, device_id", [("v2/v3", "0x0027"), ("v4", "0x005e"), ("v5e", "0x0063"),
-                                                   ("v6e", "0x006f"), ("7x", "0x0076")])
+                                                   ("v5p", "0x0062"), ("v6e", "0x006f"), ("7x", "0x0076")])
 def test_the_notebook_finds_every_tpu_generation_on_the_pci_bus(tmp_path, generation, device_id):
     for chip in range(4):
         fake_pci_device(tmp_path, f"0000:00:0{chip + 4}.0", "0x1ae0", device_id)

@@ -112,7 +112,7 @@ def test_the_plans_layer_shapes_match_the_architecture(name):
 @pytest.mark.parametrize(
     "tpu_type, chips, devices, hosts",
     [("v5e-8", 8, 8, 1), ("v5litepod-16", 16, 16, 4), ("v6e-8", 8, 8, 1), ("v4-8", 4, 4, 1), ("v4-32", 16, 16, 4),
-     ("v5p-8", 4, 4, 1), ("v3-8", 4, 8, 1)],
+     ("v5p-8", 4, 4, 1), ("v3-8", 4, 8, 1), ("v2-8", 4, 8, 1)],
 )
 def test_accelerator_types(tpu_type, chips, devices, hosts):
     tpu = parse_tpu_type(tpu_type)
@@ -151,6 +151,11 @@ def test_kernels_are_judged_for_the_planned_tpu_not_the_machine_preflight_runs_o
         in capsys.readouterr().err
     code, report = run_preflight(tmp_path, config, "tpu.type=v3-8", "parallel.mode=fsdp")
     assert report["phases"]["phase1"]["inputs"]["attention"] == "dense"
+    # Colab's and Kaggle's v2-8: planned (8 devices of 8 GiB), no kernel either.
+    code, report = run_preflight(tmp_path, config, "tpu.type=v2-8")
+    assert code == 0 and report["phases"]["phase1"]["inputs"]["attention"] == "dense"
+    code, _ = run_preflight(tmp_path, config, "tpu.type=v2-8", "model.attention=flash")
+    assert code == 2 and "reported not to work on TPU v2" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("tpu_type, attention, fits", [("v6e-8", "auto", True), ("v6e-8", "dense", False),
