@@ -55,9 +55,9 @@ def run_replicas(n: int, config: Path, log_dir: Path, *args: str, env: dict | No
     return Replicas(n, ["--config", str(config), "--phase", "1", *args], log_dir, env, script, rank_args)
 
 
-def launched(config: Path, log: Path, *args: str, devices: int = 2) -> LaunchedRun:
+def launched(config: Path, log: Path, *args: str, devices: int = 2, env: dict | None = None) -> LaunchedRun:
     """Phase 1 started the TPU host's way: one worker process with `devices` replica threads."""
-    return LaunchedRun(["--config", str(config), "--phase", "1", *args], log, devices)
+    return LaunchedRun(["--config", str(config), "--phase", "1", *args], log, devices, env)
 
 
 # -- the documented command: torchrun, equal to one replica with the same global batch ----------

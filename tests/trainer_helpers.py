@@ -183,6 +183,27 @@ class LaunchedRun:
         return self.output()
 
 
+def startup_patch(root: Path, patch: str) -> dict:
+    """The environment that runs `patch` (Python source) at the start of every Python process a
+    run starts, the launcher's spawned workers too (a sitecustomize module on PYTHONPATH): how a
+    test injects a fault into a replica the TPU launcher runs."""
+    directory = root / "startup_patch"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text(patch)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(directory), os.environ.get("PYTHONPATH")]))}
+
+
+def thread_kill(pid: int, tid: int, signum: int) -> None:
+    """tgkill(2): `signum` to thread `tid` of process `pid` (os.kill lets the kernel choose the thread)."""
+    import ctypes
+    import platform
+
+    number = {"x86_64": 234, "aarch64": 131}[platform.machine()]  # SYS_tgkill
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, pid, tid, signum) != 0 and ctypes.get_errno() != 3:  # ESRCH: the thread has ended
+        raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tid}, {signum})")
+
+
 def launcher_worker(launcher: int, timeout: float = 60, output=lambda: "") -> int:
     """The pid of the worker process a launcher spawned (not multiprocessing's resource tracker)."""
     import time

@@ -17,20 +17,24 @@ threads) with the stop handlers and the compile cache set up on each worker proc
 thread first. The parent forwards SIGTERM/SIGINT to its workers, so `kill PARENT` stops the run
 the way a preemption does (every replica checkpoints the same step, exit 0); a worker whose
 parent died without a word (SIGKILL) stops the same way rather than train on as an orphan.
+
+Every wait ends in bounded time, because on a TPU a replica whose peer died waits in a device
+all-reduce that never returns: the main threads (launcher and workers) wait in short timeouts,
+so a signal runs its handler at once whichever thread the kernel handed it to; once a replica
+fails the others get FAILURE_GRACE_S to end, then their worker process is left (`os._exit`)
+and the launcher kills what remains; and a worker reports to the launcher and leaves with
+`os._exit`, never through an interpreter shutdown that waits on device work or walks its heap.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import functools
 import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
-from concurrent.futures.process import BrokenProcessPool
 
 from finetuning_pipeline.distributed.parallel import use_compile_cache
 from finetuning_pipeline.errors import ConfigError, ReplicaLost
@@ -78,45 +82,131 @@ def local_process_count() -> int:
     return tpu.num_local_processes()
 
 
-def launch_replicas(replica, args: tuple, *, compile_cache: str, mode: str) -> None:
+# After a replica fails, how long the others get to end on their own before they are ended: a
+# replica waiting in a device all-reduce for a dead chip never returns (on a CPU the sums go
+# through gloo, whose closed group ends the waiters at once; on a TPU nothing ends them).
+FAILURE_GRACE_S = 20.0
+WAIT_S = 0.2  # how often a waiting main thread wakes, free to run the signal handlers
+
+
+class WorkerDied(ReplicaLost):
+    """A worker process ended without a word: killed (SIGKILL, out of memory) or crashed."""
+
+
+def launch_replicas(replica, args: tuple, *, compile_cache: str, mode: str, grace_s: float = FAILURE_GRACE_S) -> None:
     """Run `replica(*args)` once per device of this host, the TPU host's way (module
     docstring); returns when every replica has returned, raises the first replica's error.
-    A worker process that dies (SIGKILL, out of memory) is a ReplicaLost (exit 3)."""
+    A worker process that dies (SIGKILL, out of memory) is a ReplicaLost (exit 3). Once one
+    fails, the rest get `grace_s` to end, then are killed: the run ends in bounded time."""
     processes = local_process_count()
     context = multiprocessing.get_context("spawn")  # torch_xla's default: a fresh runtime per process
-    with forward_stop_signals(), concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
-        task = functools.partial(_worker_process, processes=processes, replica=replica, args=args,
-                                 compile_cache=compile_cache, mode=mode)
-        futures = [pool.submit(task, local) for local in range(processes)]
-        concurrent.futures.wait(futures)  # a failed replica closes its host group: the others end too
-    failures = [future.exception() for future in futures if future.exception() is not None]
+    pipes = [context.Pipe(duplex=False) for _ in range(processes)]  # (reader, writer): a worker's report
+    workers = [context.Process(target=_worker_main, name=f"replica-worker-{local}", args=(local,),
+                               kwargs=dict(processes=processes, replica=replica, args=args, compile_cache=compile_cache,
+                                           mode=mode, report=pipes[local][1], grace_s=grace_s))
+               for local in range(processes)]
+    with forward_stop_signals():
+        for worker, (_, writer) in zip(workers, pipes):
+            worker.start()
+            writer.close()  # the worker's copy is its own: a worker that dies closes its pipe
+        failures = await_workers(workers, [reader for reader, _ in pipes], grace_s)
     if failures:
         raise first_cause(failures) from None
 
 
+def await_workers(workers: list, reports: list, grace_s: float) -> list[BaseException]:
+    """Wait until every worker has exited, WAIT_S at a time so that this main thread runs the
+    signal handlers (forwarding a SIGTERM) at once; returns their errors in local order (a
+    worker reports None or its error on its pipe in `reports`). A worker's failure, or death,
+    starts the grace period after which the others are killed."""
+    from multiprocessing.connection import wait
+
+    errors: dict[int, BaseException] = {}
+    reported: set[int] = set()
+    closed: set[int] = set()  # pipes closed without a report
+    deadline = None
+    while True:
+        exited = [local for local, worker in enumerate(workers) if not worker.is_alive()]
+        for local, pipe in enumerate(reports):  # (read after the check: an exited worker's report is in its pipe)
+            if local not in reported and local not in closed and pipe.poll():
+                try:
+                    error = pipe.recv()
+                except EOFError:
+                    closed.add(local)  # without a report: it died (below, once it has exited)
+                    continue
+                reported.add(local)
+                if error is not None:
+                    errors[local] = error
+        for local in exited:
+            if local not in reported and local not in errors:
+                errors[local] = WorkerDied(f"a replica process died (worker {local}, exit code "
+                                           f"{workers[local].exitcode}: killed, or out of memory)")
+        if len(exited) == len(workers):
+            return [errors[local] for local in sorted(errors)]
+        if errors and deadline is None:
+            deadline = time.monotonic() + grace_s
+        if deadline is not None and time.monotonic() > deadline:
+            for local, worker in enumerate(workers):
+                if worker.is_alive():
+                    worker.kill()
+                    errors.setdefault(local, ReplicaLost(f"replica worker {local} did not end within {grace_s:.0f} s "
+                                                         "of another's failure and was killed"))
+                    reported.add(local)
+        waiting = [pipe for local, pipe in enumerate(reports) if local not in reported | closed]
+        wait([worker.sentinel for worker in workers if worker.is_alive()] + waiting, timeout=WAIT_S)
+
+
 def first_cause(failures: list[BaseException]) -> BaseException:
     """The error to report of several replicas' (in rank order): not one that only saw a peer
-    go away (ReplicaLost) when the peer's own error is there; a dead worker process
-    (BrokenProcessPool: its replicas raised nothing) as a ReplicaLost."""
-    if any(isinstance(err, BrokenProcessPool) for err in failures):
-        return ReplicaLost("a replica process died (killed, or out of memory) and the others were stopped; the "
-                           "run resumes from its last complete checkpoint with --resume auto")
+    go away (ReplicaLost) when the peer's own error is there; a dead worker process (its
+    replicas could say nothing) before its peers' ReplicaLost."""
     causes = [err for err in failures if not isinstance(err, ReplicaLost)]
-    return (causes or failures)[0]
+    if causes:
+        return causes[0]
+    died = [err for err in failures if isinstance(err, WorkerDied)]
+    if died:
+        return ReplicaLost(f"{died[0]}; the others were stopped. The run resumes from its last complete checkpoint "
+                           "with --resume auto")
+    return failures[0]
 
 
-def _worker_process(local: int, *, processes: int, replica, args: tuple, compile_cache: str, mode: str) -> None:
+def _worker_main(local: int, *, report, **kwargs) -> None:
+    """A worker process's whole life: its replicas, its report to the launcher, then `os._exit`,
+    so that the end is bounded (no interpreter finalization, which walks the whole heap, nor
+    torch_xla's exit hook, which waits on device work a dead peer never finishes)."""
+    launcher = os.getppid()
+    error = None
+    try:
+        _worker_process(local, launcher=launcher, **kwargs)
+    except BaseException as err:  # reported to the launcher, which raises it
+        error = err
+    if os.getppid() != launcher and error is not None:  # nobody to report to
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    try:
+        report.send(error)
+    except Exception:  # an error that cannot be pickled: its type and message
+        report.send(RuntimeError(f"{type(error).__name__}: {error}"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if error is None else 1)
+
+
+def _worker_process(local: int, *, launcher: int, processes: int, replica, args: tuple, compile_cache: str,
+                    mode: str, grace_s: float) -> None:
     """One worker process, on its main thread: stop handlers and compile cache first, then
-    torch_xla's topology set-up and one replica thread per device."""
+    torch_xla's topology set-up and one replica thread per device, all on a thread of their
+    own while this main thread waits, WAIT_S at a time: a stop signal the kernel hands to any
+    other thread (it does when the main thread has one pending) then runs its handler here at
+    once, not when the replicas return. A replica that fails gives the others `grace_s`."""
     import torch_xla.runtime as xr
     from torch_xla._internal import pjrt
 
-    launcher = os.getppid()
     PROCESS_SIGNALS.install()
     dump_stacks_on_signal()  # a fresh interpreter: kill -USR1 shows its replica threads too
     watch_launcher(launcher, PROCESS_SIGNALS)
     use_compile_cache(compile_cache, mode, local)
     failures: dict[int, BaseException] = {}
+    outcome: dict[str, BaseException] = {}
 
     def run_replica_thread() -> None:
         try:
@@ -125,25 +215,24 @@ def _worker_process(local: int, *, processes: int, replica, args: tuple, compile
             failures[xr.global_ordinal()] = err
             raise
 
-    try:
-        pjrt._run_thread_per_device(local, processes, run_replica_thread, pjrt.initialize_multiprocess)
-    except BaseException as err:
+    def run_replicas() -> None:
+        try:
+            pjrt._run_thread_per_device(local, processes, run_replica_thread, pjrt.initialize_multiprocess)
+        except BaseException as err:  # handed to the main thread
+            outcome["error"] = err
+
+    replicas = threading.Thread(target=run_replicas, name="replicas", daemon=True)
+    replicas.start()
+    failed_at = None
+    while replicas.is_alive():
+        replicas.join(WAIT_S)
+        if failures and failed_at is None:
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            break  # the others wait on the failed one (a device collective): they are left to os._exit
+    if failures or outcome:
         # torch_xla raises the failure of the lowest device, maybe one that only saw its peer go.
-        cause = first_cause([failure for _, failure in sorted(failures.items())] or [err])
-        exit_if_orphaned(launcher, f"error: {cause}", 3)
-        raise cause from None
-    exit_if_orphaned(launcher, None, 0)
-
-
-def exit_if_orphaned(launcher: int, message: str | None, code: int) -> None:
-    """With its launcher gone there is nobody to report to, and the pool's worker loop would
-    wait forever for a next task (it holds its task queue's write end itself: no EOF comes)."""
-    if os.getppid() == launcher:
-        return
-    if message:
-        print(message, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(code)
+        raise first_cause([failure for _, failure in sorted(failures.items())] or [outcome["error"]])
 
 
 def watch_launcher(launcher: int, signals, every_s: float = 1.0) -> None:

@@ -31,6 +31,9 @@ from trainer_helpers import (
     adapter_tensors,
     assert_same_run,
     kill_choices,
+    process_alive,
+    startup_patch,
+    thread_kill,
     train_losses,
 )
 
@@ -78,6 +81,56 @@ def test_a_preempted_tpu_host_checkpoints_one_step_on_every_replica_and_resumes_
     assert summary["resumed_from_step"] == stopped[0] and summary["parallel"]["processes"] == 2
     assert summary["compiles_after_warmup"] == 0
     assert_same_run(out_of(config), reference)
+
+
+def test_sigterm_to_the_other_threads_of_a_worker_stops_its_replicas_with_a_checkpoint(tiny_model_dir, data,
+                                                                                        tmp_path):
+    """The kernel hands a process's signal to any thread that does not block it (to another one
+    when the main thread has one pending), and Python runs the handler on the main thread only:
+    a worker's main thread that sleeps until its replicas return would see a preemption notice
+    only when training ends. SIGTERM to every thread of the worker but its main one."""
+    config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 0}, lora={"dropout": 0.0})
+    run = launched(config, tmp_path / "run.log")
+    seen = wait_for_replicas(run, out_of(config), 3)
+    worker = run.worker()
+    threads = [int(tid) for tid in os.listdir(f"/proc/{worker}/task") if int(tid) != worker]
+    assert len(threads) >= 2  # the replica threads at least
+    for tid in threads:
+        thread_kill(worker, tid, signal.SIGTERM)
+    assert run.wait(HANG) == [0], run.output()
+    stopped = checkpoint_steps(out_of(config))
+    assert len(stopped) == 1 and seen <= stopped[0] < STEPS, (seen, stopped, run.output())
+    assert [stopped_after(run.output(), rank) for rank in (0, 1)] == [stopped[0]] * 2
+
+
+# Replica 0 fails at its step-2 checkpoint; replica 1 then waits forever: the stand-in for a
+# device all-reduce whose dead peer never answers (on a CPU the sums go through gloo, whose
+# closed group would end it at once).
+FAILED_AND_BLOCKED = """
+import time
+from finetuning_pipeline.errors import CheckpointWriteError
+from finetuning_pipeline.run import checkpointing
+save = checkpointing.Checkpointer.save
+def failing_or_blocked(self, step, **parts):
+    if step == 2:
+        import torch_xla.runtime as xr
+        if xr.global_ordinal() == 0:
+            raise CheckpointWriteError("injected: replica 0 fails at step 2")
+        time.sleep(3600)
+    return save(self, step, **parts)
+checkpointing.Checkpointer.save = failing_or_blocked
+"""
+
+
+def test_a_failed_replica_whose_peer_never_returns_ends_the_run_in_bounded_time(tiny_model_dir, data, tmp_path):
+    from finetuning_pipeline.distributed.launch import FAILURE_GRACE_S
+
+    config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 2})
+    run = launched(config, tmp_path / "run.log", env=startup_patch(tmp_path, FAILED_AND_BLOCKED))
+    worker = run.worker()
+    assert run.wait(FAILURE_GRACE_S + HANG) == [3], run.output()
+    assert "injected: replica 0 fails at step 2" in run.output() and "Traceback" not in run.output()
+    assert not process_alive(worker)
 
 
 def test_a_signal_to_the_launching_process_alone_stops_its_replicas_with_a_checkpoint(tiny_model_dir, data, tmp_path):

@@ -40,17 +40,17 @@ def test_launcher_settings_that_cannot_work_are_config_errors(tmp_path):
 
 def test_the_error_reported_is_the_cause_not_a_peer_that_saw_it():
     """Of several replicas' errors (threads of a process, or worker processes), the one that is
-    not merely 'another replica stopped answering'; a dead worker process as ReplicaLost."""
-    from concurrent.futures.process import BrokenProcessPool
-
+    not merely 'another replica stopped answering'; a dead worker process before its peers'."""
     from finetuning_pipeline.errors import CheckpointWriteError, ReplicaLost
 
     cause = CheckpointWriteError("could not write checkpoint step 2")
     assert launch.first_cause([ReplicaLost("replica 0: another replica stopped answering"), cause]) is cause
     lost = ReplicaLost("replica 1: another replica stopped answering")
     assert launch.first_cause([lost]) is lost
-    died = launch.first_cause([BrokenProcessPool("terminated abruptly"), lost])
-    assert isinstance(died, ReplicaLost) and "a replica process died" in str(died)
+    dead = launch.WorkerDied("a replica process died (worker 1, exit code -9: killed, or out of memory)")
+    died = launch.first_cause([lost, dead])
+    assert isinstance(died, ReplicaLost) and str(died).startswith("a replica process died (worker 1, exit code -9")
+    assert "--resume auto" in str(died)
 
 
 def test_one_chip_of_a_host_is_what_torch_xla_counts_as_one_process(monkeypatch):
