@@ -92,6 +92,8 @@ def format_report(report: dict) -> str:
             overrides = " ".join(f"{k}={v}" for k, v in fix["overrides"].items())
             lines.append(f"      to fit: {overrides}  ({fix['hbm_per_chip_gib']} GiB, {fix['step_time_s']} s/step)")
         lines.append(f"      parallel: {phase['parallel_advice']}")
+        if phase["inputs"].get("attention_reason"):
+            lines.append(f"      attention: {phase['inputs']['attention_reason']}")
         if "sessions" in phase:
             lines.append(f"      sessions: {phase['sessions']} of train.max_wall_time={report['max_wall_time']}")
         if "one_after_another" in phase:

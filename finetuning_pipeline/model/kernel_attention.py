@@ -20,7 +20,10 @@ themselves (`call_splash`, `call_flash`) have not run on TPU hardware in this re
 What the kernels cannot run is decided before the device (`choose_attention`): a generation
 they are reported broken on (v2/v3), an install without the jax torch_xla pins, a model feature
 (flash: windows, soft-caps, SPMD), a sequence length their blocks do not divide. auto then
-takes dense attention and says why; an explicit kernel is a config error. Splash with
+takes dense attention and says why; an explicit kernel is a config error. auto also keeps to
+dense where flash would run in several dp processes (each tracing the kernel with its own JAX
+TPU backend beside torch_xla's: torch_xla runs its kernels single-process or under SPMD only);
+an explicit model.attention=flash runs it there, for `make tpu-check` to prove. Splash with
 soft-capping goes through our own autograd Function around torch_xla's splash ops, because
 torch_xla's wrapper fails at the first backward (`SplashAttentionFunction`).
 
@@ -79,11 +82,12 @@ def length_problem(kind: str, seq_len: int) -> str | None:
 
 
 def choose_attention(setting: str, model_config, *, tpu: str | None, spmd_mesh: bool, seq_len: int | None,
-                     install_problem: str | None = None) -> tuple[str, str]:
+                     install_problem: str | None = None, dp_processes: int = 1) -> tuple[str, str]:
     """(kind, why) for model.attention, judged for the TPU generation `tpu` (None: not a TPU),
     training at `seq_len` (None: not known yet), with `install_problem` (utils.tpu_install) of
-    the machine that will run it. An explicit kernel that cannot run raises ValueError naming the
-    key and what to do; auto never picks a kernel for a case it does not cover, and says why."""
+    the machine that will run it, under dp in `dp_processes` processes. An explicit kernel that
+    cannot run raises ValueError naming the key and what to do; auto never picks a kernel for a
+    case it does not cover, or that no one has run, and says why."""
     if setting not in CHOICES:
         raise ValueError(f"model.attention must be one of {list(CHOICES)}, got {setting!r}")
     if setting == "dense":
@@ -120,16 +124,23 @@ def choose_attention(setting: str, model_config, *, tpu: str | None, spmd_mesh: 
         return "dense", f"dense attention, not {kind}: {'; '.join(gaps)}"
     if kind == "splash":
         return "splash", "splash attention: the SPMD mesh has data and fsdp axes"
-    return "flash", "flash attention: no window, no soft-cap, one process per chip"
+    if setting == "auto" and dp_processes > 1:
+        # Each process would start JAX's own TPU backend beside torch_xla's to trace the kernel
+        # (jax.jit(...).lower()); torch_xla runs its kernels single-process or under SPMD only.
+        return "dense", (f"dense attention, not flash: flash in {dp_processes} dp processes (each tracing the "
+                         "kernel with its own JAX TPU backend) has not been run; model.attention=flash tries it "
+                         "(run make tpu-check first), parallel.mode=fsdp takes splash")
+    return "flash", "flash attention: no window, no soft-cap, one process"
 
 
-def attention_here(setting: str, model_config, *, spmd_mesh: bool, seq_len: int | None) -> tuple[str, str]:
+def attention_here(setting: str, model_config, *, spmd_mesh: bool, seq_len: int | None,
+                   dp_processes: int = 1) -> tuple[str, str]:
     """choose_attention for the machine this process runs on: its TPU generation read from the
     PCI bus, and whether its install has what the kernels need."""
     tpu = (tpu_generation() or "of unknown generation") if device_kind() == "TPU" else None
     install = pallas_problem() if tpu is not None and setting != "dense" else None
     return choose_attention(setting, model_config, tpu=tpu, spmd_mesh=spmd_mesh, seq_len=seq_len,
-                            install_problem=install)
+                            install_problem=install, dp_processes=dp_processes)
 
 
 def segment_ids(position_ids: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:

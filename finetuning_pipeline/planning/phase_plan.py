@@ -81,6 +81,14 @@ def planned_generation(config: RunConfig) -> str:
         raise ConfigError(str(err)) from None
 
 
+def planned_dp_processes(config: RunConfig, mode: str) -> int:
+    """The processes a dp run on tpu.type starts (one per chip; one with parallel.single_chip);
+    1 under fsdp (one SPMD process per host, which is not what the count is for)."""
+    if mode != "dp" or config.parallel.single_chip:
+        return 1
+    return parse_tpu_type(config.tpu.type).chips
+
+
 def measured_figures(config: RunConfig) -> dict | None:
     """The chip's figures a TPU self-check wrote for this output_dir (mfu, compile_s_per_layer or
     compile_s_scanned), when it ran on the generation tpu.type plans for; else None."""
@@ -102,13 +110,14 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
     """The plan's inputs from the config; `devices` (the slice's chips) resolves parallel.mesh,
     `model_config` the loss chunk."""
     fsdp_axis = config.parallel.mesh.fsdp
-    loss_chunk, attention = 0, "dense"
+    loss_chunk, attention, attention_reason = 0, "dense", ""
     if model_config is not None:
         try:
             loss_chunk = resolve_chunk_tokens(config.train.loss_chunk_tokens, model_config)
-            attention = choose_attention(config.model.attention, model_config, tpu=planned_generation(config),
-                                         spmd_mesh=(mode or config.parallel.mode) == "fsdp",
-                                         seq_len=seq_len_of(config, phase))[0]
+            attention, attention_reason = choose_attention(
+                config.model.attention, model_config, tpu=planned_generation(config),
+                spmd_mesh=(mode or config.parallel.mode) == "fsdp", seq_len=seq_len_of(config, phase),
+                dp_processes=planned_dp_processes(config, mode or config.parallel.mode))
         except ValueError as err:
             raise ConfigError(str(err)) from None
     if devices is not None and (mode or config.parallel.mode) == "fsdp":
@@ -123,8 +132,8 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
                       checkpointing=config.model.activation_checkpointing, lora_r=config.lora.r,
                       lora_targets=list(config.lora.target_modules), lora_dropout=config.lora.dropout,
                       steps=config.max_steps(phase), adapters=max(1, len(config.phase(phase).adapters)),
-                      quantize=config.model.quantize,
-                      fsdp_axis=fsdp_axis, loss_chunk=loss_chunk, attention=attention,
+                      quantize=config.model.quantize, fsdp_axis=fsdp_axis, loss_chunk=loss_chunk,
+                      attention=attention, attention_reason=attention_reason,
                       capture_step=config.train.capture_step,
                       scanned_layers=model_config is not None and layers_scanned(config, model_config, mode),
                       assumed_mfu=measured.get("mfu", config.tpu.assumed_mfu),

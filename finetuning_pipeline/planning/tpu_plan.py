@@ -152,6 +152,7 @@ class PlanInputs:
     fsdp_axis: int = -1  # under fsdp: chips each weight matrix is split over (-1: every chip)
     loss_chunk: int = 0  # tokens per chunk of the loss (0: the full logits)
     attention: str = "dense"  # what model.attention resolves to on the planned TPU: dense, splash, flash
+    attention_reason: str = ""  # why (kernel_attention.choose_attention)
     compile_s_per_layer: float = 0.0  # compile seconds per decoder layer (tpu.compile_s_per_layer)
     capture_step: bool = True  # train.capture_step: one micro-batch compiled, whatever grad_accum
     scanned_layers: bool = False  # train.scan_layers as resolved for the model: one layer compiled

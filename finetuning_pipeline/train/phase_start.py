@@ -173,7 +173,7 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     sharded = parallel.place_model(model, device)
     data = PhaseData(config.data_dirs(phase), train=t, eval=config.eval, parallel=parallel)
     attention, why = attention_here(config.model.attention, model.config, spmd_mesh=parallel.mesh is not None,
-                                    seq_len=data.seq_len)
+                                    seq_len=data.seq_len, dp_processes=parallel.world if parallel.mesh is None else 1)
     if attention != "dense":
         enable_kernel_attention(model, attention, parallel.mesh)
     if parallel.master:

@@ -34,6 +34,20 @@ def test_auto_picks_a_kernel_only_where_it_covers_the_model():
             choose(setting, model_config, tpu=tpu, spmd=spmd)
 
 
+def test_auto_keeps_to_dense_where_flash_would_run_in_several_dp_processes():
+    """Each dp process would trace the kernel with its own JAX TPU backend beside torch_xla's,
+    which torch_xla never does (its kernels run single-process or under SPMD): not the default
+    until a TPU has run it; a named model.attention=flash runs it (make tpu-check proves it)."""
+    def several(setting, spmd=False, processes=8):
+        return choose_attention(setting, LLAMA, tpu="v5e", spmd_mesh=spmd, seq_len=1024, dp_processes=processes)
+
+    kind, why = several("auto")
+    assert kind == "dense" and "flash in 8 dp processes" in why and "model.attention=flash tries it" in why
+    assert several("flash")[0] == "flash"
+    assert several("auto", processes=1)[0] == "flash"  # one chip (parallel.single_chip, v5e-1)
+    assert several("auto", spmd=True)[0] == "splash"
+
+
 @pytest.mark.parametrize("kind, fits, misfits", [
     ("flash", [64, 128, 200, 256, 512, 1024, 2048, 3072, 8192], [384, 768, 1536, 2560]),
     ("splash", [128, 256, 384, 2048, 4096, 8192], [64, 200, 3072, 6144 + 128]),

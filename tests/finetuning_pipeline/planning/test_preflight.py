@@ -146,6 +146,13 @@ def test_kernels_are_judged_for_the_planned_tpu_not_the_machine_preflight_runs_o
     code, report = run_preflight(tmp_path, config, "tpu.type=v5e-8", "model.attention=flash")
     assert report["checks"]["data"]["status"] == "passed", report["checks"]["data"]
     assert report["phases"]["phase1"]["inputs"]["attention"] == "flash"
+    # auto: not flash in 8 dp processes (unproven), but on one chip
+    capsys.readouterr()
+    code, report = run_preflight(tmp_path, config, "tpu.type=v5e-8")
+    assert report["phases"]["phase1"]["inputs"]["attention"] == "dense"
+    assert "attention: dense attention, not flash: flash in 8 dp processes" in capsys.readouterr().out
+    code, report = run_preflight(tmp_path, config, "tpu.type=v5e-8", "parallel.single_chip=true")
+    assert report["phases"]["phase1"]["inputs"]["attention"] == "flash"
     code, _ = run_preflight(tmp_path, config, "tpu.type=v3-8", "model.attention=flash")
     assert code == 2 and "model.attention=flash: torch_xla's Pallas kernels are reported not to work on TPU v3" \
         in capsys.readouterr().err
