@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -183,9 +184,11 @@ def _worker_main(local: int, *, report, **kwargs) -> None:
     if os.getppid() != launcher and error is not None:  # nobody to report to
         print(f"error: {error}", file=sys.stderr, flush=True)
     try:
-        report.send(error)
+        pickle.dumps(error)
     except Exception:  # an error that cannot be pickled: its type and message
-        report.send(RuntimeError(f"{type(error).__name__}: {error}"))
+        error = RuntimeError(f"{type(error).__name__}: {error}")
+    with contextlib.suppress(OSError):  # a launcher that died closed the pipe: nobody to tell
+        report.send(error)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if error is None else 1)
