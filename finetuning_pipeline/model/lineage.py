@@ -107,6 +107,16 @@ def write_lineage(directory: str | os.PathLike, lineage: dict) -> None:
     atomic_write_json(Path(directory) / LINEAGE, lineage)
 
 
+def check_stack(model_dir: str | os.PathLike, adapters: list, warn) -> None:
+    """check_beneath for each of `adapters` applied in order on the model in `model_dir`."""
+    beneath = model_lineage(model_dir) if adapters else None
+    for adapter in adapters:
+        if not (Path(adapter) / WEIGHTS_NAME).is_file():
+            return  # not an adapter: reading it says what it lacks
+        check_beneath(adapter, beneath, warn)
+        beneath = with_merged(beneath, adapter)
+
+
 def check_beneath(adapter_dir: str | os.PathLike, beneath: dict, warn) -> None:
     """Refuse to apply the adapter in `adapter_dir` on adapters other than those it was trained
     on; `warn` (a str) if the base's weights are not the ones it was trained on."""

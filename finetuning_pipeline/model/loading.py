@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from finetuning_pipeline.errors import ModelLoadError
-from finetuning_pipeline.model.lineage import check_beneath, model_lineage, trained_quantized, with_merged
+from finetuning_pipeline.model.lineage import check_stack, trained_quantized
 from finetuning_pipeline.model.quantized_base import (
     NONE,
     cast_as_loaded,
@@ -21,7 +21,7 @@ from finetuning_pipeline.model.quantized_base import (
     quantize_base,
     reading_dtype,
 )
-from lora_logic.adapter_io import WEIGHTS_NAME, load_adapters
+from lora_logic.adapter_io import load_adapters
 from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
 from lora_logic.merge import merge_and_unload
@@ -105,12 +105,7 @@ def load_model(path: str | Path, adapters: list[str | Path] = (), dtype: torch.d
     Each adapter must lie on what it was trained on (lineage.py): other adapters beneath it are
     a ModelLoadError; another base is a warning, to `warn` (default: stderr)."""
     warn = warn or (lambda message: print(message, file=sys.stderr, flush=True))
-    beneath = model_lineage(path) if adapters else None
-    for adapter in adapters:
-        if not (Path(adapter) / WEIGHTS_NAME).is_file():
-            break  # not an adapter: add_adapter says what it lacks
-        check_beneath(adapter, beneath, warn)
-        beneath = with_merged(beneath, adapter)
+    check_stack(path, adapters, warn)
     kept = adapters[-1:] if keep_last else []
     merged = adapters[:len(adapters) - len(kept)]
     model = load_base(path, dtype, quantize=NONE if merged else quantize)  # a merge needs the full weights
