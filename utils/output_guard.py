@@ -8,8 +8,8 @@ output_dir) asks `claim_output` before it writes anything:
     nothing to lose);
   - even with --force, only an output this command wrote before is replaced: the command
     says how it recognises its own (`ours`), usually the marker `mark_written_by` leaves.
-A directory output is then written through `staged_directory`, so it appears only when
-complete. (The trainer's output_dir has its own layout and checks: run_layout.py.)
+A directory output is then written through `staged_directory`, a file through `staged_file`,
+so it appears only when complete. (The trainer's output_dir has its own layout and checks: run_layout.py.)
 """
 
 from __future__ import annotations
@@ -85,3 +85,17 @@ def staged_directory(out: str | Path) -> Iterator[Path]:
         os.replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_file(out: str | Path) -> Iterator[Path]:
+    """Write a file output next to `out` and put it in place only when the block ends without an
+    error (as staged_directory does for a directory); a crash leaves no partial file behind."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        yield staging
+        os.replace(staging, out)
+    finally:
+        staging.unlink(missing_ok=True)
