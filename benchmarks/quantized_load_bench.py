@@ -23,10 +23,10 @@ import json
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
+from benchmarks.host_memory import peak_growth
 from benchmarks.results import update_results
 
 SHAPE = dict(vocab_size=32_000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=12,
@@ -43,17 +43,6 @@ def write_model(path: Path, dtype_name: str) -> Path:
     return path
 
 
-def memory_mib() -> dict[str, float]:
-    """This process's anonymous and resident memory now, in MiB."""
-    fields = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            name, _, value = line.partition(":")
-            if name in ("RssAnon", "VmRSS"):
-                fields[name] = int(value.split()[0]) / 1024
-    return fields
-
-
 def measure(model_dir: Path, how: str, fmt: str) -> dict:
     """Load the model as `how` says, sampling memory meanwhile; the peaks over the memory before."""
     import torch
@@ -61,28 +50,15 @@ def measure(model_dir: Path, how: str, fmt: str) -> dict:
     from finetuning_pipeline.model.loading import load_base
     from finetuning_pipeline.model.quantized_base import decoder_weight_bytes, quantize_base
 
-    before = memory_mib()
-    peaks = dict(before)
-    done = threading.Event()
-
-    def sample():
-        while not done.wait(0.005):
-            for name, value in memory_mib().items():
-                peaks[name] = max(peaks[name], value)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    start = time.perf_counter()
-    if how == "read_then_quantize":
-        model = load_base(model_dir, torch.bfloat16)
-        quantize_base(model, fmt)
-    else:
-        model = load_base(model_dir, torch.bfloat16, quantize=fmt if how == "quantize_as_read" else "none")
-    seconds = time.perf_counter() - start
-    done.set()
-    sampler.join()
-    return {"anonymous_peak_mib": round(peaks["RssAnon"] - before["RssAnon"]),
-            "rss_peak_mib": round(peaks["VmRSS"] - before["VmRSS"]),
+    with peak_growth() as peaks:
+        start = time.perf_counter()
+        if how == "read_then_quantize":
+            model = load_base(model_dir, torch.bfloat16)
+            quantize_base(model, fmt)
+        else:
+            model = load_base(model_dir, torch.bfloat16, quantize=fmt if how == "quantize_as_read" else "none")
+        seconds = time.perf_counter() - start
+    return {**peaks,
             "decoder_linears_mib": round(decoder_weight_bytes(model) / 2**20),
             "model_mib": round(sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20),
             "seconds": round(seconds, 1)}
