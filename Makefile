@@ -7,6 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LLAMA_CPP := $(VENV)/.llama_cpp
 # XLA runs on the host CPU unless told otherwise (on a TPU VM: PJRT_DEVICE=TPU make ...).
 PJRT_DEVICE ?= CPU
 export PJRT_DEVICE
@@ -26,7 +27,7 @@ DEMO_ANSWER := Județul Brașov se află în Transilvania.
 PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 
 # phase1, phase2, ... are a pattern rule (below): make skips pattern rules for .PHONY targets.
-.PHONY: help setup test test-fast lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load clean
+.PHONY: help setup llama-cpp test test-fast lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load bench-gguf-export clean
 
 help:
 	@echo "make setup       create .venv with the pinned stack (torch 2.9.0 + torch_xla 2.9.0) and test tools"
@@ -34,7 +35,7 @@ help:
 	@echo "make test-fast   the unit tests only (no end-to-end runs: pytest -m 'not slow'), for the inner loop"
 	@echo "make lint        ruff: imports, unused code, line length (configured in pyproject.toml; CI runs it)"
 	@echo "make demo        the whole curriculum on the tiny model, on XLA:CPU: base model -> prepare ->"
-	@echo "                 phase 1 -> phase 2 -> merged export -> a generated answer -> loss.png (outputs/demo)"
+	@echo "                 phase 1 -> phase 2 -> merged export -> a generated answer -> Q8_0 GGUF -> loss.png"
 	@echo "make phase1      phase 1 of CONFIG (default: the demo config); extra overrides in ARGS=\"k=v ...\""
 	@echo "make phase2      phase 2 of CONFIG (make phase3, phase4, ... for a longer curriculum)"
 	@echo "make preflight   check CONFIG and plan its TPU time (HBM, step time, TPU-hours) on this CPU, with a"
@@ -42,7 +43,8 @@ help:
 	@echo "make tpu-check   the first command on a TPU VM (PJRT_DEVICE=TPU make tpu-check CONFIG=...): every"
 	@echo "                 TPU-only path of CONFIG on a 2-layer copy of its model, one line each (tpu_check.json)"
 	@echo "make tiny-model  build and pretrain the tiny demo base model + tokenizer (outputs/demo/base)"
-	@echo "make bench       the six benchmarks below (about 42 minutes on 2 cores)"
+	@echo "make llama-cpp   install llama.cpp's Python binding (built from source once, cached in ~/.cache/tpu-lora)"
+	@echo "make bench       the benchmarks below (about 45 minutes on 2 cores)"
 	@echo "make bench-train our trainer vs HF Trainer + PEFT on XLA:CPU, two shapes (outputs/bench/bench.json)"
 	@echo "make bench-host  host time per step and compile time, 32 layers, grad_accum 1 and 8, captured vs traced"
 	@echo "make bench-prepare  measure dataset.prepare throughput and peak memory (a few minutes)"
@@ -50,6 +52,7 @@ help:
 	@echo "make bench-side-by-side  4 adapters side by side in one run vs 4 runs one after another (2 minutes)"
 	@echo "make bench-quantized     a LoRA step on a q8_0 / q4_0 / nf4 base vs the bf16 base: step time, base bytes"
 	@echo "make bench-quantized-load  the host memory of loading a 675M base quantized, from fp16 and bf16 files"
+	@echo "make bench-gguf-export     the host memory of export --format gguf on a 675M model (about a minute)"
 	@echo "make clean       remove outputs/ and caches (keeps .venv)"
 
 setup: $(STAMP)
@@ -69,11 +72,20 @@ $(STAMP): pyproject.toml
 	fi
 	touch $@
 
-test: $(STAMP)
-	PJRT_DEVICE=CPU $(BIN)/python -m pytest --durations=25
+# llama.cpp's Python binding, the judge of the GGUF files `export --format gguf` writes: built
+# from source once per version and cached outside the checkout (utils/llama_cpp_install.sh).
+$(LLAMA_CPP): $(STAMP) utils/llama_cpp_install.sh
+	utils/llama_cpp_install.sh $(BIN)/python
+	touch $@
 
-test-fast: $(STAMP)
-	PJRT_DEVICE=CPU $(BIN)/python -m pytest -m "not slow"
+llama-cpp: $(LLAMA_CPP)
+
+# The tests of GGUF files fail, rather than skip, when llama.cpp is missing here.
+test: $(STAMP) $(LLAMA_CPP)
+	PJRT_DEVICE=CPU REQUIRE_LLAMA_CPP=1 $(BIN)/python -m pytest --durations=25
+
+test-fast: $(STAMP) $(LLAMA_CPP)
+	PJRT_DEVICE=CPU REQUIRE_LLAMA_CPP=1 $(BIN)/python -m pytest -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -105,7 +117,17 @@ demo: $(DEMO_DATA)
 	after=$$($(BIN)/python -m finetuning_pipeline.generate --model $(DEMO)/merged --prompt "$(DEMO_QUESTION)"); \
 	echo "base model (pretrained on the domain text): $$before"; \
 	echo "after phase 1 + phase 2 (merged model):     $$after"
-	@echo "--- outputs in $(DEMO)/: phase1/ phase2/ (adapter, checkpoints, metrics.jsonl, summary.json), merged/, loss.png"
+	$(BIN)/python -m finetuning_pipeline.export --format gguf --outtype q8_0 --base $(DEMO)/base \
+		--adapter $(DEMO)/phase2/adapter --out $(DEMO)/merged-q8_0.gguf --force
+	@set -e; \
+	if $(BIN)/python -c "import llama_cpp" 2>/dev/null; then \
+		answer=$$($(BIN)/python -m finetuning_pipeline.generate --model $(DEMO)/merged-q8_0.gguf --prompt "$(DEMO_QUESTION)"); \
+		echo "llama.cpp on the Q8_0 GGUF:                $$answer"; \
+	else \
+		echo "(llama.cpp is not installed here: make llama-cpp, then make demo again, asks the GGUF the same question)"; \
+	fi
+	@echo "--- outputs in $(DEMO)/: phase1/ phase2/ (adapter, checkpoints, metrics.jsonl, summary.json), merged/,"
+	@echo "    merged-q8_0.gguf (llama.cpp, Ollama, LM Studio), loss.png"
 
 # phase1, phase2, phase3, ...: that phase of CONFIG's curriculum.
 phase%: $(STAMP) $(PHASE_DEPS)
@@ -117,7 +139,8 @@ preflight: $(STAMP) $(PHASE_DEPS)
 tpu-check: $(STAMP) $(PHASE_DEPS)
 	$(BIN)/python -m finetuning_pipeline.tpu_check --config $(CONFIG) $(ARGS)
 
-bench: bench-train bench-host bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load
+bench: bench-train bench-host bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load \
+	bench-gguf-export
 
 bench-train: $(STAMP)
 	$(BIN)/python -m benchmarks.train_bench
@@ -139,6 +162,9 @@ bench-quantized: $(STAMP)
 
 bench-quantized-load: $(STAMP)
 	$(BIN)/python -m benchmarks.quantized_load_bench
+
+bench-gguf-export: $(STAMP)
+	$(BIN)/python -m benchmarks.gguf_export_bench
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -2,6 +2,11 @@
 
     python -m finetuning_pipeline.generate --model DIR [--adapter DIR ...] \
         --prompt "Care este reședința județului Cluj?"
+    python -m finetuning_pipeline.generate --model model.gguf [--adapter adapter.gguf] --prompt ...
+
+A .gguf --model (what `export --format gguf` writes) runs in llama.cpp (its Python binding:
+utils/llama_cpp_install.sh), with the chat template the file carries: what llama.cpp, Ollama or
+LM Studio will answer.
 
 Chat models (a tokenizer with a chat template) get the prompt as a user turn; `--plain`
 continues the raw text instead. Greedy decoding by default; runs on the CPU.
@@ -11,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
-from finetuning_pipeline.errors import run_command
+from finetuning_pipeline.errors import ModelLoadError, run_command
 from finetuning_pipeline.model.loading import load_model
 from utils.cli_types import non_negative_float, positive_int
 from utils.hub_models import resolve_model
@@ -41,15 +47,53 @@ def generate(model_dir: str, prompt: str, adapters: list[str] = (), max_new_toke
     return tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+def generate_gguf(path: str, prompt: str, adapters: list[str] = (), max_new_tokens: int = 64, plain: bool = False,
+                  temperature: float = 0.0, system: str | None = None) -> str:
+    """The same, by llama.cpp on a GGUF file (adapters: LoRA GGUFs, applied at load)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ModelLoadError(f"--model {path}: a GGUF runs in llama.cpp, whose Python binding is not installed "
+                             "here (utils/llama_cpp_install.sh .venv/bin/python installs it)") from None
+    if len(adapters) > 1:
+        raise ModelLoadError("--adapter: llama.cpp's binding applies one LoRA GGUF; export the stack as one "
+                             "(export --format gguf --adapter-only --adapter A --adapter B)")
+    if not Path(path).is_file():
+        raise ModelLoadError(f"--model {path}: no such file")
+    model = llama_cpp.Llama(str(path), n_ctx=gguf_context(path), verbose=False, seed=0,
+                            **({"lora_path": str(adapters[0])} if adapters else {}))
+    sampling = {"temperature": temperature} if temperature > 0 else {"temperature": 0.0, "top_k": 1}
+    try:
+        if plain or not model.metadata.get("tokenizer.chat_template"):
+            return model.create_completion(prompt, max_tokens=max_new_tokens, **sampling)["choices"][0]["text"]
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        answer = model.create_chat_completion(messages, max_tokens=max_new_tokens, **sampling)
+        return answer["choices"][0]["message"]["content"]
+    finally:
+        model.close()
+
+
+def gguf_context(path: str, at_most: int = 4096) -> int:
+    """The context to run a GGUF with: its model's, up to `at_most` (a prompt and an answer)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = reader.get_field("general.architecture").contents()
+    trained = reader.get_field(f"{arch}.context_length")
+    return min(at_most, trained.contents()) if trained is not None else at_most
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_command(generate_command, argv)
 
 
 def generate_command(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="Hugging Face model directory or Hub id (base or merged)")
+    parser.add_argument("--model", required=True,
+                        help="Hugging Face model directory or Hub id (base or merged), or a .gguf file (llama.cpp)")
     parser.add_argument("--adapter", action="append", default=[],
-                        help="LoRA adapter directory to apply (repeat to stack, in order)")
+                        help="LoRA adapter directory to apply (repeat to stack, in order); a LoRA .gguf with a "
+                             ".gguf --model")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--system", help="system turn for chat models")
     parser.add_argument("--plain", action="store_true", help="continue the raw text; no chat template")
@@ -57,6 +101,10 @@ def generate_command(argv: list[str] | None) -> int:
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 (default): greedy")
     args = parser.parse_args(argv)
     on_the_host_only()
+    if args.model.endswith(".gguf"):
+        print(generate_gguf(args.model, args.prompt, args.adapter, args.max_new_tokens, args.plain, args.temperature,
+                            args.system))
+        return 0
     print(
         generate(
             resolve_model(args.model).local_dir,

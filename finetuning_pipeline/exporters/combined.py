@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from finetuning_pipeline.errors import ModelLoadError
+from finetuning_pipeline.exporters.gguf_export import export_gguf
 from finetuning_pipeline.exporters.merged import COMMAND, export_merged
 from finetuning_pipeline.model.lineage import read_lineage, write_lineage
 from lora_logic.adapter_io import read_adapter_config, read_adapter_weights, write_adapter
@@ -61,9 +62,10 @@ def where(base: str | None) -> str | None:
 def export_combined(base: str, directories: list[str], out: str, *, weights: list[float], method: str,
                     density: float | None = None, svd_rank: int | None = None, seed: int = 0,
                     adapter_only: bool = False, dtype: str = "auto", tokenizer: str | None = None,
-                    force: bool = False) -> Path:
+                    force: bool = False, gguf: dict | None = None) -> Path:
     """Combine the adapters in `directories` and write the result to `out`: one PEFT adapter
-    (adapter_only), else the base with it merged (merged_export.export_merged). Returns `out`."""
+    (adapter_only), else the base with it merged (merged_export.export_merged). Returns `out`.
+    gguf ({"outtype": ...}): a GGUF file instead, of the combined adapter or the merged model."""
     try:  # what the user gave that does not fit: one line, exit 2 (errors.py)
         adapters, trained_on, revision, lineage = read_adapters(directories)
         config, modules = combine_adapters(adapters, weights, method, density=density, svd_rank=svd_rank,
@@ -73,6 +75,10 @@ def export_combined(base: str, directories: list[str], out: str, *, weights: lis
     tensors = {}
     for module, (lora_a, lora_b) in modules.items():
         tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"] = lora_a, lora_b
+    if gguf is not None:
+        with tempfile.TemporaryDirectory(prefix="combined-adapter-") as combined:
+            write_combined(combined, tensors, config, trained_on or base, revision, lineage)
+            return export_gguf(base, [combined], out, gguf["outtype"], tokenizer, force, adapter_only=adapter_only)
     if adapter_only:
         out_path = Path(out)
         claim_output(out_path, force=force, command=COMMAND, inputs={f"--adapter {d}": d for d in directories})
