@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from dataset.samples import CHAT_QA, DOMAIN_TEXT
 from finetuning_pipeline import export
+from finetuning_pipeline.demo.tiny_model import train_sentencepiece
 from finetuning_pipeline.exporters import gguf_export
 
 if os.environ.get("REQUIRE_LLAMA_CPP"):  # make test: a missing llama.cpp fails these tests, never skips them
@@ -141,10 +142,19 @@ def chat_data() -> list[list[dict]]:
         return [json.loads(line)["messages"] for line in f]
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2"])  # sentencepiece BPE; byte-level BPE
-def test_llama_cpp_tokenizes_the_chat_data_as_transformers(family, family_files, tmp_path):
+@pytest.mark.parametrize("family,model_file", [("mistral", False), ("mistral", True), ("qwen2", False)])
+def test_llama_cpp_tokenizes_the_chat_data_as_transformers(family, model_file, family_files, tmp_path):
+    """sentencepiece's BPE as tokenizer.json holds it, and with its model file (tokenizer.model,
+    as Llama 2's, Mistral's and Gemma's downloads have it; read in its place); byte-level BPE."""
     base, _, _ = family_files(family)
     tokenizer = tokenizer_for(family)
+    if model_file:
+        copy = tmp_path / "with-model-file"
+        copy.mkdir()
+        for path in base.iterdir():
+            (copy / path.name).write_bytes(path.read_bytes())
+        (copy / "tokenizer.model").write_bytes(train_sentencepiece())
+        base = copy
     run_export("--format", "gguf", "--outtype", "f16", "--base", base, "--out", tmp_path / "base.gguf")
     model = llama_cpp.Llama(str(tmp_path / "base.gguf"), n_ctx=64, verbose=False, vocab_only=True)
     conversations = chat_data()
