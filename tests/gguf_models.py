@@ -44,13 +44,14 @@ def sentencepiece_tokenizer():
 
 
 @functools.cache
-def byte_level_tokenizer():
-    """A byte-level BPE with Qwen2's split regex and ChatML's special tokens."""
+def byte_level_tokenizer(split: str = QWEN2_SPLIT, ignore_merges: bool = False):
+    """A byte-level BPE with Qwen2's split regex (or `split`: Llama 3's, with its ignore_merges)
+    and ChatML's special tokens."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    backend = Tokenizer(models.BPE())
+    backend = Tokenizer(models.BPE(ignore_merges=ignore_merges))
     backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     backend.decoder = decoders.ByteLevel()
@@ -66,8 +67,8 @@ def tokenizer_for(family: str):
     return byte_level_tokenizer() if family in BYTE_LEVEL else sentencepiece_tokenizer()
 
 
-def family_config(family: str, **overrides):
-    tokenizer = tokenizer_for(family)
+def family_config(family: str, tokenizer=None, **overrides):
+    tokenizer = tokenizer or tokenizer_for(family)
     config = CONFIGS[family]()
     settings = config.to_dict()
     if family in NO_WINDOW:
@@ -81,16 +82,17 @@ def family_config(family: str, **overrides):
     return config
 
 
-def write_family_model(directory: Path, family: str, seed: int = 0, **overrides) -> Path:
-    """A tiny random model of `family` with its tokenizer, saved in fp32 to `directory`."""
+def write_family_model(directory: Path, family: str, seed: int = 0, tokenizer=None, **overrides) -> Path:
+    """A tiny random model of `family` with its tokenizer (or `tokenizer`), saved in fp32 to `directory`."""
+    tokenizer = tokenizer or tokenizer_for(family)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_config(family, **overrides)).float()
+    model = AutoModelForCausalLM.from_config(family_config(family, tokenizer, **overrides)).float()
     with torch.no_grad():  # norms away from their init (1, or Gemma's 0), so a missed + 1 shows
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.add_(torch.randn_like(parameter) * 0.1)
     model.save_pretrained(directory)
-    tokenizer_for(family).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
     return directory
 
 

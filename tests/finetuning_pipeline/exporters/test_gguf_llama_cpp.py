@@ -17,13 +17,20 @@ import os
 import numpy as np
 import pytest
 import torch
-from gguf_models import GGUF_FAMILIES, tokenizer_for, write_family_model, write_random_adapter
+from gguf_models import (
+    GGUF_FAMILIES,
+    byte_level_tokenizer,
+    tokenizer_for,
+    write_family_model,
+    write_random_adapter,
+)
 from transformers import AutoModelForCausalLM
 
 from dataset.samples import CHAT_QA, DOMAIN_TEXT
 from finetuning_pipeline import export
 from finetuning_pipeline.demo.tiny_model import train_sentencepiece
 from finetuning_pipeline.exporters import gguf_export
+from finetuning_pipeline.exporters.gguf_vocab import LLAMA3_SPLIT
 
 if os.environ.get("REQUIRE_LLAMA_CPP"):  # make test: a missing llama.cpp fails these tests, never skips them
     import llama_cpp
@@ -142,13 +149,18 @@ def chat_data() -> list[list[dict]]:
         return [json.loads(line)["messages"] for line in f]
 
 
-@pytest.mark.parametrize("family,model_file", [("mistral", False), ("mistral", True), ("qwen2", False)])
-def test_llama_cpp_tokenizes_the_chat_data_as_transformers(family, model_file, family_files, tmp_path):
+@pytest.mark.parametrize("family,kind", [("mistral", "json"), ("mistral", "model file"), ("qwen2", "json"),
+                                         ("llama", "llama 3")])
+def test_llama_cpp_tokenizes_the_chat_data_as_transformers(family, kind, family_files, tmp_path):
     """sentencepiece's BPE as tokenizer.json holds it, and with its model file (tokenizer.model,
-    as Llama 2's, Mistral's and Gemma's downloads have it; read in its place); byte-level BPE."""
+    as Llama 2's, Mistral's and Gemma's downloads have it; read in its place); byte-level BPE
+    split as Qwen2's, and as Llama 3's (with ignore_merges: a word in the vocabulary is one token)."""
     base, _, _ = family_files(family)
     tokenizer = tokenizer_for(family)
-    if model_file:
+    if kind == "llama 3":
+        tokenizer = byte_level_tokenizer(LLAMA3_SPLIT, ignore_merges=True)
+        base = write_family_model(tmp_path / "llama3", family, tokenizer=tokenizer)
+    if kind == "model file":
         copy = tmp_path / "with-model-file"
         copy.mkdir()
         for path in base.iterdir():
@@ -295,3 +307,27 @@ def test_combined_adapters_export_to_gguf_as_to_transformers(family_files, tmp_p
                "--out", tmp_path / "combined.gguf")
     applied = llama_cpp_logits(tmp_path / "base.gguf", ids, lora=tmp_path / "combined.gguf")
     assert np.abs(applied - merged).max() < F32_BOUND
+
+
+ROPE_SCALINGS = {
+    "llama": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 16, "rope_theta": 500000.0},
+    "qwen2": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0},
+    "mistral": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    "gemma3": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+}
+
+
+@pytest.mark.parametrize("family", sorted(ROPE_SCALINGS))
+def test_rope_scalings_reach_llama_cpp(family, tmp_path):
+    """Llama 3's frequency factors (written as rope_freqs), YaRN, linear scaling, and Gemma 3's
+    scaled global layers beside its local ones with their own base: each moves transformers'
+    logits (by 1e-3 to 0.25 here), and llama.cpp follows within the f32 bound."""
+    ids = sample_ids(family)
+    base = write_family_model(tmp_path / "scaled", family, rope_parameters=ROPE_SCALINGS[family])
+    plain = write_family_model(tmp_path / "plain", family)
+    run_export("--format", "gguf", "--outtype", "f32", "--base", base, "--out", tmp_path / "scaled.gguf")
+    expected = transformers_logits(base, ids)
+    assert np.abs(expected - transformers_logits(plain, ids)).max() > 5 * F32_BOUND
+    assert np.abs(llama_cpp_logits(tmp_path / "scaled.gguf", ids) - expected).max() < F32_BOUND
