@@ -7,10 +7,13 @@ A checkpoint is `phaseN/checkpoints/step_XXXXXXXX/` with
   trainer_state.json                               step, loader position, phase, config hash
   rng.pt                                           python, numpy and torch RNG states (XLA: seeded per step)
   COMPLETE                                         written last: {"step", "files": {relative path: sha256}}
-It is built in a hidden temporary directory, fsynced, renamed into place, and the parent
-directory fsynced; a crash at any moment leaves either no checkpoint or a complete one.
-Leftovers of an interrupted save (hidden temporaries, directories without COMPLETE) are
-removed on the next start.
+Its files are written in its final directory and fsynced, and the COMPLETE marker, which lists
+them with their sha256, last: a checkpoint is complete when its marker is there and the files
+match it, whatever the file system did with a crash, so no directory is ever renamed (gcsfuse
+cannot rename a directory on a flat-namespace bucket, the kind most pods' output_dir is). A crash
+at any moment leaves a directory without a marker, never one that looks complete; leftovers of an
+interrupted save (directories without COMPLETE, and the hidden temporaries of earlier versions)
+are removed on the next start.
 """
 
 from __future__ import annotations
@@ -108,29 +111,28 @@ def save_checkpoint(root: str | Path, step: int, *, model, optimizer,
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
-    staging = root / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    if final.exists():  # the same step again (a resume from an older checkpoint): unmarked before it is rewritten
+        (final / COMPLETE).unlink(missing_ok=True)
+        shutil.rmtree(final)
+    final.mkdir()
     try:
-        save_adapters(model, checkpoint_adapters(staging, list(lora_config)), lora_config, base_model)
-        torch.save(to_cpu(optimizer_state_by_name(model, optimizer)), staging / "optimizer.pt")
-        torch.save(rng_state(), staging / "rng.pt")
-        (staging / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2) + "\n")
-        files = {p.relative_to(staging).as_posix(): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}
+        save_adapters(model, checkpoint_adapters(final, list(lora_config)), lora_config, base_model)
+        torch.save(to_cpu(optimizer_state_by_name(model, optimizer)), final / "optimizer.pt")
+        torch.save(rng_state(), final / "rng.pt")
+        (final / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2) + "\n")
+        files = {p.relative_to(final).as_posix(): sha256_file(p) for p in sorted(final.rglob("*")) if p.is_file()}
         for name in files:
-            with open(staging / name, "rb") as f:
+            with open(final / name, "rb") as f:
                 os.fsync(f.fileno())
-        marker = staging / COMPLETE
+        fsync_dir(final)
+        marker = final / COMPLETE  # last: the checkpoint is complete from here on
         marker.write_text(json.dumps({"step": step, "files": files}, indent=2) + "\n")
         with open(marker, "rb") as f:
             os.fsync(f.fileno())
-        fsync_dir(staging)
-        if final.exists():  # a re-run of the same step (e.g. after a resume) replaces it
-            shutil.rmtree(final)
-        os.replace(staging, final)
+        fsync_dir(final)
         fsync_dir(root)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)
         raise
     prune_checkpoints(root, keep)
     return final

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import signal
@@ -191,12 +192,38 @@ def test_a_writer_killed_midway_leaves_no_checkpoint_that_looks_complete(tmp_pat
     proc = subprocess.run([sys.executable, "-c", WRITER, str(root), str(here), str(REPO / "tests")],
                           capture_output=True, text=True, env={**os.environ, "PJRT_DEVICE": "CPU"}, cwd=REPO)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    leftovers = [p.name for p in root.iterdir()]
-    assert "step_00000002" in leftovers and any(name.startswith(".step_00000004") for name in leftovers)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004"]
+    assert (root / "step_00000004" / "optimizer.pt").is_file()  # written in place, up to the kill
     assert [p.name for p in complete_checkpoints(root)] == ["step_00000002"]  # never the half-written one
-    assert clean_partial_checkpoints(root) == [n for n in leftovers if n.startswith(".")]
+    assert clean_partial_checkpoints(root) == ["step_00000004"]
     assert [p.name for p in root.iterdir()] == ["step_00000002"]
     verify_checkpoint(root / "step_00000002")
+
+
+def test_a_checkpoint_is_written_without_renaming_a_directory(tmp_path, monkeypatch):
+    """gcsfuse on a flat-namespace bucket (a pod's usual output_dir) cannot rename a directory:
+    a save renames files only, and the same step saved again is replaced."""
+    real_replace, real_rename = os.replace, os.rename
+
+    def files_only(rename):
+        def move(source, destination, *args, **kwargs):
+            if Path(source).is_dir():
+                raise OSError(errno.ENOTSUP, "directory rename not supported", str(source))
+            return rename(source, destination, *args, **kwargs)
+        return move
+
+    monkeypatch.setattr(os, "replace", files_only(real_replace))
+    monkeypatch.setattr(os, "rename", files_only(real_rename))
+    model, optimizer, config = model_and_optimizer()
+    first = save(tmp_path, 4, model, optimizer, config)
+    first_weights = (first / "adapter_model.safetensors").read_bytes()
+    with torch.no_grad():
+        lora_parameters(model)[0].add_(1.0)
+    again = save(tmp_path, 4, model, optimizer, config)
+    assert first == again and [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000004"]
+    assert (again / "adapter_model.safetensors").read_bytes() != first_weights
+    verify_checkpoint(again)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]  # no temporary left beside it
 
 
 def test_a_directory_without_marker_is_incomplete(tmp_path):
