@@ -6,10 +6,13 @@ file is its chunked path:
 
 The full path builds [tokens, vocab] logits and an fp32 copy: with Gemma's 262,144-token
 vocabulary, 2 x 1024 tokens are 2 GiB per fp32 copy, and the backward keeps several. Here the
-decoder's last hidden states [tokens, hidden] are cut into chunks of tokens; each chunk goes
-through the output projection, the model's own final-logit processing (soft-capping, logit
-scaling) and the loss in fp32, and the backward recomputes each chunk's logits instead of
-storing them (torchtune's chunked-output loss and Levanter's blockwise loss are the references).
+decoder's last hidden states [batch, length, hidden] are cut along the length into chunks of
+every row's next positions (the batch dimension whole in each chunk: under fsdp it is split
+across the chips, and a chunk cut across it would be gathered onto every chip, which would then
+compute the head for the global batch); each chunk goes through the output projection, the
+model's own final-logit processing (soft-capping, logit scaling) and the loss in fp32, and the
+backward recomputes each chunk's logits instead of storing them (torchtune's chunked-output loss
+and Levanter's blockwise loss are the references).
 
 Two things make that real on XLA, where one lazy graph holds the whole step:
 - the chunks run in a `While` loop (torch_xla's scan), forward and backward: chunks written
@@ -93,17 +96,17 @@ def _bodies(scale, divide, softcap):
 
     def forward(carry, xs):
         total, weight = carry
-        hidden, targets = xs  # [chunk, H], [chunk]
-        logits = process_logits((hidden @ weight.t()).float(), scale, divide, softcap)
-        loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        hidden, targets = xs  # [B, columns, H], [B, columns]
+        logits = process_logits((hidden.flatten(0, 1) @ weight.t()).float(), scale, divide, softcap)
+        loss = F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         return (total + loss, weight), None
 
     def backward(carry, xs):
         weight, upstream = carry
         hidden, targets = xs
-        logits = process_logits((hidden @ weight.t()).float(), scale, divide, softcap)
-        grad = logits_gradient(logits, targets, scale, divide, softcap) * upstream
-        return (weight, upstream), (grad.to(weight.dtype) @ weight).to(hidden.dtype)  # [chunk, H]
+        logits = process_logits((hidden.flatten(0, 1) @ weight.t()).float(), scale, divide, softcap)
+        grad = logits_gradient(logits, targets.flatten(), scale, divide, softcap) * upstream
+        return (weight, upstream), (grad.to(weight.dtype) @ weight).to(hidden.dtype).reshape(hidden.shape)
 
     return forward, backward
 
@@ -126,7 +129,8 @@ def _over_chunks(body, carry, xs):
 class LinearCrossEntropy(torch.autograd.Function):
     """sum_i CE(process(hidden_i W^T), target_i) over chunks of tokens, with a hand-written
     backward that recomputes each chunk's logits: only one chunk's logits exist at a time,
-    forward or backward. hidden [n_chunks, chunk, H]; weight [V, H] frozen (no gradient)."""
+    forward or backward. hidden [n_chunks, B, columns, H], targets [n_chunks, B, columns];
+    weight [V, H] frozen (no gradient)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, processing):
@@ -150,12 +154,12 @@ def _piece_loss(head, processing, hidden: torch.Tensor, targets: torch.Tensor) -
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _checkpointed_chunks(head, processing, flat, targets, chunk_tokens) -> torch.Tensor:
-    """Any other head (a LoRA-wrapped or trainable lm_head): each chunk checkpointed. Exact,
-    but on XLA the chunks share one graph, which does not bound their memory."""
+def _checkpointed_chunks(head, processing, hidden, targets, columns) -> torch.Tensor:
+    """Any other head (a LoRA-wrapped or trainable lm_head): each chunk of `columns` positions
+    checkpointed. Exact, but on XLA the chunks share one graph, which does not bound their memory."""
     piece = functools.partial(_piece_loss, head, processing)
-    recompute = torch.is_grad_enabled() and flat.requires_grad
-    if flat.device.type == "xla":  # its optimization barrier keeps XLA from merging the recompute away
+    recompute = torch.is_grad_enabled() and hidden.requires_grad
+    if hidden.device.type == "xla":  # its optimization barrier keeps XLA from merging the recompute away
         from torch_xla.utils.checkpoint import checkpoint
 
         checkpointed = functools.partial(checkpoint, piece, use_reentrant=True)
@@ -165,9 +169,9 @@ def _checkpointed_chunks(head, processing, flat, targets, chunk_tokens) -> torch
         checkpointed = functools.partial(checkpoint, piece, use_reentrant=False)
     losses = [
         (checkpointed if recompute else piece)(
-            flat[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+            hidden[:, start:start + columns].flatten(0, 1), targets[:, start:start + columns].flatten()
         )
-        for start in range(0, flat.shape[0], chunk_tokens)
+        for start in range(0, hidden.shape[1], columns)
     ]
     return torch.stack(losses).sum()
 
@@ -177,24 +181,26 @@ def chunked_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.
     """Sum of next-token losses over label tokens. hidden: [B, L, H] the decoder's output
     (after its final norm); labels: [B, L] (-100 where not trained)."""
     batch, length, width = hidden.shape
-    flat = hidden.reshape(batch * length, width)
     # Token t predicts token t + 1; the last token of each row predicts nothing.
     ignore = torch.full((batch, 1), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
-    targets = torch.cat([labels[:, 1:], ignore], dim=1).reshape(-1)
+    targets = torch.cat([labels[:, 1:], ignore], dim=1)  # [B, L]
     processing = processing_constants(model_config)
-    tokens = batch * length
-    if tokens <= chunk_tokens:
-        return _piece_loss(head, processing, flat, targets)
+    if batch * length <= chunk_tokens:
+        return _piece_loss(head, processing, hidden.flatten(0, 1), targets.flatten())
+    # A chunk: the next `columns` positions of every row (chunk_tokens tokens in all, or one
+    # position of each row when the batch alone is more).
+    columns = max(1, chunk_tokens // batch)
     plain = type(head) is torch.nn.Linear and head.bias is None and not head.weight.requires_grad
     if not plain:
-        return _checkpointed_chunks(head, processing, flat, targets, chunk_tokens)
-    padding = -tokens % chunk_tokens  # pad to whole chunks: padded rows are ignored
+        return _checkpointed_chunks(head, processing, hidden, targets, columns)
+    padding = -length % columns  # pad to whole chunks: padded positions are ignored
     if padding:
-        flat = torch.cat([flat, flat.new_zeros(padding, width)])
-        targets = torch.cat([targets, targets.new_full((padding,), IGNORE_INDEX)])
-    chunks = flat.shape[0] // chunk_tokens
-    return LinearCrossEntropy.apply(flat.reshape(chunks, chunk_tokens, width), head.weight,
-                                    targets.reshape(chunks, chunk_tokens), processing)
+        hidden = torch.cat([hidden, hidden.new_zeros(batch, padding, width)], dim=1)
+        targets = torch.cat([targets, targets.new_full((batch, padding), IGNORE_INDEX)], dim=1)
+    chunks = hidden.shape[1] // columns
+    # [n_chunks, B, columns, ...]: the loop runs over the first dimension, never over the batch's
+    return LinearCrossEntropy.apply(hidden.reshape(batch, chunks, columns, width).transpose(0, 1), head.weight,
+                                    targets.reshape(batch, chunks, columns).transpose(0, 1), processing)
 
 
 def resolve_chunk_tokens(setting: int | None, model_config) -> int:
