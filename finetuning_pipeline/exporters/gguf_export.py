@@ -38,7 +38,6 @@ from finetuning_pipeline.exporters.gguf_tensors import (
     encode,
     encode_in_row_blocks,
     encoded_bytes,
-    merged,
     tensor_type,
 )
 from finetuning_pipeline.exporters.gguf_vocab import read_vocab, write_vocab
@@ -141,6 +140,13 @@ def read_updates(adapters: list[str]) -> dict[str, list[Update]]:
     return updates
 
 
+def merged(weight: torch.Tensor, stack: list[Update]) -> torch.Tensor:
+    """W0 + scaling B A for each adapter in order, in fp32, as lora_logic's merge computes it."""
+    for update in stack:
+        weight = weight + (update.lora_b.float() @ update.lora_a.float()) * update.scaling
+    return weight
+
+
 def check_updates_fit(updates: dict[str, list[Update]], tensors: BaseTensors, adapters: list[str]) -> None:
     """Every adapter's modules are weights of this base, of their shapes: else it is another base's."""
     names = set(tensors.names())
@@ -209,8 +215,7 @@ def model_file(config, tensors: BaseTensors, updates: dict[str, list[Update]], o
                     if hf_name is None:
                         encoded = encode(extras[name], qtype)
                     elif hf_name in updates or rotary_heads(config, hf_name):  # needs the whole matrix
-                        values = merged(tensors.fp32(hf_name), [(u.lora_a, u.lora_b, u.scaling)
-                                                               for u in updates[hf_name]] if hf_name in updates else [])
+                        values = merged(tensors.fp32(hf_name), updates.get(hf_name, []))
                         encoded = encode(to_gguf_values(family, config, hf_name, values), qtype)
                     else:  # row by row (the embedding and the output, the largest tensors, are such)
                         encoded = encode_in_row_blocks(

@@ -1,5 +1,5 @@
 """Tensors in GGUF's types, one at a time: a base read from its safetensors files (mapped, not
-copied), adapters merged in fp32, encoded in the output type.
+copied), encoded in the output type.
 
 Output types (`--outtype`), as llama.cpp's converter writes them: f32 writes everything in fp32;
 f16, bf16, q8_0 and q4_0 write the 2-D weights in that type and the 1-D tensors (norms, biases)
@@ -138,11 +138,3 @@ class BaseTensors:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def merged(weight: torch.Tensor, updates: list[tuple[torch.Tensor, torch.Tensor, float]]) -> torch.Tensor:
-    """W0 + scaling B A for each adapter in order, in fp32, as lora_logic's merge computes it."""
-    for lora_a, lora_b, scaling in updates:
-        weight = weight + (lora_b.float() @ lora_a.float()) * scaling
-    return weight
-
