@@ -62,7 +62,7 @@ def export_command(argv: list[str] | None) -> int:
                         help="hf: a Hugging Face model directory (default); gguf: one GGUF file for llama.cpp")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
                         help="--format hf: saved dtype (default: the base's)")
-    parser.add_argument("--outtype", choices=sorted(OUTTYPES),
+    parser.add_argument("--outtype", metavar="{" + ",".join(OUTTYPES) + "}",
                         help="--format gguf: the weights' type (default f16; q8_0 and q4_0 are ggml's block "
                              "formats; for K-quants run llama.cpp's llama-quantize on an f16 export)")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: --base)")

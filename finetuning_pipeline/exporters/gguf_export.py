@@ -73,8 +73,15 @@ def export_gguf(base: str, adapters: list[str], out: str, outtype: str, tokenize
         allowed = ADAPTER_OUTTYPES if adapter_only else tuple(OUTTYPES)
         if outtype not in allowed:
             what = "a LoRA GGUF (--adapter-only)" if adapter_only else "a GGUF"
-            raise ValueError(f"--outtype {outtype}: {what} is written as one of {', '.join(allowed)}"
-                             + ("; the base's own GGUF takes q8_0 or q4_0" if adapter_only else ""))
+            if adapter_only and outtype in OUTTYPES:
+                hint = "; the base's own GGUF takes q8_0 or q4_0"
+            elif outtype.lower().startswith(("q", "iq")):  # Q4_K_M, IQ4_XS, ...: llama.cpp's C++ quantizers
+                kind = outtype.upper()
+                hint = (f"; K-quants are llama.cpp's own: write f16, then `llama-quantize model-f16.gguf "
+                        f"model-{kind}.gguf {kind}`")
+            else:
+                hint = ""
+            raise ValueError(f"--outtype {outtype}: {what} is written as one of {', '.join(allowed)}{hint}")
         config = read_config(base_path)
         family = family_of(config)
         problems = family_problems(config)

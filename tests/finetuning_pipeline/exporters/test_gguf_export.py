@@ -71,11 +71,15 @@ def test_what_llama_cpp_would_compute_otherwise_is_refused_naming_the_key(tmp_pa
     assert nothing_written(tmp_path)
 
 
-def test_an_outtype_an_adapter_cannot_take_is_refused(llama_files, tmp_path, capsys):
+def test_an_outtype_the_export_cannot_write_is_refused(llama_files, tmp_path, capsys):
     base, adapter = llama_files
     line = refused(capsys, "--format", "gguf", "--outtype", "q8_0", "--adapter-only", "--base", base,
                    "--adapter", adapter, "--out", tmp_path / "a.gguf")
     assert "--outtype q8_0" in line and "f32, f16, bf16" in line
+    line = refused(capsys, "--format", "gguf", "--outtype", "q4_k_m", "--base", base, "--out", tmp_path / "m.gguf")
+    assert "f32, f16, bf16, q8_0, q4_0" in line and "llama-quantize model-f16.gguf model-Q4_K_M.gguf Q4_K_M" in line
+    line = refused(capsys, "--format", "gguf", "--outtype", "fp8", "--base", base, "--out", tmp_path / "m.gguf")
+    assert "--outtype fp8" in line
     assert nothing_written(tmp_path)
 
 
