@@ -60,8 +60,12 @@ def generate_gguf(path: str, prompt: str, adapters: list[str] = (), max_new_toke
                              "(export --format gguf --adapter-only --adapter A --adapter B)")
     if not Path(path).is_file():
         raise ModelLoadError(f"--model {path}: no such file")
-    model = llama_cpp.Llama(str(path), n_ctx=gguf_context(path), verbose=False, seed=0,
-                            **({"lora_path": str(adapters[0])} if adapters else {}))
+    try:
+        model = llama_cpp.Llama(str(path), n_ctx=gguf_context(path), verbose=False, seed=0,
+                                **({"lora_path": str(adapters[0])} if adapters else {}))
+    except ValueError as err:  # not a GGUF, or one llama.cpp cannot load (its own message is on stderr)
+        raise ModelLoadError(f"--model {path}: llama.cpp cannot load it ({err}); a file `export --format gguf` "
+                             "wrote loads") from None
     sampling = {"temperature": temperature} if temperature > 0 else {"temperature": 0.0, "top_k": 1}
     try:
         if plain or not model.metadata.get("tokenizer.chat_template"):

@@ -331,3 +331,11 @@ def test_rope_scalings_reach_llama_cpp(family, tmp_path):
     expected = transformers_logits(base, ids)
     assert np.abs(expected - transformers_logits(plain, ids)).max() > 5 * F32_BOUND
     assert np.abs(llama_cpp_logits(tmp_path / "scaled.gguf", ids) - expected).max() < F32_BOUND
+
+
+def test_generate_refuses_a_file_llama_cpp_cannot_load_in_one_line(tmp_path, capsys):
+    from finetuning_pipeline import generate
+
+    (tmp_path / "notes.gguf").write_text("not a model")
+    assert generate.main(["--model", str(tmp_path / "notes.gguf"), "--prompt", "?"]) == 2
+    assert "llama.cpp cannot load it" in capsys.readouterr().err
