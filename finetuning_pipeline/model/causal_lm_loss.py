@@ -96,16 +96,16 @@ def _bodies(scale, divide, softcap):
 
     def forward(carry, xs):
         total, weight = carry
-        hidden, targets = xs  # [B, columns, H], [B, columns]
-        logits = process_logits((hidden.flatten(0, 1) @ weight.t()).float(), scale, divide, softcap)
-        loss = F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        hidden, targets = xs  # a chunk's tokens: [B, columns, H] and [B, columns] (or [tokens, H], [tokens])
+        logits = process_logits((hidden.reshape(-1, hidden.shape[-1]) @ weight.t()).float(), scale, divide, softcap)
+        loss = F.cross_entropy(logits, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
         return (total + loss, weight), None
 
     def backward(carry, xs):
         weight, upstream = carry
         hidden, targets = xs
-        logits = process_logits((hidden.flatten(0, 1) @ weight.t()).float(), scale, divide, softcap)
-        grad = logits_gradient(logits, targets.flatten(), scale, divide, softcap) * upstream
+        logits = process_logits((hidden.reshape(-1, hidden.shape[-1]) @ weight.t()).float(), scale, divide, softcap)
+        grad = logits_gradient(logits, targets.reshape(-1), scale, divide, softcap) * upstream
         return (weight, upstream), (grad.to(weight.dtype) @ weight).to(hidden.dtype).reshape(hidden.shape)
 
     return forward, backward
@@ -129,8 +129,8 @@ def _over_chunks(body, carry, xs):
 class LinearCrossEntropy(torch.autograd.Function):
     """sum_i CE(process(hidden_i W^T), target_i) over chunks of tokens, with a hand-written
     backward that recomputes each chunk's logits: only one chunk's logits exist at a time,
-    forward or backward. hidden [n_chunks, B, columns, H], targets [n_chunks, B, columns];
-    weight [V, H] frozen (no gradient)."""
+    forward or backward. hidden [n_chunks, ..., H] and targets [n_chunks, ...] (chunked_loss_sum's:
+    [n_chunks, B, columns, H] and [n_chunks, B, columns]); weight [V, H] frozen (no gradient)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, processing):
