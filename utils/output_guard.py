@@ -52,10 +52,7 @@ def claim_output(out: str | Path, *, force: bool, command: str, inputs: Mapping[
     inputs: {how the user named it (e.g. "--base"): path}; ours: recognises an earlier output
     of this command (default: its marker)."""
     out = Path(out)
-    for name, path in inputs.items():
-        if path and overlaps(out, path):
-            raise OutputConflict(f"{flag} {out} overlaps {name} {path}: a command never writes into its own "
-                                 f"inputs; choose another {flag}")
+    refuse_overlap(out, inputs, flag)
     if not out.exists() and not out.is_symlink():
         return
     if out.is_dir() and not any(out.iterdir()):
@@ -66,6 +63,14 @@ def claim_output(out: str | Path, *, force: bool, command: str, inputs: Mapping[
     if not ours(out):
         raise OutputConflict(f"{flag} {out} holds files that {command} did not write; --force replaces only an "
                              f"earlier output of {command}. Move them away yourself, or choose another {flag}")
+
+
+def refuse_overlap(out: str | Path, inputs: Mapping[str, str | Path | None], flag: str = "--out") -> None:
+    """Raise OutputConflict if `out` is, holds or lies inside one of `inputs` ({how the user named it: path})."""
+    for name, path in inputs.items():
+        if path and overlaps(out, path):
+            raise OutputConflict(f"{flag} {out} overlaps {name} {path}: a command never writes into its own "
+                                 f"inputs; choose another {flag}")
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from finetuning_pipeline.exporters.merged import COMMAND, export_merged
 from finetuning_pipeline.model.lineage import read_lineage, write_lineage
 from lora_logic.adapter_io import read_adapter_config, read_adapter_weights, write_adapter
 from lora_logic.combine import Adapter, combine_adapters
-from utils.output_guard import claim_output, mark_written_by, staged_directory
+from utils.output_guard import claim_output, mark_written_by, refuse_overlap, staged_directory
 
 
 def read_adapters(directories: list[str]) -> tuple[list[Adapter], str, str | None, dict | None]:
@@ -66,6 +66,8 @@ def export_combined(base: str, directories: list[str], out: str, *, weights: lis
     """Combine the adapters in `directories` and write the result to `out`: one PEFT adapter
     (adapter_only), else the base with it merged (merged_export.export_merged). Returns `out`.
     gguf ({"outtype": ...}): a GGUF file instead, of the combined adapter or the merged model."""
+    # The adapters reach the writers below as one temporary adapter: --out is checked against them here.
+    refuse_overlap(out, {f"--adapter {d}": d for d in directories})
     try:  # what the user gave that does not fit: one line, exit 2 (errors.py)
         adapters, trained_on, revision, lineage = read_adapters(directories)
         config, modules = combine_adapters(adapters, weights, method, density=density, svd_rank=svd_rank,

@@ -221,3 +221,16 @@ def test_an_adapter_trained_on_a_quantized_base_says_which_base_serves_it(llama_
     assert export.main(["--format", "gguf", "--base", str(base), "--adapter", str(adapter),
                         "--out", str(tmp_path / "m.gguf")]) == 0
     assert "merged into the base's full-precision weights" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gguf_format", [True, False])
+def test_a_combined_export_never_writes_into_an_adapter_it_combines(llama_files, tmp_path, capsys, gguf_format):
+    """The adapters reach the writers as one temporary combined adapter: --out inside one of the
+    originals is refused before anything is written, for GGUF and Hugging Face alike."""
+    base, adapter = llama_files
+    before = sorted(p.name for p in adapter.iterdir())
+    out = adapter / ("combined.gguf" if gguf_format else "combined")
+    line = refused(capsys, *(["--format", "gguf"] if gguf_format else []), "--base", base, "--adapter", adapter,
+                   "--adapter", adapter, "--combine", "linear", "--out", out)
+    assert "overlaps --adapter" in line
+    assert sorted(p.name for p in adapter.iterdir()) == before
