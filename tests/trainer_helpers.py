@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import sys
 from pathlib import Path
 
@@ -202,6 +203,23 @@ def thread_kill(pid: int, tid: int, signum: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.syscall(number, pid, tid, signum) != 0 and ctypes.get_errno() != 3:  # ESRCH: the thread has ended
         raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tid}, {signum})")
+
+
+SIGNAL_NUMBERS = {int(sig) for sig in signal.Signals}
+
+
+def thread_signals(pid: int, tid: int, field: str) -> set[signal.Signals] | None:
+    """The signals in a thread's mask `field` of /proc: SigBlk (blocked) or SigPnd (pending on
+    that thread); None once the thread has ended."""
+    try:
+        status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    except FileNotFoundError:
+        return None
+    for line in status.splitlines():
+        if line.startswith(f"{field}:"):
+            mask = int(line.split()[1], 16)
+            return {signal.Signals(bit + 1) for bit in range(64) if mask >> bit & 1 and bit + 1 in SIGNAL_NUMBERS}
+    raise KeyError(f"{field} not in /proc/{pid}/task/{tid}/status")
 
 
 def launcher_worker(launcher: int, timeout: float = 60, output=lambda: "") -> int:

@@ -20,7 +20,7 @@ parent died without a word (SIGKILL) stops the same way rather than train on as 
 
 Every wait ends in bounded time, because on a TPU a replica whose peer died waits in a device
 all-reduce that never returns: the main threads (launcher and workers) wait in short timeouts,
-so a signal runs its handler at once whichever thread the kernel handed it to; once a replica
+and a worker's other threads block the stop signals, so a signal runs its handler at once; once a replica
 fails the others get FAILURE_GRACE_S to end, then their worker process is left (`os._exit`)
 and the launcher kills what remains; and a worker reports to the launcher and leaves with
 `os._exit`, never through an interpreter shutdown that waits on device work or walks its heap.
@@ -39,7 +39,7 @@ import time
 
 from finetuning_pipeline.distributed.parallel import use_compile_cache
 from finetuning_pipeline.errors import ConfigError, ReplicaLost
-from finetuning_pipeline.run.stop_signal import PROCESS_SIGNALS
+from finetuning_pipeline.run.stop_signal import PROCESS_SIGNALS, threads_started_here_leave_signals_to_this_one
 from utils.stack_dump import dump_stacks_on_signal
 from utils.xla_runtime import device_kind
 
@@ -198,9 +198,28 @@ def _worker_process(local: int, *, launcher: int, processes: int, replica, args:
                     mode: str, grace_s: float) -> None:
     """One worker process, on its main thread: stop handlers and compile cache first, then
     torch_xla's topology set-up and one replica thread per device, all on a thread of their
-    own while this main thread waits, WAIT_S at a time: a stop signal the kernel hands to any
-    other thread (it does when the main thread has one pending) then runs its handler here at
-    once, not when the replicas return. A replica that fails gives the others `grace_s`."""
+    own while this main thread waits, WAIT_S at a time, and takes every stop signal the process
+    is sent (the other threads block them), so its handler runs at once, not when the replicas
+    return. A replica that fails gives the others `grace_s`."""
+    with threads_started_here_leave_signals_to_this_one():
+        replicas, failures, outcome = _start_replicas(local, launcher=launcher, processes=processes, replica=replica,
+                                                      args=args, compile_cache=compile_cache, mode=mode)
+    failed_at = None
+    while replicas.is_alive():
+        replicas.join(WAIT_S)
+        if failures and failed_at is None:
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            break  # the others wait on the failed one (a device collective): they are left to os._exit
+    if failures or outcome:
+        # torch_xla raises the failure of the lowest device, maybe one that only saw its peer go.
+        raise first_cause([failure for _, failure in sorted(failures.items())] or [outcome["error"]])
+
+
+def _start_replicas(local: int, *, launcher: int, processes: int, replica, args: tuple, compile_cache: str,
+                    mode: str) -> tuple[threading.Thread, dict[int, BaseException], dict[str, BaseException]]:
+    """The stop handlers and the compile cache, then a thread that sets up torch_xla's topology
+    and runs the replica threads; what they raise lands in the two dicts."""
     import torch_xla.runtime as xr
     from torch_xla._internal import pjrt
 
@@ -226,16 +245,7 @@ def _worker_process(local: int, *, launcher: int, processes: int, replica, args:
 
     replicas = threading.Thread(target=run_replicas, name="replicas", daemon=True)
     replicas.start()
-    failed_at = None
-    while replicas.is_alive():
-        replicas.join(WAIT_S)
-        if failures and failed_at is None:
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > grace_s:
-            break  # the others wait on the failed one (a device collective): they are left to os._exit
-    if failures or outcome:
-        # torch_xla raises the failure of the lowest device, maybe one that only saw its peer go.
-        raise first_cause([failure for _, failure in sorted(failures.items())] or [outcome["error"]])
+    return replicas, failures, outcome
 
 
 def watch_launcher(launcher: int, signals, every_s: float = 1.0) -> None:
