@@ -5,9 +5,9 @@ compile is a bug (a shape or a Python scalar that changes) that would cost minut
 per occurrence, so by default it stops the run. The same per-step counter reads give the
 host syncs per step (0 is the target: the host never waits for the device inside a step).
 
-The clock starts once the warm-up steps have *run* (`xm.wait_device_ops`): between step
-boundaries the host may run several steps ahead of the device, so only the time to the end of
-the last step's execution measures the steps.
+The clock starts once the warm-up steps have *run* (`xm.wait_device_ops`): the host runs a
+step ahead of the device (run_ahead.py), so only the time to the end of the last step's
+execution measures the steps.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ prefetches them on a background thread), the `Stepper` puts forwards, backwards,
 clipping and the masked AdamW update into one graph (traced at step 1 and replayed after:
 step_capture.py), and `torch_xla.sync()` marks the step boundary. Nothing in a step waits
 for the device: logging reads the step's results in a step closure on log steps, and the
-stop vote is a host collective on a host flag. The phase's parts are built by `start_phase`
+stop vote is a host collective on a host flag. Between steps the host waits for the step
+before the one it just dispatched (run_ahead.py), so that a stop is never queued behind more
+than two steps. The phase's parts are built by `start_phase`
 (phase_start.py). Each decision is taken from values every replica has (all-reduced losses,
 voted flags), so every replica takes it at the same step by construction.
 """
@@ -26,6 +28,7 @@ from finetuning_pipeline.monitor.metrics_log import StepLogger
 from finetuning_pipeline.run_config import RunConfig
 from finetuning_pipeline.train.adapter_results import weighted_mean
 from finetuning_pipeline.train.phase_start import Phase, start_phase
+from finetuning_pipeline.train.run_ahead import RunAheadBound
 from lora_logic.adapter_io import save_adapters
 from utils.atomic_io import atomic_write_json
 from utils.xla_runtime import peak_memory_bytes, to_host
@@ -51,6 +54,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
     p = start_phase(config, phase, parallel, device, resume_from, stop_requested, accepted_changes)
     # Closed on every way out (a stop, an error): its threads hold phase data until joined.
     with contextlib.closing(p.data.device_batches(device)) as batches:
+        run_ahead = RunAheadBound()
         step = p.start_step
         while step < p.max_steps:
             p.guard.step_started()
@@ -68,6 +72,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
                 xm.add_step_closure(log_step, args=(p.logger, p.monitor, step, results, p.monitor.skipped,
                                                     p.monitor.worst_bad_run, p.adapters))
             torch_xla.sync()
+            run_ahead.dispatched(p.stepper.step_count)  # (a tensor this step's graph computed)
             p.guard.step_ended(step)
             p.logger.advance()
             if log_now:

@@ -88,6 +88,35 @@ def test_sigkill_at_a_random_step_then_resume_equals_the_uninterrupted_run(tiny_
     assert_same_run(tmp_path / "out", reference)
 
 
+def test_a_stop_waits_for_two_queued_steps_at_most_not_for_all_the_host_ran_ahead(tiny_model_dir, data, tmp_path):
+    """A preemption notice gives 30 s. Steps that are slow on the device (16 micro-batches of 8
+    on the tiny model, about 0.12 s) and a run that logs once, so that only the run-ahead bound
+    makes the host wait: before it, the host had queued 32 steps when SIGTERM came 2 s in, and
+    the checkpoint was complete 32 step times after the signal. Step times are this run's own
+    (from its first logged step to its checkpoint the device runs without a pause), so a loaded
+    machine slows both sides of the comparison."""
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out",
+                              train={"max_steps": 200, "micro_batch": 8, "grad_accum": 16}, eval={"every": 0},
+                              checkpoint={"every": 0}, logging={"every": 1000, "tensorboard": False})
+    proc = start(config)
+    wait_for_step_of(proc, tmp_path / "out", 1)
+    first_logged = time.monotonic()
+    time.sleep(2)
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    checkpoints = tmp_path / "out" / "phase1" / "checkpoints"
+    while not complete_checkpoints(checkpoints) and proc.poll() is None:
+        time.sleep(0.01)
+    complete = time.monotonic()
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "stopped on SIGTERM" in output, output
+    stopped_at = int(complete_checkpoints(checkpoints)[0].name.split("_")[1])
+    step_time = (complete - first_logged) / (stopped_at - 1)
+    # Waited for: the step running at the signal, the one queued behind it, the step during
+    # which the vote came, and the save (about one more step here).
+    assert complete - signalled <= 6 * step_time, (complete - signalled, step_time, stopped_at)
+
+
 def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tiny_model_dir, data, reference, tmp_path):
     config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 0})  # only the one SIGTERM writes
     proc = start(config)
