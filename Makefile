@@ -27,7 +27,7 @@ DEMO_ANSWER := Județul Brașov se află în Transilvania.
 PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 
 # phase1, phase2, ... are a pattern rule (below): make skips pattern rules for .PHONY targets.
-.PHONY: help setup llama-cpp test test-fast lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load bench-gguf-export clean
+.PHONY: help setup llama-cpp test test-fast lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load bench-gguf-export bench-stop clean
 
 help:
 	@echo "make setup       create .venv with the pinned stack (torch 2.9.0 + torch_xla 2.9.0) and test tools"
@@ -53,6 +53,7 @@ help:
 	@echo "make bench-quantized     a LoRA step on a q8_0 / q4_0 / nf4 base vs the bf16 base: step time, base bytes"
 	@echo "make bench-quantized-load  the host memory of loading a 675M base quantized, from fp16 and bf16 files"
 	@echo "make bench-gguf-export     the host memory of export --format gguf on a 675M model (about a minute)"
+	@echo "make bench-stop  from SIGTERM to a complete checkpoint with steps slow on the device (under a minute)"
 	@echo "make clean       remove outputs/ and caches (keeps .venv)"
 
 setup: $(STAMP)
@@ -140,7 +141,7 @@ tpu-check: $(STAMP) $(PHASE_DEPS)
 	$(BIN)/python -m finetuning_pipeline.tpu_check --config $(CONFIG) $(ARGS)
 
 bench: bench-train bench-host bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load \
-	bench-gguf-export
+	bench-gguf-export bench-stop
 
 bench-train: $(STAMP)
 	$(BIN)/python -m benchmarks.train_bench
@@ -165,6 +166,9 @@ bench-quantized-load: $(STAMP)
 
 bench-gguf-export: $(STAMP)
 	$(BIN)/python -m benchmarks.gguf_export_bench
+
+bench-stop: $(STAMP)
+	$(BIN)/python -m benchmarks.stop_latency_bench
 
 clean:
 	rm -rf outputs .pytest_cache

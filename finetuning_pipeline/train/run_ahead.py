@@ -5,9 +5,9 @@ while the device runs this one, which keeps the device busy. Nothing else in a s
 the device (log steps do, once every `logging.every` steps), so without a bound the host queues
 steps as fast as it replays them, up to the runtime's limit on computations in flight (torch_xla
 allows 32), and a stop signal's checkpoint waits for every queued step first: at 4-5 s a step
-(Mistral-7B on v6e-8) that is more than a spot VM's 30-second notice. Measured on a CPU, a
-signal 2 s into a run of 0.12 s steps found 32 steps queued, and the checkpoint was complete
-3.9 s later; with this bound, 0.24 s later (docs/reliability.md).
+(Mistral-7B on v6e-8) that is more than a spot VM's 30-second notice. Measured on a CPU
+(`make bench-stop`), a signal 2 s into a run of 0.12 s steps found about 32 steps queued, and
+the checkpoint was complete 4.15 s later (median of 3); with this bound, 0.20 s later.
 
 After dispatching step N the host waits for step N-1 to finish: the device always has step N
 queued while the host waits, so it never idles for it, and a stop decided after step N waits
