@@ -5,10 +5,12 @@ bit for bit, and a merged export that loads in plain transformers."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +28,8 @@ from utils.hub_models import model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 REHEARSAL_STEPS = 4
+RUN_TIMEOUT_S = 1800  # a rehearsal's or check's run of a few steps: a compile or two, then seconds
+STACKS_S = 5  # from asking a hung run for its stacks to killing it
 REHEARSAL_CHIPS = 4  # virtual XLA:CPU devices of an fsdp rehearsal
 
 
@@ -45,19 +49,44 @@ def shrunken_config(model_config, vocab_size: int):
     return small
 
 
-def run_trainer(config_path: Path, args: list[str], mode: str, log: Path,
-                device: str = "CPU", env: dict | None = None) -> subprocess.CompletedProcess:
+def run_trainer(config_path: Path, args: list[str], mode: str, log: Path, device: str = "CPU",
+                env: dict | None = None, timeout_s: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
     """main.py in a process of its own on `device` (PJRT_DEVICE), with `env` added to this
     process's environment; an fsdp run on a CPU gets REHEARSAL_CHIPS virtual devices. Its output
-    is appended to `log`."""
+    is appended to `log`. A run still going after `timeout_s` is hung (what a check exists to
+    find, such as a collective whose peer never comes, must not hang the check): every process
+    of it prints its threads' stacks (SIGUSR1), then they are killed, and it returns failed,
+    saying so. It runs in a process group of its own, so that its launcher's workers go too; on
+    Ctrl-C (which reaches the terminal's group, not its) or any other error, it is killed."""
     env = {**os.environ, **(env or {}), "PJRT_DEVICE": device, "PYTHONUNBUFFERED": "1"}
     if mode == "fsdp" and device == "CPU":
         env["CPU_NUM_DEVICES"] = str(REHEARSAL_CHIPS)
-    proc = subprocess.run([sys.executable, str(ROOT / "finetuning_pipeline" / "main.py"), "--config", str(config_path),
-                           *args], capture_output=True, text=True, env=env, cwd=ROOT)
+    command = [sys.executable, str(ROOT / "finetuning_pipeline" / "main.py"), "--config", str(config_path), *args]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                             start_new_session=True)
+    try:
+        stdout, stderr = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        signal_group(child.pid, signal.SIGUSR1)
+        time.sleep(STACKS_S)
+        signal_group(child.pid, signal.SIGKILL)
+        stdout, stderr = child.communicate()
+        stderr += (f"\nerror: the run did not end within {timeout_s:.0f} s and was killed: a hang (the stacks above "
+                   "show where each thread was)\n")
+    except BaseException:
+        signal_group(child.pid, signal.SIGKILL)
+        child.wait()
+        raise
+    proc = subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
     with log.open("a") as f:
         f.write(f"$ main.py --config {config_path} {' '.join(args)}\n{proc.stdout}{proc.stderr}\n")
     return proc
+
+
+def signal_group(pid: int, signum: int) -> None:
+    """`signum` to every process of the process group `pid` leads (gone already: nothing to do)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signum)
 
 
 def small_run(config: RunConfig, *, model_path: Path, output_dir: Path, data: dict[int, Path], steps: int,
