@@ -8,7 +8,7 @@
    target exists in it (a weightless model on the meta device); the prepared shards against
    the tokenizer (when both are on disk).
 2. Plan, for tpu.type and parallel.mode: HBM per chip against its capacity, FLOPs per step,
-   step time and tokens/s at tpu.assumed_mfu, compile time (tpu.compile_s_per_layer), wall time
+   step time and tokens/s at tpu.assumed_mfu, compile time (tpu.compile_s_*), wall time
    and TPU-hours per phase (compiles included), and when it
    does not fit, the overrides that make it fit (finetuning_pipeline/planning/tpu_plan.py has the model).
 3. Rehearsal (skip with --no-rehearsal): the real trainer on XLA:CPU with a shrunken model of
@@ -79,7 +79,8 @@ def format_report(report: dict) -> str:
     for name, phase in p["phases"].items():
         b = phase["hbm_breakdown_gib"]
         scanned = phase["inputs"]["scanned_layers"]
-        compile_setting = "layers scanned: tpu.compile_s_scanned" if scanned else "tpu.compile_s_per_layer"
+        compile_setting = ("layers scanned: tpu.compile_s_scanned" if scanned
+                           else "tpu.compile_s_fixed + tpu.compile_s_per_layer x layers")
         lines.append(
             f"  {name}: HBM {phase['hbm_per_chip_gib']:.1f} of {phase['hbm_capacity_gib']:.1f} GiB per chip "
             f"({'fits' if phase['fits'] else 'DOES NOT FIT'}; weights {b['weights']}, LoRA+optimizer "

@@ -18,7 +18,10 @@ compile seconds measured on it are the chip's), on a CPU it is also narrowed (ch
   recompiles      no graph compiled after warm-up; no host sync in a step
   donation        every state tensor the captured step updates donates its buffer
   HBM             peak device memory vs the plan of the same small model (tpu_plan.py)
-  compile, MFU    compile seconds and step time, measured: the figures the next plan uses
+  compile         seconds to compile 2 layers and 1 (a run of a 1-layer copy): the part that
+                  grows with the depth and the part that does not, which the next plan uses
+  MFU             step time over TIMED_STEPS steps of a run that logs once (the runs above log
+                  every step, and each log waits for its step), against the chip's peak
 
 Each is one line: passed, failed (with the setting that avoids it), skipped (why), or measured.
 On a CPU the runs take the TPU host's path where a CPU can (cpu_environment: two replicas started
@@ -33,6 +36,7 @@ import datetime
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,11 +61,16 @@ from utils.tpu_detect import tpu_generation
 
 CHECK_STEPS = 6
 CHECK_LAYERS = 2
+TIMED_STEPS = 20  # the MFU run's steps after its warm-up step
 CPU_REPLICAS = 2  # on a CPU, dp runs two replicas: the v2/v3 chip's shape, their sums checked
 # How far two runs that differ in one setting may drift apart, per step, relative to the loss:
 # summation order only (fp32), or bf16 rounding (kernels keep other intermediates than dense).
 LOSS_TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2}
 HBM_OVER_PLAN = 1.25  # measured peak above this multiple of the plan: the plan is not to be trusted
+ALIAS_REPORT_ROUNDING = 2**30 * 5e-7 + 1  # torch_xla reports sizes in GB to 6 decimals (+1: ours to bytes)
+# The sizes of torch_xla's post-compilation report, in its order: our name -> its label.
+COMPILED_SIZES = {"inputs": "Graph input", "outputs": "Graph output", "aliased": "Aliased Input",
+                  "temporaries": "Intermediate tensor", "code": "Compiled program"}
 
 
 @dataclass
@@ -198,8 +207,12 @@ def quantized_step(quantized: dict, dequantized: dict) -> Check:
                  f"decoder Linears {quantized['quantized_base']['weight_bytes'] / 2**20:.1f} MiB")
 
 
-def summary_checks(summary: dict, aliasing: bool) -> list[Check]:
-    """What the as-configured run's summary shows by itself."""
+def summary_checks(summary: dict, aliasing: bool, compiled: list[dict] | None = None) -> list[Check]:
+    """What the as-configured run's summary shows by itself, and (donation) the bytes each graph
+    of the run aliases from its inputs to its outputs once compiled (`compiled_graphs`; None:
+    not reported). torch_xla counts the donors it declares before compiling; the compiled
+    executable's aliases are what saves the memory, so the step's graph must alias at least the
+    bytes of the state it updates."""
     checks = []
     recompiles, syncs = summary["compiles_after_warmup"], summary["host_syncs_per_step"]
     checks.append(Check("recompiles", "passed" if recompiles == 0 and not syncs else "failed",
@@ -212,45 +225,115 @@ def summary_checks(summary: dict, aliasing: bool) -> list[Check]:
     elif updated is None or donated is None:
         checks.append(Check("donation", "skipped", "the step is traced every time, or its graph was cached"))
     else:
-        checks.append(Check("donation", "passed" if donated == updated else "failed",
-                            f"{donated} buffers donated by the step's graph for {updated} state tensors it updates",
+        detail = f"{donated} buffers donated by the step's graph for {updated} state tensors it updates"
+        ok = donated == updated
+        need = summary.get("step_updated_state_bytes")
+        if compiled and need:
+            most = max(graph["aliased"] for graph in compiled)
+            detail += (f"; compiled, it aliases {most / 2**20:.3f} MiB of its inputs to its outputs for the "
+                       f"{need / 2**20:.3f} MiB it updates")
+            ok = ok and most >= need - ALIAS_REPORT_ROUNDING
+        else:
+            detail += "; the compiled graph's aliases were not reported"
+        checks.append(Check("donation", "passed" if ok else "failed", detail,
                             "XLA_ENABLE_PARAM_ALIASING=0 (the LoRA weights and moments then take a second copy)"))
     return checks
 
 
-def measured_checks(summary: dict, planned: dict, slice_: Slice | None) -> tuple[list[Check], dict]:
-    """HBM, compile seconds and MFU against the plan of the same small model on `slice_` (None:
-    not a TPU); (lines, figures)."""
+def compiled_graphs(debug_file: Path) -> list[dict[str, int]] | None:
+    """The memory of each graph compiled in a run, per device, as torch_xla reports the compiled
+    executable (PT_XLA_DEBUG_LEVEL=1 and PT_XLA_DEBUG_FILE: "Post Compilation Analysis", sizes
+    in GB to 6 decimals): its inputs, outputs, the inputs aliased to outputs (donated), its
+    temporaries and its code, in bytes. None without the file or a graph reported."""
+    if not debug_file.is_file():
+        return None
+    sizes = "".join(rf"Post Compilation Analysis: {label} size: ([0-9.]+) GB\n" for label in COMPILED_SIZES.values())
+    graphs = [{key: round(float(gb) * 2**30) for key, gb in zip(COMPILED_SIZES, found)}
+              for found in re.findall(sizes, debug_file.read_text())]
+    return graphs or None
+
+
+def compiled_peak(graph: dict[str, int]) -> int:
+    """The device memory a compiled graph needs while it runs: what it reads and writes (the
+    donated inputs once), its temporaries and its code."""
+    return graph["inputs"] + graph["outputs"] - graph["aliased"] + graph["temporaries"] + graph["code"]
+
+
+def measured_checks(summary: dict, one_layer: dict | None, timed: dict | None, planned: dict,
+                    slice_: Slice | None, compiled: list[dict] | None = None) -> tuple[list[Check], dict]:
+    """HBM against the plan of the same small model on `slice_` (None: not a TPU): the device's
+    peak, or where the runtime reports none (the SPMD virtual device under fsdp) the largest
+    compiled graph's (`compiled_graphs`; on a CPU, XLA:CPU's, only reported); the compile
+    split into the part per layer and the rest (`one_layer`: the summary of the same run at 1
+    layer; None when the layers are scanned, or when it failed); MFU from the `timed` run's
+    step time (None: it failed). Returns (lines, figures)."""
     checks, figures = [], {}
-    peak = summary.get("device_memory_peak_bytes")
-    if peak is None:
-        checks.append(Check("HBM", "skipped", "the device reports no memory in use (XLA:CPU)"))
-    else:
-        ratio = peak / (planned["hbm_per_chip_gib"] * 2**30)
-        figures["hbm_measured_over_plan"] = round(ratio, 3)
-        checks.append(Check("HBM", "passed" if ratio <= HBM_OVER_PLAN else "failed",
-                            f"peak {peak / 2**30:.2f} GiB, planned {planned['hbm_per_chip_gib']} GiB ({ratio:.2f}x)",
-                            "model.activation_checkpointing=true or a smaller train.micro_batch; the plan "
-                            f"underestimates this model by {ratio:.2f}x"))
-    seconds = summary["compile_seconds"]
-    layers = CHECK_LAYERS
-    if summary["scanned_layers"]:
-        figures["compile_s_scanned"] = seconds
-        planned_s = planned["inputs"]["compile_s_scanned"]
-    else:
-        figures["compile_s_per_layer"] = round(seconds / layers, 3)
-        planned_s = planned["compile_s"]
-    checks.append(Check("compile", "measured", f"{seconds} s for {layers} layers (the plan assumed {planned_s} s)"))
-    step_time = summary["step_time_s"]
+    checks.append(hbm_line(summary.get("device_memory_peak_bytes"), compiled, planned, slice_, figures))
+    checks.append(compile_split(summary, one_layer, planned, figures))
+    step_time = timed and timed["step_time_s"]
     if slice_ is None or not step_time:
-        checks.append(Check("MFU", "skipped", "not a TPU: no peak FLOP/s to measure against"))
+        why = "not a TPU: no peak FLOP/s to measure against" if slice_ is None else "the timed run failed"
+        checks.append(Check("MFU", "skipped", why))
     else:
-        step_flops = planned["flops_per_token"] * summary["global_batch"] * summary["seq_len"]
+        step_flops = planned["flops_per_token"] * timed["global_batch"] * timed["seq_len"]
         mfu = step_flops / (step_time * slice_.peak_flops_per_device * slice_.devices)
         figures["mfu"] = round(mfu, 4)
-        checks.append(Check("MFU", "measured", f"{mfu:.3f} at {step_time} s a step (the plan assumed "
-                            f"{planned['inputs']['assumed_mfu']})"))
+        checks.append(Check("MFU", "measured", f"{mfu:.3f} at {step_time} s a step over {TIMED_STEPS} steps logged "
+                            f"once (the plan assumed {planned['inputs']['assumed_mfu']})"))
     return checks, figures
+
+
+def hbm_line(peak: int | None, compiled: list[dict] | None, planned: dict, slice_: Slice | None,
+             figures: dict) -> Check:
+    """The HBM line; adds the measured-over-planned ratio to `figures` on a TPU."""
+    source = "peak"
+    if peak is None and compiled:
+        # torch_xla has no memory query for the SPMD virtual device, nor for a chip under it: the
+        # compiled executables' own per-device sizes stand in (the largest graph: the step's).
+        peak, source = max(compiled_peak(graph) for graph in compiled), "the largest compiled graph's"
+    if peak is None:
+        return Check("HBM", "skipped", "the device reports no memory in use and no compiled graph was reported")
+    planned_gib = planned["hbm_per_chip_gib"]
+    if slice_ is None:
+        return Check("HBM", "measured", f"{source} {peak / 2**20:.1f} MiB a device (XLA:CPU's buffers, not a TPU's: "
+                     f"judged against the plan, {planned_gib} GiB, on a TPU only)")
+    ratio = peak / (planned_gib * 2**30)
+    figures["hbm_measured_over_plan"] = round(ratio, 3)
+    return Check("HBM", "passed" if ratio <= HBM_OVER_PLAN else "failed",
+                 f"{source} {peak / 2**30:.2f} GiB, planned {planned_gib} GiB ({ratio:.2f}x)",
+                 "model.activation_checkpointing=true or a smaller train.micro_batch; the plan "
+                 f"underestimates this model by {ratio:.2f}x")
+
+
+def compile_split(summary: dict, one_layer: dict | None, planned: dict, figures: dict) -> Check:
+    """The compile line; adds the next plan's figures to `figures`. Unscanned, a phase's compile
+    is a part per decoder layer plus the rest (embedding, head, loss, optimizer, evaluation): the
+    difference between CHECK_LAYERS layers and 1 is the first, and dividing the whole by the
+    layers, as a 2-layer check once did, spread the rest over a 32-layer model 16 times."""
+    seconds = summary["compile_seconds"]
+    if summary["scanned_layers"]:
+        figures["compile_s_scanned"] = seconds
+        return Check("compile", "measured", f"{seconds} s, layers scanned (the plan assumed "
+                     f"{planned['inputs']['compile_s_scanned']} s)")
+    inputs = planned["inputs"]
+    assumed = f"the plan assumed {inputs['compile_s_fixed']} s + {inputs['compile_s_per_layer']} s a layer"
+    if one_layer is None:
+        return Check("compile", "measured", f"{seconds} s for {CHECK_LAYERS} layers; the 1-layer run failed, so "
+                     f"the part per layer is not known ({assumed})")
+    per_layer = max(seconds - one_layer["compile_seconds"], 0.0) / (CHECK_LAYERS - 1)
+    fixed = max(one_layer["compile_seconds"] - per_layer, 0.0)
+    figures.update(compile_s_fixed=round(fixed, 3), compile_s_per_layer=round(per_layer, 3))
+    return Check("compile", "measured", f"{seconds} s for {CHECK_LAYERS} layers, {one_layer['compile_seconds']} s for "
+                 f"1: {fixed:.2f} s + {per_layer:.2f} s a layer ({assumed})")
+
+
+def fewer_layers(model_config, layers: int):
+    """The check model's config with `layers` decoder layers (the first of its layer kinds)."""
+    fewer = copy.deepcopy(model_config)
+    fewer.num_hidden_layers = layers
+    if getattr(fewer, "layer_types", None):
+        fewer.layer_types = fewer.layer_types[:layers]
+    return fewer
 
 
 def cpu_environment(mode: str) -> dict[str, str]:
@@ -303,6 +386,10 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
     model = AutoModelForCausalLM.from_config(small)
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
+    one_layer = AutoModelForCausalLM.from_config(fewer_layers(small, 1))
+    one_layer.save_pretrained(root / "model_one_layer")
+    tokenizer.save_pretrained(root / "model_one_layer")
+    del one_layer
     report.update(data=data_note, log=str(log),
                   model=f"{type(model).__name__}, {CHECK_LAYERS} layers, hidden {small.hidden_size}")
     del model
@@ -311,15 +398,17 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
         dequantized = write_dequantized_copy(root / "model", config.model.quantize, DTYPES[config.model.dtype],
                                              root / "model_dequantized")
 
-    def train(name: str, overrides: dict) -> tuple[Path, str | None]:
+    def train(name: str, overrides: dict, env: dict | None = None) -> tuple[Path, str | None]:
         run = run_config_for(config, root / "model", data, root / name, on_tpu, overrides)
         path = root / f"{name}.yaml"
         path.write_text(yaml.safe_dump(run))
         proc = run_trainer(path, ["--phase", "1", "--resume", "never", "--force"], config.parallel.mode, log, device,
-                           env=None if on_tpu else cpu_environment(config.parallel.mode))
+                           env={**({} if on_tpu else cpu_environment(config.parallel.mode)), **(env or {})})
         return root / name, None if proc.returncode == 0 else (proc.stdout + proc.stderr)[-1500:]
 
-    reference, failure = train("as_configured", {})
+    # torch_xla's report of each graph it compiles (the compiled executable's aliases: donation).
+    debug_file = root / "as_configured_compiles.txt"
+    reference, failure = train("as_configured", {}, {"PT_XLA_DEBUG_LEVEL": "1", "PT_XLA_DEBUG_FILE": str(debug_file)})
     if failure:
         return {**report, "checks": [asdict(Check("as configured", "failed", f"the run failed: {failure}"))],
                 "ok": False}
@@ -341,7 +430,16 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
                 checks.append(quantized_step(summary, json.loads((out / "phase1" / "summary.json").read_text())))
     aliasing = (os.environ if on_tpu else cpu_environment(config.parallel.mode)).get("XLA_ENABLE_PARAM_ALIASING",
                                                                                       "1") != "0"
-    checks += summary_checks(summary, aliasing)
+    compiled = compiled_graphs(debug_file)
+    checks += summary_checks(summary, aliasing, compiled)
+    # The figures the next plan takes: the compile of the same run at 1 layer (scanned layers
+    # compile one layer whatever the depth: nothing to split), and a run timed without logs.
+    one_layer = None
+    if not summary["scanned_layers"]:
+        out, failure = train("compile_one_layer", {"model.path": str(root / "model_one_layer")})
+        one_layer = None if failure else json.loads((out / "phase1" / "summary.json").read_text())
+    out, failure = train("timed", {"train.max_steps": 1 + TIMED_STEPS, "logging.every": 1 + TIMED_STEPS})
+    timed = None if failure else json.loads((out / "phase1" / "summary.json").read_text())
     slice_ = parse_tpu_type(config.tpu.type)
     small_config = copy.deepcopy(config)  # the plan of the check's own run
     small_config.train.grad_accum = grad_accum
@@ -351,7 +449,8 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
         small_config.train.micro_batch = 1
     planned = plan(ModelShape.from_config(small), slice_,
                    plan_inputs(small_config, 1, devices=slice_.devices, model_config=small))
-    measured_lines, figures = measured_checks(summary, planned, slice_ if on_tpu else None)
+    measured_lines, figures = measured_checks(summary, one_layer, timed, planned, slice_ if on_tpu else None,
+                                              compiled)
     checks += measured_lines
     order = ["attention", "captured step", "scanned layers", "bf16", "quantized base", "quantized step", "collectives",
              "recompiles", "donation", "HBM", "compile", "MFU"]

@@ -90,8 +90,9 @@ def planned_dp_processes(config: RunConfig, mode: str) -> int:
 
 
 def measured_figures(config: RunConfig) -> dict | None:
-    """The chip's figures a TPU self-check wrote for this output_dir (mfu, compile_s_per_layer or
-    compile_s_scanned), when it ran on the generation tpu.type plans for; else None."""
+    """The chip's figures a TPU self-check wrote for this output_dir (mfu, compile_s_fixed and
+    compile_s_per_layer, or compile_s_scanned), when it ran on the generation tpu.type plans for;
+    else None."""
     path = RunLayout(config.output_dir).tpu_check
     if not path.is_file():
         return None
@@ -138,6 +139,7 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
                       scanned_layers=model_config is not None and layers_scanned(config, model_config, mode),
                       assumed_mfu=measured.get("mfu", config.tpu.assumed_mfu),
                       compile_s_per_layer=measured.get("compile_s_per_layer", config.tpu.compile_s_per_layer),
+                      compile_s_fixed=measured.get("compile_s_fixed", config.tpu.compile_s_fixed),
                       compile_s_scanned=measured.get("compile_s_scanned", config.tpu.compile_s_scanned))
 
 

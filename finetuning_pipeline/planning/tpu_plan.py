@@ -154,6 +154,7 @@ class PlanInputs:
     attention: str = "dense"  # what model.attention resolves to on the planned TPU: dense, splash, flash
     attention_reason: str = ""  # why (kernel_attention.choose_attention)
     compile_s_per_layer: float = 0.0  # compile seconds per decoder layer (tpu.compile_s_per_layer)
+    compile_s_fixed: float = 0.0  # compile seconds of the rest of a phase's graphs (tpu.compile_s_fixed)
     capture_step: bool = True  # train.capture_step: one micro-batch compiled, whatever grad_accum
     scanned_layers: bool = False  # train.scan_layers as resolved for the model: one layer compiled
     compile_s_scanned: float = 0.0  # compile seconds of a phase with scanned layers (tpu.compile_s_scanned)
@@ -192,7 +193,8 @@ def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
     if inputs.scanned_layers and inputs.mode != "fsdp":  # (scan_choice: not under fsdp yet)
         compile_s = inputs.compile_s_scanned
     else:
-        compile_s = inputs.compile_s_per_layer * shape.layers * (1 if inputs.capture_step else inputs.grad_accum)
+        compile_s = inputs.compile_s_fixed + inputs.compile_s_per_layer * shape.layers * (
+            1 if inputs.capture_step else inputs.grad_accum)
     hours = (inputs.steps * step_time + compile_s) / 3600
     return {
         "fits": bool(fits),

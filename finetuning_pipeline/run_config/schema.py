@@ -219,7 +219,11 @@ class TpuConfig:
     compile_s_per_layer: seconds to compile a phase's graphs per decoder layer, which the plan
         adds to every session (a warm xla.compile_cache_dir loads them instead). The default is
         what `make bench-host` measured on XLA:CPU for the layer loop (13.1 s for 32 layers); a
-        TPU run's summary reports compile_seconds: divide by the layers and set it here.
+        TPU run's summary reports compile_seconds: divide by the layers and set it here, or let
+        `make tpu-check` measure it (with compile_s_fixed) from compiles of 2 layers and of 1.
+    compile_s_fixed: seconds to compile the rest of a phase's graphs (embedding, head, loss,
+        optimizer, evaluation), added once to the layers' figure. 0 by default: the default
+        per-layer figure was measured on 32 layers and carries this part spread over them.
     compile_s_scanned: the same for a run whose decoder layers are scanned (train.scan_layers:
         one layer compiled whatever the depth), per phase and session; the default is what
         `make bench-host` measured on XLA:CPU; a TPU run's summary compile_seconds sets it."""
@@ -227,6 +231,7 @@ class TpuConfig:
     type: str = "v5e-8"
     assumed_mfu: float = 0.4
     compile_s_per_layer: float = 0.41
+    compile_s_fixed: float = 0.0
     compile_s_scanned: float = 2.8
 
 

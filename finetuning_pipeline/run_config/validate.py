@@ -102,7 +102,7 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"parallel.host_timeout_s must be > 0, got {config.parallel.host_timeout_s}")
     if not 0 < config.tpu.assumed_mfu <= 1:
         raise ConfigError(f"tpu.assumed_mfu must be in (0, 1], got {config.tpu.assumed_mfu}")
-    for key in ("compile_s_per_layer", "compile_s_scanned"):
+    for key in ("compile_s_per_layer", "compile_s_fixed", "compile_s_scanned"):
         if not getattr(config.tpu, key) >= 0:
             raise ConfigError(f"tpu.{key} must be >= 0, got {getattr(config.tpu, key)}")
     for number in config.phase_numbers():

@@ -146,6 +146,7 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
         "perplexity_after": eval_after["perplexity"],
         **timing,
         "step_updated_state_tensors": p.stepper.updated_state_tensors,
+        "step_updated_state_bytes": p.stepper.updated_state_bytes,
         "device_memory_peak_bytes": peak_memory_bytes(p.device),
         "wall_time_s": round(p.guard.elapsed(), 2),
         "world_size": p.parallel.world,

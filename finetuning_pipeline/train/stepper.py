@@ -95,6 +95,16 @@ class Stepper:
             return None
         return len(self.gradients.updated) + len(self.update.updated)
 
+    @property
+    def updated_state_bytes(self) -> int | None:
+        """The bytes of those tensors: what their donation saves on every device (the LoRA
+        weights and their optimizer state are replicated under fsdp, not sharded)."""
+        if self.gradients is None or not self.gradients.captured:
+            return None
+        model, optimizer = model_state(self.model), optimizer_state(self.optimizer)
+        tensors = [model[i] for i in self.gradients.updated] + [optimizer[i] for i in self.update.updated]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def device_state(self) -> list[torch.Tensor]:
         state = [self.step_count, self.schedule, self.label_tokens]
         return state + ([self.active_table, self.enabled] if self.grouped else [])

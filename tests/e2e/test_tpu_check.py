@@ -8,12 +8,15 @@ test_scan_trainer: the tiny model is not scanned by default, and each pair is a 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import yaml
 from conftest import REPO
 from trainer_helpers import write_run_config
+
+from finetuning_pipeline.checks.device_check import TIMED_STEPS
 
 
 def tpu_check(config, *args, env):
@@ -34,15 +37,22 @@ def test_the_self_check_runs_every_path_a_cpu_can_and_skips_the_rest(tiny_model_
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status == {"attention": "skipped", "captured step": "passed", "scanned layers": "skipped", "bf16": "passed",
                       "quantized base": "passed", "quantized step": "measured", "collectives": "passed",
-                      "recompiles": "passed", "donation": "passed", "HBM": "skipped", "compile": "measured",
+                      "recompiles": "passed", "donation": "passed", "HBM": "measured", "compile": "measured",
                       "MFU": "skipped"}, done.stdout
     assert "passed  quantized base: 6 steps, largest loss gap 0.00e+00" in done.stdout
+    assert re.search(r"passed  donation: \d+ buffers donated .*; compiled, it aliases [0-9.]+ MiB", done.stdout)
     assert report["ok"] is True and report["device"] == "CPU" and report["measured"] == {}
     for name in status:
         assert f"  {status[name]:>8}  {name}: " in done.stdout
     runs = tmp_path / "out" / "tpu_check"
     assert json.loads((runs / "as_configured" / "phase1" / "summary.json").read_text())["world_size"] == 2
     assert yaml.safe_load((runs / "as_configured.yaml").read_text())["parallel"]["launcher"] == "tpu"
+    # The compile of 2 layers against 1 (the run's layers are not scanned: 2 layers compile as fast
+    # unrolled), and the step time of a run that logs its first step and its last only.
+    one_layer = json.loads((runs / "compile_one_layer" / "phase1" / "summary.json").read_text())
+    assert one_layer["compiles_after_warmup"] == 0 and "s for 1: " in done.stdout
+    timed = [json.loads(line) for line in (runs / "timed" / "phase1" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in timed if r["kind"] == "train"] == [1, 1 + TIMED_STEPS]
     again = tpu_check(config, env=env)
     assert again.returncode == 2 and "pass --force to replace it" in again.stderr
 
@@ -68,6 +78,8 @@ def test_the_self_check_of_adapters_side_by_side_in_an_fsdp_run_on_four_devices(
         "captured step": "passed", "quantized base": "skipped", "collectives": "skipped", "recompiles": "passed",
         "donation": "passed"}, done.stdout
     assert "inside the SPMD graph" in done.stdout
+    # no memory query for the SPMD virtual device: the compiled graphs' per-device sizes, reported
+    assert re.search(r"measured  HBM: the largest compiled graph's [0-9.]+ MiB a device \(XLA:CPU's", done.stdout)
     # (the config file lists them sorted, yaml.safe_dump: chat first, and its data)
     assert f"the run's prepared data ({data[2]}); the 2 adapters side by side (chat, text) each train on it" \
         in done.stdout

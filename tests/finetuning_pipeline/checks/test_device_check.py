@@ -108,21 +108,80 @@ def test_recompiles_and_a_donation_short_of_the_updated_state_fail(tmp_path):
     assert {c.name: c.status for c in device_check.summary_checks(bad, aliasing=False)}["donation"] == "skipped"
 
 
+def compile_report(*graphs: tuple[str, ...]) -> str:
+    """torch_xla's post-compilation report of each graph: (inputs, outputs, aliased, temporaries, code) in GB."""
+    labels = ["Graph input", "Graph output", "Aliased Input", "Intermediate tensor", "Compiled program"]
+    return "".join("Post Compilation Analysis: ====\n" + "".join(
+        f"Post Compilation Analysis: {label} size: {gb} GB\n" for label, gb in zip(labels, graph)) for graph in graphs)
+
+
+def test_donation_is_proven_by_the_bytes_the_compiled_step_aliases(tmp_path):
+    """torch_xla's donor count is declared before compiling; the compiled executable's aliases
+    (its post-compilation report) must cover the bytes of the state the step updates."""
+    report = tmp_path / "compiles.txt"
+    report.write_text(compile_report(("0.000000",) * 5, ("0.002000", "0.000977", "0.000977", "0.000100", "0.000000")))
+    compiled = device_check.compiled_graphs(report)
+    assert [g["aliased"] for g in compiled] == [0, round(0.000977 * 2**30)]
+    assert device_check.compiled_peak(compiled[1]) == sum(round(gb * 2**30) for gb in (0.002, 0.000977, -0.000977,
+                                                                                        0.0001, 0))
+    state = {**SUMMARY, "step_updated_state_bytes": 2**20}  # 1 MiB updated, 0.000977 GB (1 MiB, rounded) aliased
+    line = {c.name: c for c in device_check.summary_checks(state, True, compiled)}["donation"]
+    assert line.status == "passed" and "aliases 1.000 MiB of its inputs to its outputs for the 1.000 MiB" in line.detail
+    short = {c.name: c for c in device_check.summary_checks({**state, "step_updated_state_bytes": 2**21}, True,
+                                                            compiled)}["donation"]
+    assert short.status == "failed" and short.avoid.startswith("XLA_ENABLE_PARAM_ALIASING=0")
+    assert device_check.compiled_graphs(tmp_path / "none.txt") is None
+    unreported = {c.name: c for c in device_check.summary_checks(state, True, None)}["donation"]
+    assert unreported.status == "passed" and "aliases were not reported" in unreported.detail
+
+
+def test_without_a_device_memory_query_hbm_is_the_largest_compiled_graphs():
+    """Under fsdp the runtime has no memory query for the SPMD virtual device: the compiled
+    graphs' per-device sizes stand in, judged on a TPU and only reported on a CPU."""
+    planned = {"hbm_per_chip_gib": 1.0, "inputs": {"compile_s_scanned": 2.8, "assumed_mfu": 0.4}}
+    graphs = [{"inputs": 2**29, "outputs": 2**28, "aliased": 2**28, "temporaries": 2**30, "code": 0},
+              {"inputs": 2**20, "outputs": 0, "aliased": 0, "temporaries": 0, "code": 0}]
+    fsdp = {**SUMMARY, "device_memory_peak_bytes": None}
+    checks, figures = device_check.measured_checks(fsdp, None, None, planned, parse_tpu_type("v5e-8"), graphs)
+    assert checks[0].status == "failed" and figures["hbm_measured_over_plan"] == 1.5
+    assert "the largest compiled graph's 1.50 GiB, planned 1.0 GiB" in checks[0].detail
+    checks, figures = device_check.measured_checks(fsdp, None, None, planned, None, graphs)
+    assert checks[0].status == "measured" and "XLA:CPU's buffers" in checks[0].detail and "HBM" not in str(figures)
+    assert device_check.measured_checks(fsdp, None, None, planned, None, None)[0][0].status == "skipped"
+
+
 def test_hbm_over_the_plan_fails_and_mfu_and_compile_seconds_are_measured():
     v5e = parse_tpu_type("v5e-8")
     planned = {"hbm_per_chip_gib": 2.0, "flops_per_token": 1e9, "compile_s": 12.0,
-               "inputs": {"compile_s_scanned": 2.8, "assumed_mfu": 0.4}}
-    checks, figures = device_check.measured_checks(SUMMARY, planned, v5e)
+               "inputs": {"compile_s_scanned": 2.8, "compile_s_fixed": 0.0, "compile_s_per_layer": 0.41,
+                          "assumed_mfu": 0.4}}
+    timed = {**SUMMARY, "step_time_s": 0.25}  # the run that logs once: its step time, not the logged run's
+    checks, figures = device_check.measured_checks(SUMMARY, None, timed, planned, v5e)
     lines = {c.name: c for c in checks}
     assert lines["HBM"].status == "failed" and "(1.50x)" in lines["HBM"].detail  # 3 GiB against 2 planned
     assert "model.activation_checkpointing=true" in lines["HBM"].avoid
-    mfu = 1e9 * 16 * 1024 / (0.5 * v5e.peak_flops_per_device * 8)
+    mfu = 1e9 * 16 * 1024 / (0.25 * v5e.peak_flops_per_device * 8)
     assert figures == {"hbm_measured_over_plan": 1.5, "compile_s_scanned": 30.0, "mfu": round(mfu, 4)}
     assert lines["MFU"].status == lines["compile"].status == "measured"
-    checks, figures = device_check.measured_checks({**SUMMARY, "device_memory_peak_bytes": None,
-                                                    "scanned_layers": False}, planned, None)
-    assert figures == {"compile_s_per_layer": 15.0}
+    assert f"over {device_check.TIMED_STEPS} steps logged once" in lines["MFU"].detail
+    assert device_check.measured_checks(SUMMARY, None, None, planned, v5e)[0][-1].status == "skipped"
+
+
+def test_the_compile_is_split_into_the_part_per_layer_and_the_rest():
+    """2 layers compiled in 30 s and 1 in 26 s: 4 s a layer and 22 s for the rest (30 / 2 = 15 s
+    a layer would plan 480 s for 32 layers instead of 150 s)."""
+    planned = {"hbm_per_chip_gib": 2.0, "inputs": {"compile_s_fixed": 0.0, "compile_s_per_layer": 0.41}}
+    unscanned = {**SUMMARY, "device_memory_peak_bytes": None, "scanned_layers": False}
+    checks, figures = device_check.measured_checks(unscanned, {**unscanned, "compile_seconds": 26.0}, unscanned,
+                                                   planned, None)
+    assert figures == {"compile_s_fixed": 22.0, "compile_s_per_layer": 4.0}
     assert {c.name: c.status for c in checks} == {"HBM": "skipped", "compile": "measured", "MFU": "skipped"}
+    assert "30.0 s for 2 layers, 26.0 s for 1: 22.00 s + 4.00 s a layer" in checks[1].detail
+    # A 1-layer compile no faster than 2 (noise on a small model): no part per layer, not a negative one.
+    _, figures = device_check.measured_checks(unscanned, {**unscanned, "compile_seconds": 31.0}, None, planned, None)
+    assert figures == {"compile_s_fixed": 31.0, "compile_s_per_layer": 0.0}
+    checks, figures = device_check.measured_checks(unscanned, None, None, planned, None)
+    assert figures == {} and "the 1-layer run failed" in checks[1].detail
 
 
 def test_preflight_plans_with_the_chips_measured_figures_of_its_generation(tmp_path, capsys):
@@ -133,13 +192,15 @@ def test_preflight_plans_with_the_chips_measured_figures_of_its_generation(tmp_p
                                     "phase1": {"data": str(tmp_path / "none"), "seq_len": 2048}}))
     code, assumed = run_preflight(tmp_path, path, "tpu.type=v5e-8")
     report = {"device": "TPU", "tpu_type": "v5litepod-8", "checked_at": "2026-11-24T00:00:00+00:00", "checks": [],
-              "measured": {"mfu": 0.2, "compile_s_per_layer": 1.5}}
+              "measured": {"mfu": 0.2, "compile_s_per_layer": 1.5, "compile_s_fixed": 20.0}}
     (tmp_path / "out" / "tpu_check.json").write_text(json.dumps(report))
     code, measured = run_preflight(tmp_path, path, "tpu.type=v5e-8")
     phase, before = measured["phases"]["phase1"], assumed["phases"]["phase1"]
     assert before["inputs"]["assumed_mfu"] == 0.4 and phase["inputs"]["assumed_mfu"] == 0.2
     assert phase["step_time_s"] == pytest.approx(2 * before["step_time_s"], rel=1e-2)
     assert phase["inputs"]["compile_s_per_layer"] == 1.5 and measured["chip_figures"]["mfu"] == 0.2
+    looped = run_preflight(tmp_path, path, "tpu.type=v5e-8", "train.scan_layers=false")[1]["phases"]["phase1"]
+    assert looped["compile_s"] == pytest.approx(20 + 1.5 * 32, abs=0.1)  # the rest once, the layers 32 times
     assert "chip figures: measured by make tpu-check" in capsys.readouterr().out
     code, other = run_preflight(tmp_path, path, "tpu.type=v6e-8")
     assert other["phases"]["phase1"]["inputs"]["assumed_mfu"] == 0.4 and other["chip_figures"] is None
