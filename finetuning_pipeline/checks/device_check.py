@@ -272,7 +272,8 @@ def measured_checks(summary: dict, one_layer: dict | None, timed: dict | None, p
     checks.append(compile_split(summary, one_layer, planned, figures))
     step_time = timed and timed["step_time_s"]
     if slice_ is None or not step_time:
-        why = "not a TPU: no peak FLOP/s to measure against" if slice_ is None else "the timed run failed"
+        why = ("not a TPU: no peak FLOP/s to measure against" if slice_ is None
+               else "the timed run failed (its output is in tpu_check.log)")
         checks.append(Check("MFU", "skipped", why))
     else:
         step_flops = planned["flops_per_token"] * timed["global_batch"] * timed["seq_len"]
@@ -318,8 +319,8 @@ def compile_split(summary: dict, one_layer: dict | None, planned: dict, figures:
     inputs = planned["inputs"]
     assumed = f"the plan assumed {inputs['compile_s_fixed']} s + {inputs['compile_s_per_layer']} s a layer"
     if one_layer is None:
-        return Check("compile", "measured", f"{seconds} s for {CHECK_LAYERS} layers; the 1-layer run failed, so "
-                     f"the part per layer is not known ({assumed})")
+        return Check("compile", "measured", f"{seconds} s for {CHECK_LAYERS} layers; the 1-layer run failed (its "
+                     f"output is in tpu_check.log), so the part per layer is not known ({assumed})")
     per_layer = max(seconds - one_layer["compile_seconds"], 0.0) / (CHECK_LAYERS - 1)
     fixed = max(one_layer["compile_seconds"] - per_layer, 0.0)
     figures.update(compile_s_fixed=round(fixed, 3), compile_s_per_layer=round(per_layer, 3))
