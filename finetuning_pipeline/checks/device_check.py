@@ -328,6 +328,21 @@ def compile_split(summary: dict, one_layer: dict | None, planned: dict, figures:
                  f"1: {fixed:.2f} s + {per_layer:.2f} s a layer ({assumed})")
 
 
+def write_check_models(small, tokenizer, root: Path, seed: int) -> str:
+    """The check model (root/model) and its 1-layer copy for the compile split
+    (root/model_one_layer), with the tokenizer, from `seed`: the same bytes every time, and on
+    every host of a pod. Returns the model's class name."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    for name, model_config in (("model", small), ("model_one_layer", fewer_layers(small, 1))):
+        model = AutoModelForCausalLM.from_config(model_config)
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return type(model).__name__
+
+
 def fewer_layers(model_config, layers: int):
     """The check model's config with `layers` decoder layers (the first of its layer kinds)."""
     fewer = copy.deepcopy(model_config)
@@ -367,7 +382,7 @@ def run_config_for(config: RunConfig, model_path: Path, data: Path, out: Path, o
 def device_check(config: RunConfig, model_config, root: Path, *, device: str, seq_len: int) -> dict:
     """Run the checks in `root` (the runs' directory, claimed by the caller); returns the report
     tpu_check.json holds (see the module docstring)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     on_tpu = device == "TPU"
     checked_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -384,16 +399,9 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
     data, tokenizer_dir, data_note = check_data(config, root, seq_len if on_tpu else min(seq_len, 128))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     small = check_model_config(model_config, len(tokenizer), full_width=on_tpu)
-    model = AutoModelForCausalLM.from_config(small)
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    one_layer = AutoModelForCausalLM.from_config(fewer_layers(small, 1))
-    one_layer.save_pretrained(root / "model_one_layer")
-    tokenizer.save_pretrained(root / "model_one_layer")
-    del one_layer
+    architecture = write_check_models(small, tokenizer, root, config.train.seed)
     report.update(data=data_note, log=str(log),
-                  model=f"{type(model).__name__}, {CHECK_LAYERS} layers, hidden {small.hidden_size}")
-    del model
+                  model=f"{architecture}, {CHECK_LAYERS} layers, hidden {small.hidden_size}")
     dequantized = None
     if config.model.quantize != "none":
         dequantized = write_dequantized_copy(root / "model", config.model.quantize, DTYPES[config.model.dtype],

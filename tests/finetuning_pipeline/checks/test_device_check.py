@@ -243,3 +243,19 @@ def test_a_tpu_type_that_is_not_this_hosts_and_a_configured_run_that_fails_are_f
     report = device_check.device_check(run, model_config, tmp_path / "runs", device="CPU", seq_len=64)
     (line,) = report["checks"]
     assert line["status"] == "failed" and line["detail"].endswith("error: phase 1 step 2: buffer deleted")
+
+
+def test_the_check_models_are_the_same_bytes_every_time(tiny_model_dir, tmp_path):
+    """Seeded, so that a pod's hosts (and a second check) write the same model."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    small = device_check.check_model_config(AutoConfig.from_pretrained(tiny_model_dir), 1000, full_width=False)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    files = {}
+    for copy in ("a", "b"):
+        name = device_check.write_check_models(small, tokenizer, tmp_path / copy, seed=3)
+        files[copy] = {p.relative_to(tmp_path / copy): p.read_bytes() for p in sorted((tmp_path / copy).rglob("*"))
+                       if p.suffix == ".safetensors"}
+    assert name == "MistralForCausalLM" and len(files["a"]) == 2 and files["a"] == files["b"]
+    layers = AutoConfig.from_pretrained(tmp_path / "a" / "model_one_layer").num_hidden_layers
+    assert layers == 1
