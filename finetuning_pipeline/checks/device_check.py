@@ -328,18 +328,16 @@ def compile_split(summary: dict, one_layer: dict | None, planned: dict, figures:
                  f"1: {fixed:.2f} s + {per_layer:.2f} s a layer ({assumed})")
 
 
-def write_check_models(small, tokenizer, root: Path, seed: int) -> str:
-    """The check model (root/model) and its 1-layer copy for the compile split
-    (root/model_one_layer), with the tokenizer, from `seed`: the same bytes every time, and on
-    every host of a pod. Returns the model's class name."""
+def write_check_model(model_config, tokenizer, out: Path, seed: int) -> str:
+    """A check model with the tokenizer, initialised from `seed`: the same bytes every time, and
+    on every host of a pod. Returns the model's class name."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    for name, model_config in (("model", small), ("model_one_layer", fewer_layers(small, 1))):
-        model = AutoModelForCausalLM.from_config(model_config)
-        model.save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
+    model = AutoModelForCausalLM.from_config(model_config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return type(model).__name__
 
 
@@ -399,7 +397,7 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
     data, tokenizer_dir, data_note = check_data(config, root, seq_len if on_tpu else min(seq_len, 128))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     small = check_model_config(model_config, len(tokenizer), full_width=on_tpu)
-    architecture = write_check_models(small, tokenizer, root, config.train.seed)
+    architecture = write_check_model(small, tokenizer, root / "model", config.train.seed)
     report.update(data=data_note, log=str(log),
                   model=f"{architecture}, {CHECK_LAYERS} layers, hidden {small.hidden_size}")
     dequantized = None
@@ -445,6 +443,8 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
     # compile one layer whatever the depth: nothing to split), and a run timed without logs.
     one_layer = None
     if not summary["scanned_layers"]:
+        # (written only now: at a TPU's width even one layer with its embedding and head is GBs)
+        write_check_model(fewer_layers(small, 1), tokenizer, root / "model_one_layer", config.train.seed)
         out, failure = train("compile_one_layer", {"model.path": str(root / "model_one_layer")})
         one_layer = None if failure else json.loads((out / "phase1" / "summary.json").read_text())
     out, failure = train("timed", {"train.max_steps": 1 + TIMED_STEPS, "logging.every": 1 + TIMED_STEPS})

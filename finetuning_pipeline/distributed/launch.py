@@ -20,9 +20,9 @@ parent died without a word (SIGKILL) stops the same way rather than train on as 
 
 Every wait ends in bounded time, because on a TPU a replica whose peer died waits in a device
 all-reduce that never returns: the main threads (launcher and workers) wait in short timeouts,
-and a worker's other threads block the stop signals, so a signal runs its handler at once; once a replica
-fails the others get FAILURE_GRACE_S to end, then their worker process is left (`os._exit`)
-and the launcher kills what remains; and a worker reports to the launcher and leaves with
+and a worker's other threads block the stop signals, so a signal runs its handler at once;
+once a replica fails the others get FAILURE_GRACE_S to end, then their worker process is left
+(`os._exit`) and the launcher kills what remains; and a worker reports to the launcher and leaves with
 `os._exit`, never through an interpreter shutdown that waits on device work or walks its heap.
 """
 

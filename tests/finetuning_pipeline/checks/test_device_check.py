@@ -253,9 +253,10 @@ def test_the_check_models_are_the_same_bytes_every_time(tiny_model_dir, tmp_path
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     files = {}
     for copy in ("a", "b"):
-        name = device_check.write_check_models(small, tokenizer, tmp_path / copy, seed=3)
+        name = device_check.write_check_model(small, tokenizer, tmp_path / copy / "model", seed=3)
+        device_check.write_check_model(device_check.fewer_layers(small, 1), tokenizer, tmp_path / copy / "one", seed=3)
         files[copy] = {p.relative_to(tmp_path / copy): p.read_bytes() for p in sorted((tmp_path / copy).rglob("*"))
                        if p.suffix == ".safetensors"}
     assert name == "MistralForCausalLM" and len(files["a"]) == 2 and files["a"] == files["b"]
-    layers = AutoConfig.from_pretrained(tmp_path / "a" / "model_one_layer").num_hidden_layers
+    layers = AutoConfig.from_pretrained(tmp_path / "a" / "one").num_hidden_layers
     assert layers == 1
