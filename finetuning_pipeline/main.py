@@ -151,6 +151,10 @@ def run_replica(config: RunConfig, plans: list[PhasePlan], resume_command: str, 
                     if parallel.master:
                         print(stop.after_stop(result.stopped_at_step, plan.phase, resume_command), flush=True)
                     break
+            if parallel.master:  # one writer: on a pod every host runs main.py, and output_dir is shared
+                plot = plot_losses(config.output_dir, config.phase_numbers())
+                if plot is not None:
+                    print(f"loss plot: {plot}", flush=True)
         finished = True
     finally:
         parallel.collectives.close(clean=finished)
@@ -194,10 +198,6 @@ def train(argv: list[str] | None) -> int:
                              started, label=config.train.max_wall_time or "")
     if plans:
         start_replicas(config, (config, plans, resume_command(args), budget))
-    if launch_rank() == 0:
-        plot = plot_losses(config.output_dir, config.phase_numbers())
-        if plot is not None:
-            print(f"loss plot: {plot}")
     return 0
 
 

@@ -8,6 +8,7 @@ from step closures, possibly on torch_xla's closure thread, hence the lock.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -130,8 +131,10 @@ def plot_losses(output_dir: str | Path, phases: list[int]) -> Path | None:
     ax.grid(alpha=0.3)
     path = layout.loss_plot
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")  # a reader never sees half a PNG
+    fig.savefig(partial, dpi=100, format="png")
     plt.close(fig)
+    os.replace(partial, path)
     return path
 
 
