@@ -11,6 +11,10 @@ sync, buffer donation, HBM in use vs the plan, compile seconds and MFU (checks/d
 A failed line names the setting that avoids it. On a CPU it runs what a CPU can and says what it
 skipped.
 
+On a pod, run the same command on every host at once (`gcloud ... ssh --worker=all`): each of
+the check's runs is a run of the whole slice, as the real run is, and host 0 writes the report
+(checks/pod_hosts.py).
+
 Writes output_dir/tpu_check.json. Measured on a TPU, its MFU and compile seconds are what the
 next `make preflight` plans with, for the same TPU generation, instead of tpu.assumed_mfu and
 tpu.compile_s_* (the XLA:CPU figures). Exit status: 0 every check passed or was skipped, 1 a
@@ -30,6 +34,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from finetuning_pipeline.checks.device_check import device_check, format_report, write_report
+from finetuning_pipeline.checks.pod_hosts import HostBarrier, PodCheckError, PodHost, pod_host
 from finetuning_pipeline.planning.phase_plan import load_architecture, seq_len_of
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import ConfigError, load_config
@@ -39,8 +44,9 @@ from utils.xla_runtime import choose_device
 COMMAND = "finetuning_pipeline.tpu_check"
 
 
-def claim_outputs(layout: RunLayout, force: bool) -> None:
-    """An earlier check's report and runs are replaced with --force only (and only ours)."""
+def refuse_outputs(layout: RunLayout, force: bool) -> None:
+    """An earlier check's report and runs are replaced with --force only (and only ours): raises
+    OutputConflict, changing nothing."""
     report = layout.tpu_check
     if report.exists():
         if not force:
@@ -52,20 +58,24 @@ def claim_outputs(layout: RunLayout, force: bool) -> None:
         if not ours:
             raise OutputConflict(f"output_dir: {report} was not written by this command; move it away")
     claim_output(layout.tpu_check_runs, force=force, command=COMMAND, flag="output_dir")
+
+
+def clear_runs(layout: RunLayout) -> None:
+    """The check's directory, emptied (on a pod by host 0 alone, before any host writes there)."""
     shutil.rmtree(layout.tpu_check_runs, ignore_errors=True)
     layout.tpu_check_runs.mkdir(parents=True)
     mark_written_by(layout.tpu_check_runs, COMMAND)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m finetuning_pipeline.tpu_check", description=__doc__.split("\n\n")[0],
-        epilog="Exit status: 0 every check passed or was skipped, 1 a check failed, 2 a bad config.")
-    parser.add_argument("--config", required=True, help="YAML run config (the run to check)")
-    parser.add_argument("--force", action="store_true", help="replace an earlier check's tpu_check.json and runs")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    args = parser.parse_args(argv)
-    choose_device()  # on a TPU VM whose shell lacks PJRT_DEVICE, the TPU: a CPU check there would skip it
+class CheckRefused(Exception):
+    """A host's config or output_dir refused the check (every host's reasons): exit 2."""
+
+
+def load_and_claim(args: argparse.Namespace, host: PodHost, barrier: HostBarrier):
+    """(config, model_config, seq_len, layout), once every host has loaded the config and host 0
+    has cleared the check's directory: nothing is deleted unless every host can run the check,
+    and no host writes there before it is cleared. Raises CheckRefused otherwise."""
+    failure = None
     try:
         config = load_config(args.config, args.overrides)
         if not any(config.data_dirs(1).values()) and not config.phase(1).seq_len:
@@ -74,16 +84,52 @@ def main(argv: list[str] | None = None) -> int:
         seq_len = seq_len_of(config, 1)
         model_config, _ = load_architecture(config.model.path, config.model.revision)
         layout = RunLayout(config.output_dir)
-        claim_outputs(layout, args.force)
+        if host.writer:
+            refuse_outputs(layout, args.force)
     except (ConfigError, ValueError) as err:
+        failure = str(err)
+    failures = barrier.ready("config", failure)
+    if not failures and host.writer:
+        try:
+            clear_runs(layout)
+        except OSError as err:
+            failure = f"output_dir: cannot clear {layout.tpu_check_runs}: {err}"
+    failures = failures or barrier.ready("claim", failure)
+    if failures:
+        raise CheckRefused("; ".join(failures))
+    return config, model_config, seq_len, layout
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m finetuning_pipeline.tpu_check", description=__doc__.split("\n\n")[0],
+        epilog="On a pod, run the same command on every host at once (gcloud ... ssh --worker=all): host 0 writes "
+               "tpu_check.json. Exit status: 0 every check passed or was skipped, 1 a check failed (or a host of "
+               "the pod never came), 2 a bad config.")
+    parser.add_argument("--config", required=True, help="YAML run config (the run to check)")
+    parser.add_argument("--force", action="store_true", help="replace an earlier check's tpu_check.json and runs")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    args = parser.parse_args(argv)
+    choose_device()  # on a TPU VM whose shell lacks PJRT_DEVICE, the TPU: a CPU check there would skip it
+    device = os.environ["PJRT_DEVICE"].upper()
+    host = pod_host(device)
+    try:
+        barrier = HostBarrier(host)
+        config, model_config, seq_len, layout = load_and_claim(args, host, barrier)
+        report = device_check(config, model_config, layout.tpu_check_runs, device=device, seq_len=seq_len, host=host,
+                              barrier=barrier)
+    except CheckRefused as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    device = os.environ["PJRT_DEVICE"].upper()
-    report = device_check(config, model_config, layout.tpu_check_runs, device=device, seq_len=seq_len)
+    except PodCheckError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     report["config"], report["overrides"] = args.config, args.overrides
-    path = write_report(config, report)
     print(format_report(report))
-    print(f"wrote {path}")
+    if host.writer:
+        print(f"wrote {write_report(config, report)}")
+    else:
+        print(f"host {host.index} of {host.hosts}: host 0 writes the report ({layout.tpu_check})")
     return 0 if report["ok"] else 1
 
 

@@ -45,6 +45,7 @@ import yaml
 from dataset.manifest import MANIFEST_NAME
 from dataset.prepare import PrepareOptions, prepare
 from dataset.samples import DOMAIN_TEXT
+from finetuning_pipeline.checks.pod_hosts import ONE_HOST, HostBarrier, PodHost
 from finetuning_pipeline.checks.rehearsal import run_trainer, shrunken_config, small_run
 from finetuning_pipeline.model.kernel_attention import IMPLEMENTATION
 from finetuning_pipeline.model.loading import DTYPES
@@ -159,12 +160,13 @@ def compare(name: str, ours: Path, theirs: Path, dtype: str, avoid: str) -> Chec
     return Check(name, "passed" if gap <= tolerance else "failed", detail, avoid)
 
 
-def variants(config: RunConfig, summary: dict, dtype: str, grad_accum: int,
-             devices_per_chip: int = 1, dequantized: Path | None = None) -> tuple[list[Variant], list[Check]]:
+def variants(config: RunConfig, summary: dict, dtype: str, grad_accum: int, devices_per_chip: int = 1,
+             dequantized: Path | None = None, hosts: int = 1) -> tuple[list[Variant], list[Check]]:
     """The runs to compare with "as configured", from what it took (its summary); skipped lines
     for the rest. grad_accum: the check's own; devices_per_chip: the replicas one chip runs (2 on
     v2/v3), which share the global batch in the one-chip run; dequantized: the check model with
-    its decoder Linears dequantized (quantized_base.write_dequantized_copy), under model.quantize."""
+    its decoder Linears dequantized (quantized_base.write_dequantized_copy), under model.quantize;
+    hosts: the pod's (each keeps one chip in the one-chip run)."""
     runs, skipped = [], []
     if summary["attention"] in IMPLEMENTATION.values():
         runs.append(Variant("attention", {"model.attention": "dense"}, "model.attention=dense"))
@@ -187,14 +189,20 @@ def variants(config: RunConfig, summary: dict, dtype: str, grad_accum: int,
                             "model.quantize=none"))
     else:
         skipped.append(Check("quantized base", "skipped", "model.quantize=none"))
-    if config.parallel.mode == "dp" and summary["world_size"] > 1:
-        one_chip = summary["global_batch"] // (grad_accum * devices_per_chip)  # every replica's rows on one chip
-        runs.append(Variant("collectives", {"parallel.single_chip": True, "train.micro_batch": one_chip},
+    # parallel.single_chip leaves one chip a host: on a pod its hosts' replicas still sum across hosts
+    one_chip_world = devices_per_chip * hosts
+    if config.parallel.mode == "dp" and summary["world_size"] > one_chip_world:
+        rows = summary["global_batch"] // (grad_accum * one_chip_world)  # every replica's rows on one chip a host
+        runs.append(Variant("collectives", {"parallel.single_chip": True, "train.micro_batch": rows},
                             "parallel.mode=fsdp (one SPMD process per host: no cross-replica sums on one host)"))
+    elif config.parallel.mode != "dp":
+        skipped.append(Check("collectives", "skipped", "parallel.mode=fsdp: the sums are inside the SPMD graph, "
+                             "compared by the checks above"))
+    elif summary["world_size"] == 1:
+        skipped.append(Check("collectives", "skipped", "one replica: nothing is summed across replicas"))
     else:
-        why = ("one replica: nothing is summed across replicas" if config.parallel.mode == "dp"
-               else "parallel.mode=fsdp: the sums are inside the SPMD graph, compared by the checks above")
-        skipped.append(Check("collectives", "skipped", why))
+        skipped.append(Check("collectives", "skipped", f"one chip a host already ({summary['world_size']} replicas "
+                             f"on {hosts} hosts): one chip a host is the same run"))
     return runs, skipped
 
 
@@ -350,24 +358,27 @@ def fewer_layers(model_config, layers: int):
     return fewer
 
 
-def cpu_environment(mode: str) -> dict[str, str]:
+def cpu_environment(mode: str, hosts: int = 1) -> dict[str, str]:
     """On a CPU the check's runs take a TPU host's path where a CPU can: buffer donation on (the
     XLA:CPU default is off), and under dp two replicas (the v2/v3 chip's shape, so that their sums
-    are checked) started by the TPU's launcher (run_config_for). What the user set wins."""
+    are checked) started by the TPU's launcher (run_config_for). In the rehearsal of a pod
+    (`hosts` processes under torchrun's environment, pod_hosts.py) each host is one replica.
+    What the user set wins."""
     env = {"XLA_ENABLE_PARAM_ALIASING": os.environ.get("XLA_ENABLE_PARAM_ALIASING", "1")}
-    if mode == "dp":
+    if mode == "dp" and hosts == 1:
         env["CPU_NUM_DEVICES"] = os.environ.get("CPU_NUM_DEVICES", str(CPU_REPLICAS))
     return env
 
 
-def run_config_for(config: RunConfig, model_path: Path, data: Path, out: Path, on_tpu: bool, overrides: dict) -> dict:
+def run_config_for(config: RunConfig, model_path: Path, data: Path, out: Path, on_tpu: bool, overrides: dict,
+                   hosts: int = 1) -> dict:
     """The check's run: rehearsal.small_run as configured, with `overrides` ({"section.key": value})."""
     run = small_run(config, model_path=model_path, output_dir=out, data={1: data}, steps=CHECK_STEPS,
                     on_cpu=not on_tpu)
     run["train"]["recompile_policy"] = "warn"  # a recompile is one of the check's lines, not the end of it
     if not on_tpu:
         run["train"]["micro_batch"] = 1
-        if config.parallel.mode == "dp":
+        if config.parallel.mode == "dp" and hosts == 1:
             run["parallel"]["launcher"] = "tpu"  # the TPU host's launcher: a worker process, a thread a replica
     run["checkpoint"].update(every=0, keep=1)
     run["xla"]["compile_cache_dir"] = ""  # compiled here, every time: the compile seconds are what the plan takes
@@ -377,44 +388,64 @@ def run_config_for(config: RunConfig, model_path: Path, data: Path, out: Path, o
     return run
 
 
-def device_check(config: RunConfig, model_config, root: Path, *, device: str, seq_len: int) -> dict:
-    """Run the checks in `root` (the runs' directory, claimed by the caller); returns the report
-    tpu_check.json holds (see the module docstring)."""
+def device_check(config: RunConfig, model_config, root: Path, *, device: str, seq_len: int,
+                 host: PodHost = ONE_HOST, barrier: HostBarrier | None = None) -> dict:
+    """Run the checks in `root` (output_dir/tpu_check, claimed and cleared by host 0 before this
+    is called on any host); returns the report tpu_check.json holds (see the module docstring).
+    On a pod (pod_hosts.py) every host calls it at once: the runs go to root/runs, one run of
+    the slice each, and what this host alone reads to root/host<index>; no host starts a run
+    before every host has set up, or any once one host could not (the `barrier`)."""
     from transformers import AutoTokenizer
 
     on_tpu = device == "TPU"
     checked_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    report = {"device": device, "tpu_type": config.tpu.type, "checked_at": checked_at, "measured": {}}
+    report = {"device": device, "tpu_type": config.tpu.type, "checked_at": checked_at, "measured": {},
+              "hosts": host.hosts}
+    barrier = barrier or HostBarrier(host)
     if on_tpu:
         planned = parse_tpu_type(config.tpu.type).generation.name
         here = tpu_generation()
         if here != {"v2": "v2/v3", "v3": "v2/v3"}.get(planned, planned):
             check = Check("TPU type", "failed", f"tpu.type={config.tpu.type}, but this host's chips are {here}",
                           "tpu.type set to this slice's accelerator type")
+            barrier.ready("set-up", check.detail)
             return {**report, "data": None, "model": None, "checks": [asdict(check)], "ok": False}
-    root.mkdir(parents=True, exist_ok=True)
-    log = root / "tpu_check.log"
-    data, tokenizer_dir, data_note = check_data(config, root, seq_len if on_tpu else min(seq_len, 128))
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    small = check_model_config(model_config, len(tokenizer), full_width=on_tpu)
-    architecture = write_check_model(small, tokenizer, root / "model", config.train.seed)
+    own, pod_runs = root / f"host{host.index}", root / "runs"
+    log = own / "tpu_check.log"
+    try:
+        own.mkdir(parents=True)
+        data, tokenizer_dir, data_note = check_data(config, own, seq_len if on_tpu else min(seq_len, 128))
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        small = check_model_config(model_config, len(tokenizer), full_width=on_tpu)
+        architecture = write_check_model(small, tokenizer, own / "model", config.train.seed)
+        dequantized = None
+        if config.model.quantize != "none":
+            dequantized = write_dequantized_copy(own / "model", config.model.quantize, DTYPES[config.model.dtype],
+                                                 own / "model_dequantized")
+    except BaseException as err:
+        barrier.ready("set-up", f"{type(err).__name__}: {err}")  # the other hosts stop now, not at a timeout
+        raise
+    others = barrier.ready("set-up")
     report.update(data=data_note, log=str(log),
                   model=f"{architecture}, {CHECK_LAYERS} layers, hidden {small.hidden_size}")
-    dequantized = None
-    if config.model.quantize != "none":
-        dequantized = write_dequantized_copy(root / "model", config.model.quantize, DTYPES[config.model.dtype],
-                                             root / "model_dequantized")
+    if others:
+        return {**report, "checks": [asdict(Check("set-up", "failed", "; ".join(others)))], "ok": False}
+    started_runs: list[str] = []
 
     def train(name: str, overrides: dict, env: dict | None = None) -> tuple[Path, str | None]:
-        run = run_config_for(config, root / "model", data, root / name, on_tpu, overrides)
-        path = root / f"{name}.yaml"
+        """A run of the check (of the slice, on a pod: every host takes the same runs in order)."""
+        run = run_config_for(config, own / "model", data, pod_runs / name, on_tpu, overrides, hosts=host.hosts)
+        path = own / f"{name}.yaml"
         path.write_text(yaml.safe_dump(run))
+        started_runs.append(name)
+        env = {**({} if on_tpu else cpu_environment(config.parallel.mode, host.hosts)),
+               **host.run_environment(len(started_runs) - 1), **(env or {})}
         proc = run_trainer(path, ["--phase", "1", "--resume", "never", "--force"], config.parallel.mode, log, device,
-                           env={**({} if on_tpu else cpu_environment(config.parallel.mode)), **(env or {})})
-        return root / name, None if proc.returncode == 0 else (proc.stdout + proc.stderr)[-1500:]
+                           env=env)
+        return pod_runs / name, None if proc.returncode == 0 else (proc.stdout + proc.stderr)[-1500:]
 
     # torch_xla's report of each graph it compiles (the compiled executable's aliases: donation).
-    debug_file = root / "as_configured_compiles.txt"
+    debug_file = own / "as_configured_compiles.txt"
     reference, failure = train("as_configured", {}, {"PT_XLA_DEBUG_LEVEL": "1", "PT_XLA_DEBUG_FILE": str(debug_file)})
     if failure:
         return {**report, "checks": [asdict(Check("as configured", "failed", f"the run failed: {failure}"))],
@@ -423,7 +454,7 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
     dtype = config.model.dtype
     grad_accum = min(config.train.grad_accum, 2)
     per_chip = parse_tpu_type(config.tpu.type).generation.devices_per_chip if on_tpu else 1
-    runs, checks = variants(config, summary, dtype, grad_accum, per_chip, dequantized)
+    runs, checks = variants(config, summary, dtype, grad_accum, per_chip, dequantized, host.hosts)
     for variant in runs:
         out, failure = train(variant.check.replace(" ", "_"), variant.overrides)
         changed = " ".join(f"{k}={v}" for k, v in variant.overrides.items())
@@ -435,8 +466,8 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
             checks.append(compare(variant.check, reference, out, tolerance_dtype, variant.avoid))
             if variant.check == "quantized base":
                 checks.append(quantized_step(summary, json.loads((out / "phase1" / "summary.json").read_text())))
-    aliasing = (os.environ if on_tpu else cpu_environment(config.parallel.mode)).get("XLA_ENABLE_PARAM_ALIASING",
-                                                                                      "1") != "0"
+    environment = os.environ if on_tpu else cpu_environment(config.parallel.mode, host.hosts)
+    aliasing = environment.get("XLA_ENABLE_PARAM_ALIASING", "1") != "0"
     compiled = compiled_graphs(debug_file)
     checks += summary_checks(summary, aliasing, compiled)
     # The figures the next plan takes: the compile of the same run at 1 layer (scanned layers
@@ -444,8 +475,8 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
     one_layer = None
     if not summary["scanned_layers"]:
         # (written only now: at a TPU's width even one layer with its embedding and head is GBs)
-        write_check_model(fewer_layers(small, 1), tokenizer, root / "model_one_layer", config.train.seed)
-        out, failure = train("compile_one_layer", {"model.path": str(root / "model_one_layer")})
+        write_check_model(fewer_layers(small, 1), tokenizer, own / "model_one_layer", config.train.seed)
+        out, failure = train("compile_one_layer", {"model.path": str(own / "model_one_layer")})
         one_layer = None if failure else json.loads((out / "phase1" / "summary.json").read_text())
     out, failure = train("timed", {"train.max_steps": 1 + TIMED_STEPS, "logging.every": 1 + TIMED_STEPS})
     timed = None if failure else json.loads((out / "phase1" / "summary.json").read_text())

@@ -5,7 +5,7 @@
       loss.png                    every phase's losses
       preflight.json              `python -m finetuning_pipeline.preflight`
       tpu_check.json              `make tpu-check`: its checks and the chip's measured figures
-      tpu_check/                  the self-check's own small runs
+      tpu_check/                  the self-check's own: runs/ (its small runs), host<N>/ (each host's model, data, log)
       phaseN/adapter/             the phase's final adapter (PEFT layout)
       phaseN/adapters/<name>/     instead, each adapter the phase trained side by side
       phaseN/checkpoints/         step_XXXXXXXX/, complete ones carry a COMPLETE marker

@@ -44,9 +44,9 @@ def test_the_self_check_runs_every_path_a_cpu_can_and_skips_the_rest(tiny_model_
     assert report["ok"] is True and report["device"] == "CPU" and report["measured"] == {}
     for name in status:
         assert f"  {status[name]:>8}  {name}: " in done.stdout
-    runs = tmp_path / "out" / "tpu_check"
+    runs, own = tmp_path / "out" / "tpu_check" / "runs", tmp_path / "out" / "tpu_check" / "host0"
     assert json.loads((runs / "as_configured" / "phase1" / "summary.json").read_text())["world_size"] == 2
-    assert yaml.safe_load((runs / "as_configured.yaml").read_text())["parallel"]["launcher"] == "tpu"
+    assert yaml.safe_load((own / "as_configured.yaml").read_text())["parallel"]["launcher"] == "tpu"
     # The compile of 2 layers against 1 (the run's layers are not scanned: 2 layers compile as fast
     # unrolled), and the step time of a run that logs its first step and its last only.
     one_layer = json.loads((runs / "compile_one_layer" / "phase1" / "summary.json").read_text())
@@ -84,5 +84,64 @@ def test_the_self_check_of_adapters_side_by_side_in_an_fsdp_run_on_four_devices(
     assert f"the run's prepared data ({data[2]}); the 2 adapters side by side (chat, text) each train on it" \
         in done.stdout
     assert "passed  captured step: 6 steps of each of 2 adapters side by side, largest loss gap" in done.stdout
-    summary = json.loads((tmp_path / "out" / "tpu_check" / "as_configured" / "phase1" / "summary.json").read_text())
+    runs = tmp_path / "out" / "tpu_check" / "runs"
+    summary = json.loads((runs / "as_configured" / "phase1" / "summary.json").read_text())
     assert summary["parallel"]["mode"] == "fsdp" and summary["parallel"]["sharded_base_parameters"] > 0
+
+
+def test_a_pod_of_two_hosts_checks_as_one_slice_each_host_in_its_own_directory(tiny_model_dir, data, tmp_path):
+    """make tpu-check on every host of a pod at once, rehearsed by two processes that stand for
+    two hosts (torchrun's environment, one replica a host, as the launcher's tests do): each run
+    of the check is one run of both hosts in the shared output_dir; each host writes its own
+    model, data (the bundled text: phase1.data is not prepared) and log in a directory of its own,
+    the same bytes on both; host 0 alone writes the report. A second check without --force is
+    refused on both hosts by host 0's claim; with --force but a bad config on host 1, both stop at
+    the barrier at once, saying why, and nothing of the first check is deleted."""
+    from trainer_helpers import Replicas
+
+    out = tmp_path / "out"
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, out, train={"grad_accum": 2},
+                              phase1={"data": str(tmp_path / "not_prepared"), "seq_len": 64})
+    # each process a host of its own; donation on, as on a TPU
+    hosts = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "XLA_ENABLE_PARAM_ALIASING": "1"}
+    args = ["--config", str(config)]
+
+    def check(log: str, *more: str, rank_args=lambda rank: []) -> Replicas:
+        return Replicas(2, [*args, *more], tmp_path / log, env=hosts, script="finetuning_pipeline/tpu_check.py",
+                        rank_args=rank_args)
+
+    pod = check("logs")
+    assert pod.wait(timeout=900) == [0, 0], pod.outputs()
+    report = json.loads((out / "tpu_check.json").read_text())
+    status = {c["name"]: c["status"] for c in report["checks"]}
+    assert report["ok"] is True and report["hosts"] == 2, pod.outputs()
+    assert {name: status[name] for name in ("captured step", "recompiles", "donation", "collectives")} == {
+        "captured step": "passed", "recompiles": "passed", "donation": "passed", "collectives": "skipped"
+    }, pod.outputs()
+    assert "one chip a host already (2 replicas on 2 hosts)" in pod.output(0)
+    assert f"wrote {out / 'tpu_check.json'}" in pod.output(0)
+    assert "host 1 of 2: host 0 writes the report" in pod.output(1) and "wrote " not in pod.output(1)
+    runs = out / "tpu_check" / "runs"
+    for name in ("as_configured", "captured_step", "compile_one_layer", "timed"):
+        assert json.loads((runs / name / "phase1" / "summary.json").read_text())["world_size"] == 2, name
+    own = [out / "tpu_check" / f"host{index}" for index in (0, 1)]
+    for directory in own:
+        run = yaml.safe_load((directory / "as_configured.yaml").read_text())
+        assert run["model"]["path"] == str(directory / "model") and run["output_dir"] == str(runs / "as_configured")
+        assert run["phase1"]["data"] == str(directory / "data")
+        assert "$ main.py" in (directory / "tpu_check.log").read_text()
+
+    def files(directory):  # the models, the tokenizer and the token shards (the manifests name their paths)
+        return {p.relative_to(directory): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file() and (
+            p.parent.name in ("train", "eval") or p.suffix == ".safetensors" or p.name == "tokenizer.json")}
+
+    assert len(files(own[0])) >= 6 and files(own[0]) == files(own[1])
+
+    again = check("again")
+    assert again.wait(timeout=300) == [2, 2], again.outputs()
+    assert "pass --force to replace it" in again.output(0) and "host 0: output_dir: " in again.output(1)
+    bad = check("bad", "--force", rank_args=lambda rank: ["train.grad_accum=0"] if rank == 1 else [])
+    assert bad.wait(timeout=300) == [2, 2], bad.outputs()
+    assert all("host 1: " in bad.output(rank) and "train.grad_accum must be >= 1" in bad.output(rank)
+               for rank in (0, 1)), bad.outputs()
+    assert (runs / "timed" / "phase1" / "summary.json").is_file() and files(own[1])  # the first check's, kept
