@@ -68,7 +68,7 @@ def ensure_demo_inputs(config, phases: list[int]) -> None:
     needed = {"base": ours and not (paths["base"] / "config.json").is_file()}
     for phase in phases:
         key = f"phase{phase}"  # the demo's own data is phase 1's and phase 2's; a later phase's is the user's
-        needed[key] = (ours and key in paths and Path(getattr(config, key).data) == paths[key]
+        needed[key] = (ours and key in paths and Path(config.phase(phase).data) == paths[key]
                        and not (paths[key] / "manifest.json").is_file())
     for what in ("base", "phase1", "phase2"):
         if needed.get(what):

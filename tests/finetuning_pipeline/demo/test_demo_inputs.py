@@ -23,18 +23,17 @@ def test_the_default_configs_paths_are_anchored_at_the_repository(monkeypatch, t
 def test_the_default_builds_only_the_demo_inputs_this_run_reads(monkeypatch, tmp_path):
     """On a fresh clone `python main.py --phase 1` builds the tiny base and phase 1's data; the
     data only on the demo's own base (it is prepared with its tokenizer), nothing overridden."""
-    from types import SimpleNamespace
-
     from finetuning_pipeline.demo import inputs as demo_inputs
+    from finetuning_pipeline.run_config import load_config
 
     paths = {what: tmp_path / what for what in ("base", "phase1", "phase2")}
     built = []
     monkeypatch.setattr(demo_inputs, "demo_paths", lambda: paths)
     monkeypatch.setattr(demo_inputs, "build", lambda what, force=False: built.append(what) or 0)
 
-    def config(base, phase1=paths["phase1"], phase2=paths["phase2"]):
-        return SimpleNamespace(model=SimpleNamespace(path=str(base)), phase1=SimpleNamespace(data=str(phase1)),
-                               phase2=SimpleNamespace(data=str(phase2)))
+    def config(base, phase1=paths["phase1"], phase2=paths["phase2"]):  # the real config (a stand-in hid a bug)
+        return load_config(demo_inputs.DEMO_CONFIG, [f"model.path={base}", f"phase1.data={phase1}",
+                                                     f"phase2.data={phase2}"])
 
     demo_inputs.ensure_demo_inputs(config(paths["base"]), [1])
     assert built == ["base", "phase1"]
