@@ -204,6 +204,9 @@ def train(argv: list[str] | None) -> int:
 def start_replicas(config: RunConfig, args: tuple) -> None:
     """run_replica on every replica of this host, started as parallel.launcher says (distributed/launch.py)."""
     kind = device_kind()
+    if config.model.dtype == "float64" and kind == "TPU":
+        raise ConfigError("model.dtype=float64 is for the tests' equality proofs on a CPU (a TPU does not compute "
+                          "in float64); set model.dtype=bfloat16")
     if torchrun_world() > 1 and kind != "CPU":
         raise ConfigError("torchrun starts replicas on a CPU only (PJRT_DEVICE=CPU); on a TPU run plain python: "
                           "it starts one process per chip")

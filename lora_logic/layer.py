@@ -26,6 +26,7 @@ from torch import nn
 from lora_logic.config import DEFAULT_ADAPTER, LoraConfig, lora_scaling
 from lora_logic.dropout import SeededDropout
 from lora_logic.quantized_linear import QuantizedLinear, is_linear
+from utils.precision import at_least_fp32
 
 
 def init_lora_A_(weight: torch.Tensor) -> None:
@@ -42,6 +43,8 @@ def init_lora_B_(weight: torch.Tensor) -> None:
 def scaling_buffer(adapter: str) -> str:
     """The name of an adapter's scaling tensor among the layer's buffers."""
     return f"lora_scaling_{adapter}"
+
+
 
 
 class LoRALinear(nn.Module):
@@ -92,16 +95,20 @@ class LoRALinear(nn.Module):
         return list(self.lora_A)
 
     def add_adapter(self, name: str, config: LoraConfig, dropout_salt: int = 0,
-                    lora_dtype: torch.dtype = torch.float32) -> None:
+                    lora_dtype: torch.dtype | None = None) -> None:
         """A new adapter: A Kaiming-uniform from torch's generator, B zeros (seed the generator
         first for a reproducible init). dropout_salt tells this layer's dropout masks from the
-        other layers' (lora_logic/dropout.py)."""
+        other layers' (lora_logic/dropout.py). lora_dtype: fp32 under a bf16, fp16 or fp32 base,
+        float64 under a float64 one (the CPU's exactness proofs); None: that rule."""
         if name in self.lora_A or name not in self.groups:
             raise ValueError(f"adapter {name!r}: already here, or not one of the model's adapters {self.groups}")
         if self.merged:
             raise ValueError(f"adapter {name!r}: the layer's adapters are merged; unmerge first")
         base = self.base_layer
-        device = base.codes.device if isinstance(base, QuantizedLinear) else base.weight.device
+        quantized = isinstance(base, QuantizedLinear)
+        device = base.codes.device if quantized else base.weight.device
+        lora_dtype = lora_dtype or torch.promote_types(base.compute_dtype if quantized else base.weight.dtype,
+                                                       torch.float32)
         self.lora_A[name] = nn.Linear(self.in_features, config.r, bias=False, device=device, dtype=lora_dtype)
         self.lora_B[name] = nn.Linear(config.r, self.out_features, bias=False, device=device, dtype=lora_dtype)
         init_lora_A_(self.lora_A[name].weight)
@@ -151,8 +158,9 @@ class LoRALinear(nn.Module):
         return (h.reshape(-1, self.in_features) @ a.t()) @ b.t()
 
     def delta_weight(self, name: str) -> torch.Tensor:
-        """scaling * B A of adapter `name` in fp32, [out, in]: what `merge()` adds to W0."""
-        return (self.lora_B[name].weight.float() @ self.lora_A[name].weight.float()) * self.scaling[name]
+        """scaling * B A of adapter `name` in fp32 (float64 for a float64 LoRA), [out, in]: what
+        `merge()` adds to W0."""
+        return (at_least_fp32(self.lora_B[name].weight) @ at_least_fp32(self.lora_A[name].weight)) * self.scaling[name]
 
     def _merged_adapter(self, action: str) -> str | None:
         """The adapter a merge folds in: the one every row goes through (None: it does not adapt
@@ -172,7 +180,7 @@ class LoRALinear(nn.Module):
         if self.merged:
             return
         if name is not None:
-            self._write_base(self.base_layer.weight.float() + self.delta_weight(name), "merge")
+            self._write_base(at_least_fp32(self.base_layer.weight) + self.delta_weight(name), "merge")
         self.merged = True
 
     @torch.no_grad()
@@ -183,7 +191,7 @@ class LoRALinear(nn.Module):
         if not self.merged:
             return
         if name is not None:
-            self._write_base(self.base_layer.weight.float() - self.delta_weight(name), "unmerge")
+            self._write_base(at_least_fp32(self.base_layer.weight) - self.delta_weight(name), "unmerge")
         self.merged = False
 
     def _write_base(self, new_weight: torch.Tensor, action: str) -> None:

@@ -72,10 +72,10 @@ def device_zeros(shape, dtype, device) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype).to(device)
 
 
-def device_counter(value: float, device) -> torch.Tensor:
-    """A [1]-shaped fp32 counter starting at `value`, made on the host like device_zeros (data,
-    not a constant baked into the graph)."""
-    return torch.tensor([float(value)]).to(device)
+def device_counter(value: float, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A [1]-shaped counter (fp32 unless told) starting at `value`, made on the host like
+    device_zeros (data, not a constant baked into the graph)."""
+    return torch.tensor([float(value)], dtype=dtype).to(device)
 
 
 def to_host(*tensors: torch.Tensor) -> list:

@@ -28,6 +28,7 @@ import os
 import torch
 
 from finetuning_pipeline.errors import ReplicaLost
+from utils.precision import at_least_fp32
 
 DEVICE_REDUCTIONS = ("none", "xla", "host")
 
@@ -159,7 +160,7 @@ class Collectives:
         import torch.distributed as dist
         import torch_xla
 
-        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
+        flat = torch.cat([at_least_fp32(t.reshape(-1)) for t in tensors])
         torch_xla.sync()  # materialise before the transfer; one graph, the same every step
         host = flat.cpu()
         self._all_reduce(host, dist.ReduceOp.SUM)

@@ -24,6 +24,7 @@ import functools
 import torch
 
 from lora_logic.quantized_linear import packed_buffers
+from utils.precision import keeping_float64
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> int:
@@ -50,6 +51,11 @@ def checkpoint_layer(function, *args):
 
     layer = function.args[0] if isinstance(function, functools.partial) and function.args else None
     packed = packed_buffers(layer) if isinstance(layer, torch.nn.Module) else []
+    hidden = next((arg for arg in args if torch.is_tensor(arg) and arg.is_floating_point()), None)
+    if hidden is not None and hidden.dtype == torch.float64:
+        # The recompute runs in the backward, on the autograd engine's thread: the float64 of
+        # the step around it (utils/precision.py) is carried into it here.
+        function = keeping_float64(function)
     if not packed:
         return checkpoint(function, *args, use_reentrant=True)
     names = [name for name, _ in packed]

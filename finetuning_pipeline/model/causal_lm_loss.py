@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from dataset.encode import IGNORE_INDEX
 from finetuning_pipeline.model.attention_masks import attention_masks
 from finetuning_pipeline.model.kernel_attention import kernel_masks, segment_ids, uses_kernel
+from utils.precision import at_least_fp32
 
 # Model types whose causal-LM head is `lm_head` followed only by the processing below; each
 # is tested against its full-logits loss (tests/finetuning_pipeline/model/test_model_families.py).
@@ -97,14 +98,16 @@ def _bodies(scale, divide, softcap):
     def forward(carry, xs):
         total, weight = carry
         hidden, targets = xs  # a chunk's tokens: [B, columns, H] and [B, columns] (or [tokens, H], [tokens])
-        logits = process_logits((hidden.reshape(-1, hidden.shape[-1]) @ weight.t()).float(), scale, divide, softcap)
+        logits = process_logits(at_least_fp32(hidden.reshape(-1, hidden.shape[-1]) @ weight.t()), scale, divide,
+                                softcap)
         loss = F.cross_entropy(logits, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
         return (total + loss, weight), None
 
     def backward(carry, xs):
         weight, upstream = carry
         hidden, targets = xs
-        logits = process_logits((hidden.reshape(-1, hidden.shape[-1]) @ weight.t()).float(), scale, divide, softcap)
+        logits = process_logits(at_least_fp32(hidden.reshape(-1, hidden.shape[-1]) @ weight.t()), scale, divide,
+                                softcap)
         grad = logits_gradient(logits, targets.reshape(-1), scale, divide, softcap) * upstream
         return (weight, upstream), (grad.to(weight.dtype) @ weight).to(hidden.dtype).reshape(hidden.shape)
 
@@ -135,7 +138,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, processing):
         forward_body, _ = _bodies(*processing)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
         (total, _), _ = _over_chunks(forward_body, (total, weight), (hidden, targets))
         ctx.save_for_backward(hidden, weight, targets)
         ctx.processing = processing
@@ -145,12 +148,12 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, upstream):
         hidden, weight, targets = ctx.saved_tensors
         _, backward_body = _bodies(*ctx.processing)
-        _, grad_hidden = _over_chunks(backward_body, (weight, upstream.to(torch.float32)), (hidden, targets))
+        _, grad_hidden = _over_chunks(backward_body, (weight, at_least_fp32(upstream)), (hidden, targets))
         return grad_hidden, None, None, None
 
 
 def _piece_loss(head, processing, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = process_logits(head(hidden).float(), *processing)  # [n, vocab] fp32, this chunk only
+    logits = process_logits(at_least_fp32(head(hidden)), *processing)  # [n, vocab] fp32, this chunk only
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -258,7 +261,7 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], packed: bool = Tru
     else:
         logits = model(**inputs).logits
         # Token t predicts token t+1: logits [B, L-1, V] against labels [B, L-1].
-        sums = [F.cross_entropy(x[:, :-1].float().reshape(-1, x.shape[-1]), y[:, 1:].reshape(-1),
+        sums = [F.cross_entropy(at_least_fp32(x[:, :-1]).reshape(-1, x.shape[-1]), y[:, 1:].reshape(-1),
                                 ignore_index=IGNORE_INDEX, reduction="sum")
                 for x, y in zip(each_group(logits), each_group(labels))]
     return (sums[0] if groups == 1 else torch.stack(sums)), count

@@ -26,7 +26,8 @@ from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
 from lora_logic.merge import merge_and_unload
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# float64: the CPU's exactness proofs only (README "How the tests prove equality"); a TPU refuses it.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def load_base(path: str | Path, dtype: torch.dtype = torch.float32, quantize: str = NONE):

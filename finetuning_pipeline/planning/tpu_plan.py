@@ -44,7 +44,7 @@ from finetuning_pipeline.planning.tpu_chips import GIB, Slice
 
 HEADROOM = 0.10
 LOGIT_BYTES_PER_ENTRY = 2 + 4 + 4
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 # Bytes per weight of a quantized Linear: codes plus one scale per block (lora_logic/quantize.py):
 # q8_0 and q4_0 an fp16 scale per 32 values, nf4 an fp32 scale per 64.
 QUANTIZED_BYTES = {"q8_0": 1 + 2 / 32, "q4_0": 0.5 + 2 / 32, "nf4": 0.5 + 4 / 64}

@@ -15,7 +15,7 @@ from typing import Literal
 
 from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
 
-Dtype = Literal["bfloat16", "float32", "float16"]
+Dtype = Literal["bfloat16", "float32", "float16", "float64"]
 Attention = Literal["auto", "dense", "splash", "flash"]
 Quantize = Literal["none", "q8_0", "q4_0", "nf4"]
 RecompilePolicy = Literal["error", "warn"]
@@ -33,7 +33,9 @@ class ModelConfig:
     revision: a Hub id's branch, tag or commit (default: main). The run pins it to the commit
         it resolves to: the summary records it, and a resume on another commit is refused.
     tokenizer: tokenizer directory; defaults to `path`.
-    dtype: weights' dtype on the device: bfloat16 on TPU; float32 for exact CPU tests.
+    dtype: weights' dtype on the device: bfloat16 on TPU; float32 for exact CPU tests; float64
+        for the tests' equality proofs on a CPU (the LoRA and the loss then float64 too; a TPU
+        refuses it).
     activation_checkpointing: recompute each decoder layer's activations in the backward (less
         HBM, ~30% more compute); `model.gradient_checkpointing`, its old name, is accepted.
     attention: "auto" (a Pallas kernel on TPU where it covers the model: splash under

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from dataset.loader import iter_eval_batches
 from finetuning_pipeline.distributed.collectives import Collectives
 from finetuning_pipeline.model.causal_lm_loss import auto_chunk_tokens
@@ -47,7 +49,9 @@ def evaluate_loss(model, data_dir: str, *, micro_batch: int, pad_id: int, packed
         import torch_xla.core.xla_model as xm
     was_training = model.training
     model.eval()
-    loss_sum, count = device_counter(0, device), device_counter(0, device)  # data: every batch runs one graph
+    # data: every batch runs one graph; the loss's sum in the loss's dtype (float64 in the proofs)
+    loss_sum = device_counter(0, device, torch.promote_types(model.dtype, torch.float32))
+    count = device_counter(0, device)
     replicate([loss_sum, count])
     batches = iter_eval_batches(data_dir, micro_batch, pad_id=pad_id, split=split, rank=collectives.rank,
                                 world_size=collectives.world)

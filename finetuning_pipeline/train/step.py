@@ -16,6 +16,7 @@ import torch
 from finetuning_pipeline.distributed.collectives import Collectives
 from finetuning_pipeline.model.causal_lm_loss import causal_lm_loss_sum
 from lora_logic.dropout import set_dropout_seed
+from utils.precision import float64_throughout
 
 
 def micro_batch_gradients(model, optimizer, batch: dict[str, torch.Tensor], packed: bool = True,
@@ -26,10 +27,11 @@ def micro_batch_gradients(model, optimizer, batch: dict[str, torch.Tensor], pack
     A model of K adapters side by side: loss sum and label tokens per adapter, [K]; the gradient
     of their total is each adapter's own, as its rows reach only its weights."""
     set_dropout_seed(model, batch.get("lora_seed"))
-    # The optimizer's groups are the model's adapters (one per adapter side by side): known, not
-    # looked up in the model's modules at every trace.
-    loss_sum, count = causal_lm_loss_sum(model, batch, packed, loss_chunk, groups=optimizer.group_count)
-    loss_sum.sum().backward()  # (a checkpointed layer recomputes its forward here, with the same masks)
+    with float64_throughout(model.dtype):  # (the backward too: a checkpointed layer's forward runs again in it)
+        # The optimizer's groups are the model's adapters (one per adapter side by side): known, not
+        # looked up in the model's modules at every trace.
+        loss_sum, count = causal_lm_loss_sum(model, batch, packed, loss_chunk, groups=optimizer.group_count)
+        loss_sum.sum().backward()  # (a checkpointed layer recomputes its forward here, with the same masks)
     set_dropout_seed(model, None)
     grad = optimizer.flat_grad()
     optimizer.zero_grad()
@@ -93,4 +95,5 @@ def apply_update(optimizer, grad: torch.Tensor, loss_total: torch.Tensor, tokens
 @torch.no_grad()
 def eval_sums(model, batch: dict[str, torch.Tensor], packed: bool = True,
               loss_chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    return causal_lm_loss_sum(model, batch, packed, loss_chunk)
+    with float64_throughout(model.dtype):
+        return causal_lm_loss_sum(model, batch, packed, loss_chunk)

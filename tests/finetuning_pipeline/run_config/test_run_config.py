@@ -65,7 +65,7 @@ def test_the_old_name_of_activation_checkpointing_still_works_and_says_the_new_o
         ("train.lr=fast", "train.lr: expected float, got 'fast'"),
         ("train.micro_batch=2.5", "train.micro_batch: expected int"),
         ("train.min_lr_ratio=0", "train.min_lr_ratio must be in (0, 1]"),
-        ("model.dtype=fp8", "model.dtype must be bfloat16, float32 or float16, got 'fp8'"),
+        ("model.dtype=fp8", "model.dtype must be bfloat16, float32, float16 or float64, got 'fp8'"),
         ("parallel.mode=zero3", "parallel.mode must be dp or fsdp, got 'zero3'"),
         ("tpu.assumed_mfu=1.5", "tpu.assumed_mfu must be in (0, 1]"),
         ("phase2.init=restart", "phase2.init must be continue, merge or fresh, got 'restart'"),

@@ -1,0 +1,57 @@
+"""The dtype arithmetic that must not round below fp32, and not below float64 either when the
+computation is float64 (the CPU's exactness proofs: model.dtype=float64, README "How the tests
+prove equality")."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in fp32, or as it is when wider (float64)."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
+class _KeepFloat64(TorchFunctionMode):
+    """Turns the float64 -> fp32 casts that models write for their fp32 islands (transformers'
+    RMSNorm computes in fp32 whatever its input; attention softmaxes in fp32) into no-ops."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if source is not None and source.dtype == torch.float64:
+            if func is torch.Tensor.float:
+                return source
+            if func is torch.Tensor.to:
+                args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+                if kwargs.get("dtype") is torch.float32:
+                    kwargs["dtype"] = torch.float64
+            elif kwargs.get("dtype") is torch.float32 and func in _SOFTMAXES:
+                kwargs["dtype"] = torch.float64
+        return func(*args, **kwargs)
+
+
+_SOFTMAXES = {torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax,
+              torch.Tensor.softmax, torch.Tensor.log_softmax}
+
+
+def float64_throughout(model_dtype: torch.dtype):
+    """A context in which a float64 model's forward stays float64 everywhere (see _KeepFloat64);
+    nothing for any other dtype, whose fp32 islands are the model's own numerics."""
+    return _KeepFloat64() if model_dtype == torch.float64 else contextlib.nullcontext()
+
+
+def keeping_float64(function):
+    """`function` run in float64_throughout: for a forward called again where the context of
+    its first call is not (a checkpointed layer's recompute)."""
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        with _KeepFloat64():
+            return function(*args, **kwargs)
+
+    return run
