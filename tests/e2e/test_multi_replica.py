@@ -16,7 +16,6 @@ import json
 import signal
 
 import pytest
-import torch
 from replica_helpers import (
     HANG,
     HUB_COMMIT,
@@ -30,6 +29,7 @@ from replica_helpers import (
     torchrun,
     wait_for_replicas,
 )
+from tolerances import assert_equal_in_exact_arithmetic
 from trainer_helpers import (
     adapter_tensors,
     assert_same_run,
@@ -58,11 +58,12 @@ def torchrun_and_single(tiny_model_dir, data, tmp_path_factory):
     on, offline), 4 replicas (micro-batch 1, phase 1, the base named by a Hub id, read from a
     Hub-layout cache), and 1 replica (micro-batch 4)."""
     root = tmp_path_factory.mktemp("torchrun")
-    common = {"train": {"max_steps": 6}, "lora": {"dropout": 0.0}, "checkpoint": {"every": 3, "keep": 3}}
+    common = {"train": {"max_steps": 6}, "lora": {"dropout": 0.0}, "checkpoint": {"every": 3, "keep": 3},
+              "model": {"dtype": "float64"}}  # equal in exact arithmetic: float64 (tests/tolerances.py)
     two = config_for(root, tiny_model_dir, data, "two", **common,
                      logging={"wandb": {"project": "tpu-lora-tests", "mode": "offline"}})
-    four = config_for(root, tiny_model_dir, data, "four", **{**common, "train": {"max_steps": 6, "micro_batch": 1}},
-                      model={"path": HUB_ID})
+    four = config_for(root, tiny_model_dir, data, "four", **{**common, "train": {"max_steps": 6, "micro_batch": 1},
+                                                             "model": {"path": HUB_ID, "dtype": "float64"}})
     one = config_for(root, tiny_model_dir, data, "one", **{**common, "train": {"max_steps": 6, "micro_batch": 4}})
     torchrun(2, two, script=patched_main(root, SLOW_MASTER_ADAPTER), env={"WANDB_SILENT": "true"})
     publish_to_hub_cache(root / "hub", HUB_ID, HUB_COMMIT, tiny_model_dir, "main")
@@ -77,14 +78,16 @@ def test_replicas_through_torchrun_equal_one_replica(torchrun_and_single, replic
     several = two if replicas == 2 else four
     ours, single = metric_records(several, "train", phase), metric_records(one, "train", phase)
     assert [r["step"] for r in ours] == [r["step"] for r in single] == list(range(1, 7))
-    for a, b in zip(ours, single):
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
-        assert a["label_tokens"] == b["label_tokens"]  # the same blocks, split over two replicas
-    for a, b in zip(metric_records(several, "eval", phase), metric_records(one, "eval", phase)):
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    # the same blocks, split over the replicas
+    assert [r["label_tokens"] for r in ours] == [r["label_tokens"] for r in single]
+    assert_equal_in_exact_arithmetic([r["loss"] for r in ours], [r["loss"] for r in single], "losses")
+    evals = [metric_records(several, "eval", phase), metric_records(one, "eval", phase)]
+    assert len(evals[0]) == len(evals[1]) > 0
+    assert_equal_in_exact_arithmetic(*([r["loss"] for r in each] for each in evals), "evaluations")
     ours_adapter, single_adapter = adapter_tensors(several, phase), adapter_tensors(one, phase)
+    assert ours_adapter.keys() == single_adapter.keys()
     for key in single_adapter:
-        torch.testing.assert_close(ours_adapter[key], single_adapter[key], rtol=1e-3, atol=2e-4, msg=key)
+        assert_equal_in_exact_arithmetic(ours_adapter[key], single_adapter[key], key)
     summary = json.loads((several / f"phase{phase}" / "summary.json").read_text())
     assert summary["parallel"]["processes"] == replicas and summary["global_batch"] == 8
     assert summary["compiles_after_warmup"] == 0
@@ -115,8 +118,8 @@ def test_resume_on_another_number_of_chips_with_the_same_global_batch(torchrun_a
     assert "saved on 2 chips, resuming on 1 with the same global batch of 8" in capsys.readouterr().out
     resumed, original = dict(train_losses(out)), dict(train_losses(two))
     assert sorted(resumed) == [4, 5, 6]
-    for step, loss in resumed.items():
-        assert loss == pytest.approx(original[step], abs=1e-5)
+    assert_equal_in_exact_arithmetic([resumed[s] for s in (4, 5, 6)], [original[s] for s in (4, 5, 6)],
+                                     "losses resumed on one chip")
 
     # Another global batch would be another run: refused, naming both values.
     assert main.main([*args[:-1], f"output_dir={tmp_path / 'other'}", "train.micro_batch=2"]) == 2
@@ -130,7 +133,7 @@ def fsdp_runs(tiny_model_dir, data, tmp_path_factory):
     """Phase 1, no dropout: one dp replica (micro-batch 4) and two fsdp "hosts" of two chips
     each (micro-batch 1 per chip): the same global batch of 8."""
     root = tmp_path_factory.mktemp("fsdp-hosts")
-    common = {"train": {"max_steps": 12}, "lora": {"dropout": 0.0}}
+    common = {"train": {"max_steps": 12}, "lora": {"dropout": 0.0}, "model": {"dtype": "float64"}}
     single = config_for(
         root, tiny_model_dir, data, "single", **{**common, "train": {"max_steps": 12, "micro_batch": 4}}
     )
@@ -145,8 +148,12 @@ def fsdp_runs(tiny_model_dir, data, tmp_path_factory):
 def test_fsdp_on_two_hosts_equals_one_replica(fsdp_runs):
     single, fsdp, _ = fsdp_runs
     assert [s for s, _ in train_losses(fsdp)] == list(range(1, 13))
-    for (_, ours), (_, theirs) in zip(train_losses(fsdp), train_losses(single)):
-        assert ours == pytest.approx(theirs, abs=1e-5)
+    assert_equal_in_exact_arithmetic([loss for _, loss in train_losses(fsdp)],
+                                     [loss for _, loss in train_losses(single)], "fsdp hosts' losses")
+    ours, theirs = adapter_tensors(fsdp, 1), adapter_tensors(single, 1)
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        assert_equal_in_exact_arithmetic(ours[key], theirs[key], key)
     summary = json.loads((fsdp / "phase1" / "summary.json").read_text())
     assert summary["parallel"]["processes"] == 2 and summary["parallel"]["chips"] == 4
     assert summary["parallel"]["mesh"] == {"data": 1, "fsdp": 2}

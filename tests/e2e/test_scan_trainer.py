@@ -4,7 +4,9 @@ checkpointing (recomputed inside the loop); a checkpoint resumes with the other 
 because it stores the optimizer's moments per layer either way; the summary says which ran.
 
 A scanned run resumed scanned is bitwise the uninterrupted run (test_resume.py holds the layer
-loop's runs to the same under SIGKILL/SIGTERM: their 2-layer model is not scanned by default)."""
+loop's runs to the same under SIGKILL/SIGTERM: their 2-layer model is not scanned by default).
+The runs are float64: scanned and looped layers are equal in exact arithmetic, held to 1e-10
+(tests/tolerances.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import shutil
 
 import pytest
 import torch
+from tolerances import assert_equal_in_exact_arithmetic
 from trainer_helpers import adapter_tensors, metric_records, write_run_config
 
 from finetuning_pipeline import main
@@ -28,7 +31,7 @@ def run_config(root, name, tiny_model_dir, data, out=None):
     train, model = VARIANTS[name]
     sections = {k: dict(v) for k, v in RUN.items()}
     sections["train"].update(train)
-    sections["model"] = {"path": str(tiny_model_dir), "dtype": "float32", **model}
+    sections["model"] = {"path": str(tiny_model_dir), "dtype": "float64", **model}
     return write_run_config(root / f"{name}.yaml", tiny_model_dir, data, out or root / name, **sections)
 
 
@@ -44,12 +47,11 @@ def assert_same_steps(out, reference, phase: int) -> None:
     for kind in ("train", "eval"):
         ours, theirs = metric_records(out, kind, phase), metric_records(reference, kind, phase)
         assert [r["step"] for r in ours] == [r["step"] for r in theirs] and ours
-        for a, b in zip(ours, theirs):
-            assert a["loss"] == pytest.approx(b["loss"], abs=1e-5), (kind, a["step"])
+        assert_equal_in_exact_arithmetic([r["loss"] for r in ours], [r["loss"] for r in theirs], f"{kind} losses")
     ours, theirs = adapter_tensors(out, phase), adapter_tensors(reference, phase)
     assert ours.keys() == theirs.keys()
     for key in theirs:
-        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=1e-5, msg=key)
+        assert_equal_in_exact_arithmetic(ours[key], theirs[key], key)
 
 
 @pytest.mark.parametrize("phase", [1, 2])
@@ -65,7 +67,7 @@ def test_scanned_layers_take_the_steps_of_the_layer_loop(runs, name, phase):
 def test_a_checkpoint_resumes_exactly_and_with_the_other_setting(runs, tiny_model_dir, data, tmp_path, saved,
                                                                  resumed):
     """Phase 1 stopped at step 4, finished with the same setting: bitwise the uninterrupted run;
-    with the other setting: its steps within float rounding (the moments crossed over: a
+    with the other setting: its steps within float64's bound (the moments crossed over: a
     stacked state loaded as per-layer, or the reverse, in the wrong order, would change steps 5-8)."""
     out = tmp_path / "out"
     shutil.copytree(runs / saved / "phase1" / "checkpoints", out / "phase1" / "checkpoints")
@@ -83,6 +85,7 @@ def test_a_checkpoint_resumes_exactly_and_with_the_other_setting(runs, tiny_mode
         assert [loss for _, loss in resumed_losses][-4:] == [loss for _, loss in reference]
         assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
         return
-    assert [loss for _, loss in resumed_losses][-4:] == pytest.approx([loss for _, loss in reference], abs=1e-5)
+    assert_equal_in_exact_arithmetic([loss for _, loss in resumed_losses][-4:], [loss for _, loss in reference],
+                                     "losses after the resume")
     for key in theirs:
-        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=1e-5, msg=key)
+        assert_equal_in_exact_arithmetic(ours[key], theirs[key], key)
