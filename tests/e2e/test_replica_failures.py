@@ -27,6 +27,7 @@ from replica_helpers import (
     stopped_after,
     wait_for_replicas,
 )
+from tolerances import assert_equal_in_exact_arithmetic
 from trainer_helpers import (
     adapter_tensors,
     assert_same_run,
@@ -165,12 +166,17 @@ def test_a_signal_to_the_launching_process_alone_stops_its_replicas_with_a_check
     assert "(SIGINT)" in run.output() and "Traceback" not in run.output()
 
 
-def test_scanned_layers_on_two_replicas_stop_resume_and_take_the_layer_loops_steps(tiny_model_dir, data, reference,
-                                                                                    tmp_path):
+def test_scanned_layers_on_two_replicas_stop_resume_and_take_the_layer_loops_steps(tiny_model_dir, data, tmp_path):
     """The scanned layers' hard case: two replicas, each its own LoRA dropout masks, the chunked
     loss's loop around the layers' loop, SIGTERM mid-run and a resume from the collective
-    checkpoint (moments stored per layer): the steps of the layer loop's uninterrupted run."""
-    config = config_for(tmp_path, tiny_model_dir, data, train={"scan_layers": True}, checkpoint={"every": 0})
+    checkpoint (moments stored per layer): the steps of the layer loop's uninterrupted run. Both
+    in float64: scanned and looped layers are equal in exact arithmetic (tests/tolerances.py)."""
+    float64 = {"dtype": "float64"}
+    loop = config_for(tmp_path / "loop", tiny_model_dir, data, model=float64)
+    uninterrupted = run_replicas(2, loop, tmp_path / "logs-loop")
+    assert uninterrupted.wait(HANG) == [0, 0], uninterrupted.outputs()
+    config = config_for(tmp_path, tiny_model_dir, data, train={"scan_layers": True}, checkpoint={"every": 0},
+                        model=float64)
     replicas = run_replicas(2, config, tmp_path / "logs")
     wait_for_replicas(replicas, out_of(config), 3)
     for proc in replicas.procs:
@@ -182,13 +188,13 @@ def test_scanned_layers_on_two_replicas_stop_resume_and_take_the_layer_loops_ste
     assert resumed.wait(HANG) == [0, 0], resumed.outputs()
     summary = json.loads((out_of(config) / "phase1" / "summary.json").read_text())
     assert summary["scanned_layers"] and summary["resumed_from_step"] == stopped[0]
-    ours, theirs = train_losses(out_of(config)), train_losses(reference)
+    ours, theirs = train_losses(out_of(config)), train_losses(out_of(loop))
     assert [s for s, _ in ours] == [s for s, _ in theirs] == list(range(1, STEPS + 1))
-    assert [loss for _, loss in ours] == pytest.approx([loss for _, loss in theirs], abs=1e-5)
-    ours, theirs = adapter_tensors(out_of(config)), adapter_tensors(reference)
+    assert_equal_in_exact_arithmetic([loss for _, loss in ours], [loss for _, loss in theirs], "losses")
+    ours, theirs = adapter_tensors(out_of(config)), adapter_tensors(out_of(loop))
     assert ours.keys() == theirs.keys()
     for key in theirs:
-        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=1e-5, msg=key)
+        assert_equal_in_exact_arithmetic(ours[key], theirs[key], key)
 
 
 def test_sigterm_to_one_replica_stops_them_all_at_the_next_step(tiny_model_dir, data, reference, tmp_path):
