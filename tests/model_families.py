@@ -41,11 +41,11 @@ TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 SLIDING = {"mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"}
 
 
-def family_model(name: str) -> torch.nn.Module:
-    """A tiny fp32 model of the family with LoRA on every default target, B random (so both
-    LoRA matrices get gradients), dropout 0."""
+def family_model(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A tiny model of the family (fp32 unless told) with LoRA on every default target, B random
+    (so both LoRA matrices get gradients), dropout 0."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(FAMILIES[name]()).float()
+    model = AutoModelForCausalLM.from_config(FAMILIES[name]()).to(dtype)
     model.config.use_cache = False
     return with_family_lora(model, name)
 
