@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import random_tokens, tiny_causal_lm
+from tolerances import assert_equal_in_exact_arithmetic
 
 from lora_logic.adapter_io import load_adapters, save_adapters
 from lora_logic.adapters import adapter_names, lora_parameters, lora_state_dict, only_adapter
@@ -18,6 +19,7 @@ from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
 from lora_logic.dropout import set_dropout_seed
 from lora_logic.inject import inject_lora
 from lora_logic.layer import LoRALinear
+from utils.precision import float64_throughout
 
 ADAPTERS = {  # different ranks, scalings, dropout and targets
     "sql": LoraConfig(r=4, alpha=8, dropout=0.1, target_modules=["q_proj", "v_proj"]),
@@ -33,9 +35,20 @@ def loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture
 def models():
+    return side_by_side_and_alone(torch.float32)
+
+
+@pytest.fixture
+def models64():
+    """For the claims of equality: K adapters' rows in one batch and one adapter's are equal in
+    exact arithmetic, not in rounding, so float64 (tests/tolerances.py)."""
+    return side_by_side_and_alone(torch.float64)
+
+
+def side_by_side_and_alone(dtype: torch.dtype):
     """The side-by-side model and one model per adapter alone, same base, same seed; every B
     made non-zero (the same in both) so the updates are not trivially equal."""
-    base = tiny_causal_lm("llama")
+    base = tiny_causal_lm("llama").to(dtype)
     together = copy.deepcopy(base)
     torch.manual_seed(SEED)
     inject_lora(together, ADAPTERS)
@@ -71,23 +84,26 @@ def test_each_adapter_starts_as_it_would_alone():
     assert all(not p.requires_grad for n, p in together.named_parameters() if "lora_" not in n)
 
 
-def test_each_adapters_rows_outputs_and_gradients_are_its_own(models):
-    together, alone = models
+def test_each_adapters_rows_outputs_and_gradients_are_its_own(models64):
+    together, alone = models64
     together.train()
     tokens = {name: random_tokens(ROWS, SEQ, seed=k) for k, name in enumerate(ADAPTERS)}
     dropout_seed = torch.tensor([11], dtype=torch.int32)
     set_dropout_seed(together, dropout_seed)
-    logits = together(torch.cat(list(tokens.values()))).logits
-    total = sum(loss_of(logits[k * ROWS:(k + 1) * ROWS], tokens[name]) for k, name in enumerate(ADAPTERS))
-    total.backward()
+    with float64_throughout(torch.float64):
+        logits = together(torch.cat(list(tokens.values()))).logits
+        total = sum(loss_of(logits[k * ROWS:(k + 1) * ROWS], tokens[name]) for k, name in enumerate(ADAPTERS))
+        total.backward()
+    assert logits.dtype == torch.float64
     for k, name in enumerate(ADAPTERS):
         model = alone[name].train()
         set_dropout_seed(model, dropout_seed)
-        own = model(tokens[name]).logits
-        torch.testing.assert_close(logits[k * ROWS:(k + 1) * ROWS], own, rtol=1e-5, atol=1e-5)
-        loss_of(own, tokens[name]).backward()
+        with float64_throughout(torch.float64):
+            own = model(tokens[name]).logits
+            loss_of(own, tokens[name]).backward()
+        assert_equal_in_exact_arithmetic(logits[k * ROWS:(k + 1) * ROWS].detach(), own.detach(), f"{name} logits")
         for ours, theirs in zip(lora_parameters(together, name), lora_parameters(model), strict=True):
-            torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
+            assert_equal_in_exact_arithmetic(ours.grad, theirs.grad, f"{name} gradient")
 
 
 def test_the_base_weights_are_read_once_for_every_adapter(models):
@@ -106,15 +122,16 @@ def test_rows_that_do_not_split_into_the_adapters_groups_are_refused(models):
         together(random_tokens(5, SEQ))
 
 
-def test_one_adapter_alone_on_every_row_is_a_model_of_it_alone(models):
+def test_one_adapter_alone_on_every_row_is_a_model_of_it_alone(models64):
     """only_adapter (evaluation, generation): every row through one adapter, as its model alone."""
-    together, alone = models
+    together, alone = models64
     together.eval()
     tokens = random_tokens(ROWS, SEQ, seed=5)
     for name in ADAPTERS:
-        with only_adapter(together, name):
+        with only_adapter(together, name), float64_throughout(torch.float64), torch.no_grad():
             ours = together(tokens).logits
-        torch.testing.assert_close(ours, alone[name].eval()(tokens).logits, rtol=1e-5, atol=1e-5)
+            theirs = alone[name].eval()(tokens).logits
+        assert_equal_in_exact_arithmetic(ours, theirs, f"{name} logits")
     assert adapter_names(together) == list(ADAPTERS)  # the rows' groups are back
 
 
