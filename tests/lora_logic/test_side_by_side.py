@@ -171,3 +171,23 @@ def test_adapters_side_by_side_do_not_merge(models):
     with pytest.raises(ValueError, match="cannot merge adapters side by side"):
         merge_lora(together)
     assert torch.equal(together.model.layers[0].self_attn.q_proj.base_layer.weight, before)
+
+
+def test_a_mistake_of_a_thousandth_is_far_above_the_float64_bound(models64):
+    """The negative control of the float64 rule: a scaling off by 0.1% in one adapter moves its
+    rows' logits by orders of magnitude more than the bound the equality proofs hold to."""
+    from tolerances import FLOAT64_EXACT, largest_difference
+
+    from lora_logic.adapters import lora_modules
+    from lora_logic.layer import scaling_buffer
+
+    together, alone = models64
+    together.eval()
+    for _, module in lora_modules(together):
+        if "chat" in module.lora_A:
+            getattr(module, scaling_buffer("chat")).mul_(1.001)
+    tokens = random_tokens(ROWS, SEQ, seed=5)
+    with only_adapter(together, "chat"), float64_throughout(torch.float64), torch.no_grad():
+        difference = largest_difference(together(tokens).logits, alone["chat"].eval()(tokens).logits)
+    assert difference > 1e4 * FLOAT64_EXACT, difference
+    print(f"a 0.1% scaling mistake moves the logits by {difference:.2e}")
