@@ -190,4 +190,3 @@ def test_a_mistake_of_a_thousandth_is_far_above_the_float64_bound(models64):
     with only_adapter(together, "chat"), float64_throughout(torch.float64), torch.no_grad():
         difference = largest_difference(together(tokens).logits, alone["chat"].eval()(tokens).logits)
     assert difference > 1e4 * FLOAT64_EXACT, difference
-    print(f"a 0.1% scaling mistake moves the logits by {difference:.2e}")
