@@ -8,10 +8,11 @@ model, its data, its run configs, its log) stays in a directory of its own: no t
 write the same file. Host 0 is the one writer of what is shared: it claims and clears the
 runs' directory and writes tpu_check.json.
 
-The barrier: after that claim, and after each host has written its own model and data, every
-host says it is ready (or why it is not), and no host starts a run before all are ready. A host
-whose set-up failed then ends every host's check at once, with its reason, instead of leaving
-the others to wait in their first run's rendezvous until the run's timeout. It goes through a
+The barrier, at three points (every host has loaded the config, before host 0 deletes anything;
+host 0 has claimed the directory, before any host writes into it; every host has written its own
+model and data, before the first run): each host says it is ready or why it is not, and none goes
+on before all have said. A host that failed then ends every host's check at once, with its
+reason, instead of leaving the others to wait in their first run's rendezvous until its timeout. It goes through a
 TCP store served by host 0's check (torch.distributed, no device), on the port the runs'
 rendezvous would take; each run then gets a port of its own above it, so that a host that
 starts run k+1 while another is still leaving run k cannot reach run k's store.
