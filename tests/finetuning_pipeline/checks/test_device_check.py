@@ -69,6 +69,14 @@ def test_a_loss_gap_over_the_tolerance_fails_naming_the_setting_that_avoids_it(t
     assert failed.line().endswith("-> avoid it with: model.attention=dense")
     assert device_check.compare("attention", tmp_path / "ours", tmp_path / "close", "bfloat16", "x").status == "passed"
     assert device_check.compare("attention", tmp_path / "ours", tmp_path / "close", "float32", "x").status == "failed"
+    # every dtype a run may take has its tolerance (float16 and float64 once raised a KeyError)
+    from typing import get_args
+
+    from finetuning_pipeline.run_config.schema import Dtype
+
+    assert set(device_check.LOSS_TOLERANCE) == set(get_args(Dtype))
+    assert {dtype: device_check.compare("x", tmp_path / "ours", tmp_path / "close", dtype, "x").status
+            for dtype in ("float16", "float64")} == {"float16": "failed", "float64": "failed"}
 
 
 def test_side_by_side_each_adapters_losses_are_compared_not_their_mean(tmp_path):
