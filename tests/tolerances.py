@@ -15,8 +15,9 @@ A real mistake (a wrong row group, a missed scaling, a wrong shard) moves a loss
 1e-4 or more: six orders of magnitude apart. Bitwise claims (a resume against the uninterrupted
 run, on the same shapes) stay bitwise (torch.equal).
 
-Set TPU_LORA_MARGINS=FILE to append every comparison's largest difference to FILE (JSON lines):
-the margins the README reports, across seeds.
+Set TPU_LORA_MARGINS=FILE to append every comparison's largest difference to FILE (JSON lines),
+and TPU_LORA_TEST_SEED=N to train the end-to-end runs with train.seed N (LoRA init, data order,
+dropout): the margins the README reports, across seeds.
 """
 
 from __future__ import annotations
