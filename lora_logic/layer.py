@@ -45,8 +45,6 @@ def scaling_buffer(adapter: str) -> str:
     return f"lora_scaling_{adapter}"
 
 
-
-
 class LoRALinear(nn.Module):
     """y = W0 x + b0 + scaling * B(A(dropout(x))) per adapter, with W0, b0 frozen and each
     adapter's A, B trainable.
