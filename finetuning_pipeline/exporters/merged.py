@@ -9,7 +9,7 @@ import torch
 
 from finetuning_pipeline.model.lineage import lineage_with, write_lineage
 from finetuning_pipeline.model.loading import DTYPES as MODEL_DTYPES
-from finetuning_pipeline.model.loading import load_model
+from finetuning_pipeline.model.loading import load_model, stored_dtype
 from utils.output_guard import claim_output, mark_written_by, staged_directory
 from utils.tokenizer_loading import load_tokenizer
 
@@ -26,13 +26,12 @@ def export_merged(base: str, adapters: list[str], out: str, dtype: str = "auto",
     inputs = {"--base": base, "--tokenizer": tokenizer, **{f"--adapter {a}": a for a in adapters}}
     claim_output(out_path, force=force, command=COMMAND, inputs=inputs)
     loaded_tokenizer = load_tokenizer(tokenizer or base, "--tokenizer" if tokenizer else "--base")
-    # Merge in fp32 (each W0 + s B A is rounded once, into the output dtype, at save time).
-    model, _ = load_model(base, adapters, torch.float32)
+    # Read before loading: transformers' config then holds the dtype it was loaded in, not stored in.
+    base_dtype = stored_dtype(base) or torch.float32
+    # Merge in at least fp32 (each W0 + s B A is rounded once, into the output dtype, at save time).
+    model, _ = load_model(base, adapters, torch.promote_types(base_dtype, torch.float32))
     model.config.use_cache = True  # the exported model is for inference
-    saved_dtype = DTYPES[dtype] or getattr(model.config, "dtype", None) or torch.float32
-    if isinstance(saved_dtype, str):
-        saved_dtype = getattr(torch, saved_dtype)
-    model.to(saved_dtype)
+    model.to(DTYPES[dtype] or base_dtype)
     with staged_directory(out_path) as staging:
         model.save_pretrained(staging)
         loaded_tokenizer.save_pretrained(staging)

@@ -7,6 +7,7 @@ cannot disagree about what "base + adapter" means. A missing or mismatched direc
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -28,6 +29,18 @@ from lora_logic.merge import merge_and_unload
 
 # float64: the CPU's exactness proofs only (README "How the tests prove equality"); a TPU refuses it.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def stored_dtype(path: str | Path) -> torch.dtype | None:
+    """The dtype the model in `path` says it is stored in (its config.json's "dtype", or
+    "torch_dtype" in files written before transformers 5); None when it names none we know or the
+    file is unreadable (load_base then names the problem)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    return DTYPES.get(name) if isinstance(name, str) else None
 
 
 def load_base(path: str | Path, dtype: torch.dtype = torch.float32, quantize: str = NONE):
