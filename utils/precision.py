@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -18,12 +19,16 @@ def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
 
 class _KeepFloat64(TorchFunctionMode):
     """Turns the float64 -> fp32 casts that models write for their fp32 islands (transformers'
-    RMSNorm computes in fp32 whatever its input; attention softmaxes in fp32) into no-ops."""
+    RMSNorm computes in fp32 whatever its input; attention softmaxes in fp32) into no-ops, and
+    computes GELU on the XLA device from its formula: torch_xla 2.9 lowers it with its constants
+    (1/sqrt(2), 2/sqrt(pi)) rounded to fp32, 7e-9 off in float64 (Gemma's MLP)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if source is not None and source.dtype == torch.float64:
+            if func is torch.nn.functional.gelu and source.device.type == "xla":
+                return _gelu(source, *args[1:], **kwargs)
             if func is torch.Tensor.float:
                 return source
             if func is torch.Tensor.to:
@@ -33,6 +38,13 @@ class _KeepFloat64(TorchFunctionMode):
             elif kwargs.get("dtype") is torch.float32 and func in _SOFTMAXES:
                 kwargs["dtype"] = torch.float64
         return func(*args, **kwargs)
+
+
+def _gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """torch.nn.functional.gelu's definition, in x's dtype throughout."""
+    if approximate == "tanh":
+        return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x.pow(3))))
+    return 0.5 * x * (1 + torch.erf(x * math.sqrt(0.5)))
 
 
 _SOFTMAXES = {torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax,
