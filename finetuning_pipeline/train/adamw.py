@@ -39,7 +39,9 @@ class MaskedAdamW:
         self.eps = eps
         self.weight_decay = weight_decay
         device, dtype = self.params[0].device, self.params[0].dtype
-        self.steps = device_zeros(self.group_count, torch.float32, device)  # updates applied so far, per group
+        # Updates applied so far, per group; the update's coefficients (bias corrections, the
+        # gate) are computed in its dtype: fp32, or float64 for a float64 model's LoRA.
+        self.steps = device_zeros(self.group_count, torch.promote_types(dtype, torch.float32), device)
         # Each flat element's group, to spread a group's values over its elements (G > 1 only:
         # one group keeps its scalar arithmetic and its graph).
         self.element_group = None
@@ -79,7 +81,7 @@ class MaskedAdamW:
         if apply is None:
             apply = torch.ones(shape, dtype=torch.bool, device=device)
         g = self.flat_grad() if grad is None else grad
-        gate = apply.to(torch.float32).reshape(shape)  # 1.0 applies the update, 0.0 keeps all as it is
+        gate = apply.to(self.steps.dtype).reshape(shape)  # 1.0 applies the update, 0.0 keeps all as it is
         lr = self.lr.reshape(shape) if isinstance(self.lr, torch.Tensor) else self.lr
         steps = self.steps.reshape(shape) + gate
         counted = torch.clamp(steps, min=1.0)
