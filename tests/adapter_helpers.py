@@ -1,5 +1,6 @@
 """Adapters for the combination tests: three of one tiny Llama base, and what PEFT's
-add_weighted_adapter makes of them (PEFT is a test-only dependency)."""
+add_weighted_adapter makes of them (PEFT is a test-only dependency). In float64: PEFT's
+combinations and ours are equal in exact arithmetic, not in rounding (tests/tolerances.py)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ BASE = "tiny-llama"
 CONFIGS = {"a1": LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]),
            "a2": LoraConfig(r=4, alpha=16, target_modules=["q_proj", "o_proj"]),
            "a3": LoraConfig(r=8, alpha=8, target_modules=["q_proj", "v_proj"])}
+DTYPE = torch.float64
 
 
 def write_random_adapters(root):
     """Each of CONFIGS saved under root/<name>, with random A and B; returns root."""
     for seed, (name, config) in enumerate(CONFIGS.items()):
-        model = tiny_causal_lm("llama")
+        model = tiny_causal_lm("llama").to(DTYPE)
         inject_lora(model, config)
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -36,7 +38,7 @@ def peft_combined(root, names, weights, method, **options):
     """PEFT's combined adapter "c": (its config, {module: (A, B)}), and the PEFT model."""
     import peft
 
-    model = peft.PeftModel.from_pretrained(tiny_causal_lm("llama"), root / names[0], adapter_name=names[0])
+    model = peft.PeftModel.from_pretrained(tiny_causal_lm("llama").to(DTYPE), root / names[0], adapter_name=names[0])
     for name in names[1:]:
         model.load_adapter(root / name, adapter_name=name)
     model.add_weighted_adapter(list(names), list(weights), "c", combination_type=method, **options)

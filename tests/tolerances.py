@@ -32,8 +32,8 @@ FLOAT64_EXACT = 1e-10
 
 def largest_difference(ours, theirs) -> float:
     """max |ours - theirs| over tensors, lists of numbers or numbers."""
-    a = torch.as_tensor(ours, dtype=torch.float64)
-    b = torch.as_tensor(theirs, dtype=torch.float64)
+    a, b = (torch.as_tensor(x.detach() if isinstance(x, torch.Tensor) else x, dtype=torch.float64)
+            for x in (ours, theirs))
     assert a.shape == b.shape, (a.shape, b.shape)
     return float((a - b).abs().max()) if a.numel() else 0.0
 

@@ -8,11 +8,13 @@ import pytest
 import torch
 from conftest import random_tokens, tiny_causal_lm
 from safetensors.torch import load_file, save_file
+from tolerances import assert_equal_in_exact_arithmetic
 
 from lora_logic.adapter_io import load_adapters, save_adapters
 from lora_logic.adapters import lora_modules, lora_state_dict
 from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
 from lora_logic.inject import inject_lora
+from utils.precision import float64_throughout
 
 REQUIRED_FIELDS = {
     "peft_type": "LORA",
@@ -24,9 +26,9 @@ REQUIRED_FIELDS = {
 }
 
 
-def adapted_model(config: LoraConfig, arch: str = "mistral"):
+def adapted_model(config: LoraConfig, arch: str = "mistral", dtype: torch.dtype = torch.float32):
     """A tiny model with LoRA whose A and B are both random (so nothing hides behind B = 0)."""
-    model = tiny_causal_lm(arch)
+    model = tiny_causal_lm(arch).to(dtype)
     inject_lora(model, config)
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -146,31 +148,32 @@ def test_unsupported_peft_features_are_refused(saved_adapter, field, value, mess
 @pytest.mark.parametrize("use_rslora", [False, True])
 def test_peft_loads_our_adapter_with_identical_logits(tmp_path, use_rslora):
     peft = pytest.importorskip("peft")
+    """In float64 (tests/tolerances.py): PEFT's forward and ours are equal in exact arithmetic;
+    PEFT also reads a float64 adapter, which model.dtype=float64 writes."""
     config = LoraConfig(r=4, alpha=8, use_rslora=use_rslora)
-    ours = adapted_model(config)
+    ours = adapted_model(config, dtype=torch.float64)
     save_adapters(ours, tmp_path, config, "tiny-mistral")
-    theirs = peft.PeftModel.from_pretrained(tiny_causal_lm("mistral"), tmp_path).eval()
+    theirs = peft.PeftModel.from_pretrained(tiny_causal_lm("mistral").to(torch.float64), tmp_path).eval()
+    assert all(p.dtype == torch.float64 for n, p in theirs.named_parameters() if "lora_" in n)
     tokens = random_tokens()
-    with torch.no_grad():
-        torch.testing.assert_close(
-            theirs(tokens, use_cache=False).logits, ours(tokens, use_cache=False).logits, rtol=0, atol=1e-5
-        )
+    with torch.no_grad(), float64_throughout(torch.float64):
+        assert_equal_in_exact_arithmetic(theirs(tokens, use_cache=False).logits, ours(tokens, use_cache=False).logits,
+                                         "PEFT's logits")
 
 
 def test_we_load_an_adapter_peft_saved(tmp_path):
     peft = pytest.importorskip("peft")
     peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj"], task_type="CAUSAL_LM")
-    theirs = peft.get_peft_model(tiny_causal_lm("llama"), peft_config)
+    theirs = peft.get_peft_model(tiny_causal_lm("llama").to(torch.float64), peft_config)
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, param in theirs.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
     theirs.save_pretrained(tmp_path)
-    ours = tiny_causal_lm("llama")
+    ours = tiny_causal_lm("llama").to(torch.float64)
     load_adapters(ours, tmp_path)
     tokens = random_tokens()
-    with torch.no_grad():
-        torch.testing.assert_close(
-            ours(tokens, use_cache=False).logits, theirs.eval()(tokens, use_cache=False).logits, rtol=0, atol=1e-5
-        )
+    with torch.no_grad(), float64_throughout(torch.float64):
+        assert_equal_in_exact_arithmetic(ours(tokens, use_cache=False).logits,
+                                         theirs.eval()(tokens, use_cache=False).logits, "PEFT's logits")

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from tolerances import assert_equal_in_exact_arithmetic
 from torch import nn
 
 from lora_logic.config import DEFAULT_ADAPTER, LoraConfig, lora_scaling
@@ -55,13 +56,13 @@ def test_init_equals_base_and_follows_kaiming_and_zeros(seed):
 def test_scaling_with_and_without_rslora(r, alpha, rslora, expected):
     assert lora_scaling(alpha, r, rslora) == expected
     assert LoraConfig(r=r, alpha=alpha, use_rslora=rslora).scaling == expected
-    layer = with_adapter(nn.Linear(4, 4), r=r, alpha=alpha, use_rslora=rslora)
+    layer = with_adapter(nn.Linear(4, 4).double(), r=r, alpha=alpha, use_rslora=rslora)  # float64: tolerances.py
     assert layer.scaling == {DEFAULT_ADAPTER: expected}
     with torch.no_grad():
         layer.lora_B["default"].weight.normal_()
-    x = torch.randn(2, 4)
+    x = torch.randn(2, 4, dtype=torch.float64)
     branch = x @ layer.lora_A["default"].weight.T @ layer.lora_B["default"].weight.T
-    torch.testing.assert_close(layer(x) - layer.base_layer(x), expected * branch, rtol=1e-5, atol=1e-6)
+    assert_equal_in_exact_arithmetic(layer(x) - layer.base_layer(x), expected * branch, "the LoRA branch")
 
 
 def test_dropout_applies_to_lora_branch_only(seed):

@@ -5,22 +5,27 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_tokens, tiny_causal_lm
+from tolerances import assert_equal_in_exact_arithmetic
 
 from lora_logic.adapters import lora_modules, lora_parameters
 from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
 from lora_logic.layer import LoRALinear
 from lora_logic.merge import merge_and_unload, merge_lora, unmerge_lora
+from utils.precision import float64_throughout
 
 
-def trained_model(arch: str = "mistral", steps: int = 3):
-    """A tiny model with LoRA after a few real AdamW steps, so B A is not zero."""
-    model = tiny_causal_lm(arch)
+def trained_model(arch: str = "mistral", steps: int = 3, dtype: torch.dtype = torch.float32):
+    """A tiny model with LoRA after a few real AdamW steps, so B A is not zero. float64 for the
+    claims that a merged model computes what the unmerged one does: W0 x + s B (A x) and
+    (W0 + s B A) x are equal in exact arithmetic, not in rounding (tests/tolerances.py)."""
+    model = tiny_causal_lm(arch).to(dtype)
     inject_lora(model, LoraConfig(r=4, alpha=8))
     optimizer = torch.optim.AdamW(lora_parameters(model), lr=1e-2)
     tokens = random_tokens(seq=16)
     for _ in range(steps):
-        loss = model(tokens, labels=tokens, use_cache=False).loss
+        with float64_throughout(dtype):
+            loss = model(tokens, labels=tokens, use_cache=False).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -51,15 +56,15 @@ def test_base_weights_bitwise_unchanged_after_optimizer_steps():
 
 
 def test_merged_equals_unmerged_and_merge_is_idempotent():
-    model, tokens = trained_model()
-    with torch.no_grad():
+    model, tokens = trained_model(dtype=torch.float64)
+    with torch.no_grad(), float64_throughout(torch.float64):
         unmerged = model(tokens, use_cache=False).logits
         assert merge_lora(model) == 14
         merged = model(tokens, use_cache=False).logits
         weights_once = base_weights(model)
         assert merge_lora(model) == 0  # a second merge changes nothing
         merged_twice = model(tokens, use_cache=False).logits
-    torch.testing.assert_close(merged, unmerged, rtol=0, atol=1e-5)
+    assert_equal_in_exact_arithmetic(merged, unmerged, "merged logits")
     assert torch.equal(merged_twice, merged)
     for name, tensor in base_weights(model).items():
         assert torch.equal(tensor, weights_once[name]), name
@@ -67,9 +72,9 @@ def test_merged_equals_unmerged_and_merge_is_idempotent():
 
 
 def test_unmerge_restores_the_base():
-    model, tokens = trained_model()
+    model, tokens = trained_model(dtype=torch.float64)
     original = base_weights(model)
-    with torch.no_grad():
+    with torch.no_grad(), float64_throughout(torch.float64):
         before = model(tokens, use_cache=False).logits
         merge_lora(model)
         assert any(not torch.equal(p, original[n]) for n, p in base_weights(model).items())
@@ -77,8 +82,8 @@ def test_unmerge_restores_the_base():
         assert unmerge_lora(model) == 0
         after = model(tokens, use_cache=False).logits
     for name, tensor in base_weights(model).items():
-        torch.testing.assert_close(tensor, original[name], rtol=0, atol=1e-6)
-    torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
+        assert_equal_in_exact_arithmetic(tensor, original[name], f"{name} unmerged")
+    assert_equal_in_exact_arithmetic(after, before, "unmerged logits")
 
 
 def test_merge_refuses_nan_and_leaves_every_base_weight_untouched():
@@ -112,13 +117,13 @@ def test_merge_without_lora_is_an_error():
 
 
 def test_merge_and_unload_gives_a_plain_model_with_the_same_output():
-    model, tokens = trained_model()
-    with torch.no_grad():
+    model, tokens = trained_model(dtype=torch.float64)
+    with torch.no_grad(), float64_throughout(torch.float64):
         expected = model(tokens, use_cache=False).logits
     assert merge_and_unload(model) == 14
     assert not any(isinstance(m, LoRALinear) for m in model.modules())
     plain_keys = set(tiny_causal_lm("mistral").state_dict())
     assert set(model.state_dict()) == plain_keys  # original key names, no base_layer / lora_*
-    with torch.no_grad():
-        torch.testing.assert_close(model(tokens, use_cache=False).logits, expected, rtol=0, atol=1e-5)
+    with torch.no_grad(), float64_throughout(torch.float64):
+        assert_equal_in_exact_arithmetic(model(tokens, use_cache=False).logits, expected, "merged logits")
     inject_lora(model, LoraConfig(r=2, alpha=2))  # a fresh adapter can start on the merged model

@@ -8,8 +8,9 @@ import os
 
 import pytest
 import torch
-from adapter_helpers import peft_combined, write_random_adapters
+from adapter_helpers import DTYPE, peft_combined, write_random_adapters
 from conftest import random_tokens, tiny_causal_lm
+from tolerances import assert_equal_in_exact_arithmetic
 
 peft = pytest.importorskip("peft")
 
@@ -31,9 +32,10 @@ def test_the_export_writes_a_combined_adapter_peft_loads_and_a_merged_model(adap
     from transformers import AutoModelForCausalLM
 
     from finetuning_pipeline.demo.tiny_model import write_tiny_model
+    from utils.precision import float64_throughout
 
     base = tmp_path / "base"
-    tiny_causal_lm("llama").save_pretrained(base)
+    tiny_causal_lm("llama").to(DTYPE).save_pretrained(base)  # float64 as the adapters: equal in exact arithmetic
     write_tiny_model(tmp_path / "tokenizer_source")  # a tokenizer for the merged model's directory
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (tmp_path / "tokenizer_source" / name).exists():
@@ -42,10 +44,10 @@ def test_the_export_writes_a_combined_adapter_peft_loads_and_a_merged_model(adap
     assert run_export(*flags, "--combine", "ties", "--density", "0.5", "--adapter-only", "--out", tmp_path / "c") == 0
     _, _, theirs = peft_combined(adapters, ["a1", "a2"], [0.7, 0.3], "ties", density=0.5)
     theirs.set_adapter("c")
-    loaded = peft.PeftModel.from_pretrained(tiny_causal_lm("llama"), tmp_path / "c").eval()
+    loaded = peft.PeftModel.from_pretrained(tiny_causal_lm("llama").to(DTYPE), tmp_path / "c").eval()
     tokens = random_tokens()
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(tokens).logits, theirs.eval()(tokens).logits, rtol=0, atol=1e-5)
+    with torch.no_grad(), float64_throughout(DTYPE):
+        assert_equal_in_exact_arithmetic(loaded(tokens).logits, theirs.eval()(tokens).logits, "combined adapter logits")
 
     assert run_export(*flags, "--combine", "cat", "--out", tmp_path / "merged") == 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
@@ -53,7 +55,8 @@ def test_the_export_writes_a_combined_adapter_peft_loads_and_a_merged_model(adap
     reference.set_adapter("c")
     expected = reference.merge_and_unload(adapter_names=["c"]).state_dict()
     for key, value in merged.state_dict().items():
-        torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6, msg=key)
+        assert value.dtype == DTYPE, key
+        assert_equal_in_exact_arithmetic(value, expected[key], f"merged {key}")
 
     config = json.loads((adapters / "a2" / "adapter_config.json").read_text())
     (tmp_path / "other").mkdir()

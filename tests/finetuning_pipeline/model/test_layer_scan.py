@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch_xla
 from test_model_families import FAMILIES, batch, family_model
+from tolerances import assert_equal_in_exact_arithmetic
 
 from finetuning_pipeline.model.causal_lm_loss import causal_lm_loss_sum
 from finetuning_pipeline.model.layer_scan import ScannedLayers, scan_decoder_layers
@@ -18,9 +19,10 @@ from lora_logic.config import LoraConfig
 from lora_logic.dropout import set_dropout_seed
 from lora_logic.inject import inject_lora
 from lora_logic.layer import LoRALinear
+from utils.precision import float64_throughout
 
 
-def deeper(name: str, layers: int = 4, dropout: float = 0.0) -> torch.nn.Module:
+def deeper(name: str, layers: int = 4, dropout: float = 0.0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The family's tiny model with `layers` identical layers and LoRA dropout. Mistral and
     Gemma 3 keep their sliding window (6, shorter than the batch's rows; Gemma 3 all layers
     sliding, with its local rotary table); Qwen3's window is only on some layers
@@ -35,7 +37,7 @@ def deeper(name: str, layers: int = 4, dropout: float = 0.0) -> torch.nn.Module:
     elif name == "qwen3":
         config.use_sliding_window, config.sliding_window = False, None
         config.layer_types = ["full_attention"] * layers
-    model = AutoModelForCausalLM.from_config(config).float()
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
     inject_lora(model, LoraConfig(r=4, alpha=8, dropout=dropout))
     with torch.no_grad():
         for param in lora_parameters(model):
@@ -47,8 +49,9 @@ def loss_and_lora_grads(model, data: dict) -> tuple[float, dict[str, torch.Tenso
     device = torch_xla.device()
     model.to(device)
     set_dropout_seed(model, torch.tensor([11], dtype=torch.int32, device=device))
-    loss_sum, count = causal_lm_loss_sum(model, {k: v.to(device) for k, v in data.items()}, packed=True)
-    (loss_sum / count).backward()
+    with float64_throughout(model.dtype):
+        loss_sum, count = causal_lm_loss_sum(model, {k: v.to(device) for k, v in data.items()}, packed=True)
+        (loss_sum / count).backward()
     set_dropout_seed(model, None)
     grads = {}
     for name, module in model.named_modules():
@@ -64,15 +67,17 @@ def loss_and_lora_grads(model, data: dict) -> tuple[float, dict[str, torch.Tenso
 
 @pytest.mark.parametrize("family", ["mistral", "llama", "qwen3", "gemma3"])  # mistral, gemma3: sliding
 def test_scanned_layers_give_the_loss_and_gradients_of_the_layer_loop(family):
+    """XLA's loop and the unrolled layers sum in other orders: float64 (tests/tolerances.py)."""
     data = batch(packed=True)
-    expected_loss, expected = loss_and_lora_grads(deeper(family, dropout=0.1), data)
-    model = deeper(family, dropout=0.1)
+    expected_loss, expected = loss_and_lora_grads(deeper(family, dropout=0.1, dtype=torch.float64), data)
+    model = deeper(family, dropout=0.1, dtype=torch.float64)
     scan_decoder_layers(model)
     loss, grads = loss_and_lora_grads(model, data)
-    assert abs(loss - expected_loss) <= 1e-5 * abs(expected_loss)
+    assert_equal_in_exact_arithmetic(loss, expected_loss, "loss")
     assert grads.keys() == expected.keys() and len(grads) == 4 * 2 * len(LoraConfig().target_modules)
     for key, grad in expected.items():
-        assert torch.allclose(grads[key], grad, rtol=1e-4, atol=1e-6), key
+        assert grad.dtype == torch.float64 and grad.abs().max() > 0, key
+        assert_equal_in_exact_arithmetic(grads[key], grad, key)
     # Dropout masks differ per layer: with one salt for all layers the gradients would not match.
     assert len(lora_parameters(model)) == 2 * len(LoraConfig().target_modules)
 
@@ -84,12 +89,12 @@ def test_a_captured_step_over_two_micro_batches_gives_the_layer_loop_losses():
     from finetuning_pipeline.train.adamw import MaskedAdamW
     from finetuning_pipeline.train.stepper import Stepper
 
-    config = load_config(None, ["model.path=unused", "model.dtype=float32", "lora.dropout=0.1", "train.grad_accum=2",
+    config = load_config(None, ["model.path=unused", "model.dtype=float64", "lora.dropout=0.1", "train.grad_accum=2",
                                 "train.micro_batch=1", "train.max_steps=4"])
     device = torch_xla.device()
     runs = []
     for scan in (False, True):
-        model = deeper("mistral", dropout=0.1)
+        model = deeper("mistral", dropout=0.1, dtype=torch.float64)  # other sums: float64 (tests/tolerances.py)
         if scan:
             scan_decoder_layers(model)
         model.to(device)
@@ -104,7 +109,8 @@ def test_a_captured_step_over_two_micro_batches_gives_the_layer_loop_losses():
             losses.append(results["loss"].item())
         runs.append(losses)
     assert stepper.gradients.captured
-    assert runs[1] == pytest.approx(runs[0], rel=1e-6) and len(set(runs[0])) == 4
+    assert len(set(runs[0])) == 4
+    assert_equal_in_exact_arithmetic(runs[1], runs[0], "losses")
 
 
 def test_the_adapter_names_and_values_are_the_unscanned_ones():
