@@ -1,7 +1,7 @@
 """Evaluate a model (optionally with an adapter) on prepared data: loss, perplexity, samples.
 
     python -m finetuning_pipeline.evaluate --model DIR [--adapter DIR ...] --data PREPARED_DIR
-        [--split eval] [--micro-batch 4] [--samples 3] [--device cpu|xla]
+        [--split eval] [--micro-batch 4] [--samples 3] [--device cpu|xla] [--dtype float32]
 
 The loss is the trainer's (mean next-token loss over label tokens, packed segments kept
 apart), so the figures compare with the eval records in metrics.jsonl. For chat data
@@ -23,7 +23,7 @@ from dataset.loader import open_prepared
 from dataset.manifest import is_packed, tokenizer_fingerprint
 from dataset.shards import open_split
 from finetuning_pipeline.errors import run_command
-from finetuning_pipeline.model.loading import load_model
+from finetuning_pipeline.model.loading import DTYPES, load_model
 from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss
 from utils.cli_types import non_negative_int, positive_int
 from utils.hub_models import resolve_model
@@ -81,6 +81,9 @@ def evaluate(argv: list[str] | None) -> int:
     )
     parser.add_argument("--max-new-tokens", type=positive_int, default=48)
     parser.add_argument("--device", choices=("cpu", "xla"), default="cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="the dtype to evaluate in (default float32; bfloat16 as a TPU trains; float64 for "
+                        "the CPU's exact comparisons with a model.dtype=float64 run)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
     if args.device == "xla":
@@ -88,7 +91,7 @@ def evaluate(argv: list[str] | None) -> int:
     else:
         on_the_host_only()
     args.model = resolve_model(args.model).local_dir
-    model, _ = load_model(args.model, args.adapter)
+    model, _ = load_model(args.model, args.adapter, DTYPES[args.dtype])
     tokenizer = load_tokenizer(args.model, "--model")
     manifest = open_prepared(args.data, fingerprint=tokenizer_fingerprint(tokenizer))
     if args.device == "xla":

@@ -10,7 +10,9 @@ import shutil
 
 import pytest
 from safetensors.torch import load_file
+from tolerances import assert_equal_in_exact_arithmetic, fp32_forward_bound
 from trainer_helpers import LaunchedRun, write_run_config
+from transformers import AutoConfig
 
 from finetuning_pipeline import main
 from finetuning_pipeline.evaluate import main as evaluate_main
@@ -38,16 +40,24 @@ def summary(out, phase: int) -> dict:
     return json.loads((out / f"phase{phase}" / "summary.json").read_text())
 
 
-def test_each_phase_starts_from_what_its_init_says(curriculum):
+def assert_same_fp32_loss(ours: float, theirs: float, what: str, model_dir, merged: bool = False) -> None:
+    """Two fp32 evaluations of one model (the run's default dtype) in other sums, or of its merge:
+    within fp32_forward_bound (tests/tolerances.py)."""
+    bound = fp32_forward_bound(theirs, AutoConfig.from_pretrained(model_dir), merged=merged)
+    assert_equal_in_exact_arithmetic(ours, theirs, what, bound)
+
+
+def test_each_phase_starts_from_what_its_init_says(curriculum, tiny_model_dir):
     out, _ = curriculum
     s = {n: summary(out, n) for n in range(1, 6)}
     assert all(s[n]["steps"] == 4 and s[n]["compiles_after_warmup"] == 0 for n in s)
     # continue (2, 4) and merge (3) start from the model the phase before ended with ...
     for n in (2, 3, 4):
-        assert s[n]["eval_loss_before"] == pytest.approx(s[n - 1]["eval_loss_after"], rel=1e-5), n
+        assert_same_fp32_loss(s[n]["eval_loss_before"], s[n - 1]["eval_loss_after"], f"phase {n}'s start",
+                              tiny_model_dir, merged=INITS[n] == "merge")
     # ... and they train on from there; fresh (5) starts again from the untouched base.
     assert s[4]["eval_loss_after"] < s[2]["eval_loss_after"] < s[1]["eval_loss_before"]
-    assert s[5]["eval_loss_before"] == pytest.approx(s[1]["eval_loss_before"], rel=1e-5)
+    assert_same_fp32_loss(s[5]["eval_loss_before"], s[1]["eval_loss_before"], "a fresh phase's start", tiny_model_dir)
     assert [s[n]["merged_adapters"] for n in range(1, 6)] == [[], [], [str(out / "phase2" / "adapter")],
                                                                [str(out / "phase2" / "adapter")], []]
     assert (out / "loss.png").stat().st_size > 10_000
@@ -60,10 +70,12 @@ def test_a_later_phase_is_served_with_the_adapters_its_summary_names(curriculum,
     adapters = [*s["merged_adapters"], str(out / "phase4" / "adapter")]
     code = evaluate_main(["--model", str(tiny_model_dir), *[a for path in adapters for a in ("--adapter", path)],
                           "--data", str(data[1]), "--json"])
-    assert code == 0 and json.loads(capsys.readouterr().out)["loss"] == pytest.approx(s["eval_loss_after"], abs=1e-4)
+    assert code == 0
+    assert_same_fp32_loss(json.loads(capsys.readouterr().out)["loss"], s["eval_loss_after"], "evaluate", tiny_model_dir)
     merged = export_merged(str(tiny_model_dir), adapters, str(tmp_path / "merged"))
     assert evaluate_main(["--model", str(merged), "--data", str(data[1]), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(s["eval_loss_after"], abs=1e-4)
+    assert_same_fp32_loss(json.loads(capsys.readouterr().out)["loss"], s["eval_loss_after"], "evaluate merged",
+                          tiny_model_dir, merged=True)
 
 
 def test_an_adapter_is_applied_only_on_what_it_was_trained_on(curriculum, tiny_model_dir, data, tmp_path, capsys):
@@ -90,10 +102,12 @@ def test_an_adapter_is_applied_only_on_what_it_was_trained_on(curriculum, tiny_m
 
     moved = shutil.copytree(out / "phase5" / "adapter", tmp_path / "moved")
     code, loss, err = evaluate(tiny_model_dir, moved, text)
-    assert code == 0 and loss == pytest.approx(expected, abs=1e-4) and "warning" not in err
+    assert code == 0 and "warning" not in err
+    assert_same_fp32_loss(loss, expected, "moved", tiny_model_dir)
     merged = export_merged(str(tiny_model_dir), [str(moved)], str(tmp_path / "merged"))
     code, loss, err = evaluate(merged, text)
-    assert code == 0 and loss == pytest.approx(expected, abs=1e-4) and "warning" not in err
+    assert code == 0 and "warning" not in err
+    assert_same_fp32_loss(loss, expected, "merged beneath", tiny_model_dir, merged=True)
 
     other = tmp_path / "other-base"  # the same architecture, other weights
     export_merged(str(tiny_model_dir), [str(out / "phase5" / "adapter")], str(other))
@@ -140,6 +154,7 @@ def test_later_phases_on_two_replica_threads_of_the_tpu_launcher(tiny_model_dir,
     out = tmp_path / "out"
     s = {n: summary(out, n) for n in (1, 2, 3)}
     assert all(s[n]["world_size"] == 2 and s[n]["compiles_after_warmup"] == 0 for n in s), s
-    for n in (2, 3):
-        assert s[n]["eval_loss_before"] == pytest.approx(s[n - 1]["eval_loss_after"], rel=1e-5), n
+    for n, init in ((2, "merge"), (3, "continue")):
+        assert_same_fp32_loss(s[n]["eval_loss_before"], s[n - 1]["eval_loss_after"], f"phase {n}'s start",
+                              tiny_model_dir, merged=init == "merge")
     assert s[3]["merged_adapters"] == [str(out / "phase1" / "adapter")]
