@@ -41,13 +41,18 @@ WARMUP_STEPS = 2  # the first step traces (and captures) and compiles; the secon
 
 # How the step is run: (train.capture_step, decoder layers scanned); the bench.json key.
 MODES = {"scanned": (True, True), "layer_loop": (True, False), "traced_every_step": (False, False)}
+# `make bench-train`'s shapes run the trainer's own step: captured, scanned where the trainer
+# would scan (train.scan_layers unset: from 16 layers; both shapes are shallower).
+TRAINER_DEFAULT = "trainer_default"
 
 
-def measure(layers: int, grad_accum: int, mode: str, steps: int) -> dict:
-    """One configuration, in this process."""
+def measure(layers: int, grad_accum: int, mode: str, steps: int, shape: str = "") -> dict:
+    """One configuration, in this process. shape: one of `make bench-train`'s shapes instead of
+    the 64-wide model (its model, micro-batch and sequence length; `layers` is then its own)."""
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
     from transformers import MistralConfig, MistralForCausalLM
 
     from finetuning_pipeline.distributed.parallel import Parallel
@@ -60,7 +65,10 @@ def measure(layers: int, grad_accum: int, mode: str, steps: int) -> dict:
     from utils.xla_counters import read_counters
     from utils.xla_runtime import init_xla_device
 
-    capture, scan = MODES[mode]
+    capture, scan = (True, None) if mode == TRAINER_DEFAULT else MODES[mode]
+    model_config, seq_len, micro_batch = {"num_hidden_layers": layers, **MODEL}, SEQ_LEN, 1
+    if shape:
+        model_config, seq_len, micro_batch = bench_shape(shape)
     device = init_xla_device()
     config = load_config(
         None,
@@ -70,13 +78,13 @@ def measure(layers: int, grad_accum: int, mode: str, steps: int) -> dict:
             f"lora.r={RANK}",
             f"lora.alpha={ALPHA}",
             f"train.grad_accum={grad_accum}",
-            "train.micro_batch=1",
+            f"train.micro_batch={micro_batch}",
             f"train.max_steps={steps + WARMUP_STEPS}",
             f"train.capture_step={str(capture).lower()}",
         ],
     )
     torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(num_hidden_layers=layers, **MODEL))
+    model = MistralForCausalLM(MistralConfig(**model_config))
     inject_lora(model, config.lora_config())
     scan_layers(
         model, scan, activation_checkpointing=False, spmd=False
@@ -101,7 +109,8 @@ def measure(layers: int, grad_accum: int, mode: str, steps: int) -> dict:
     for _ in range(steps + WARMUP_STEPS):
         step_batches = []
         for _ in range(grad_accum):
-            ids = torch.randint(0, MODEL["vocab_size"], (1, SEQ_LEN), generator=generator, dtype=torch.int32)
+            ids = torch.randint(0, model_config["vocab_size"], (micro_batch, seq_len), generator=generator,
+                                dtype=torch.int32)
             step_batches.append({"input_ids": ids.to(device), "labels": ids.to(device)})
         batches.append(step_batches)
     torch_xla.sync()
@@ -119,7 +128,11 @@ def measure(layers: int, grad_accum: int, mode: str, steps: int) -> dict:
             warm = read_counters()
     xm.wait_device_ops()
     end = read_counters()
+    # Each graph's own (the gradients' and the update's: step_capture.py), in the order compiled.
+    compiled = end.compiles - start.compiles
+    samples = met.metric_data("CompileTime")[2][-compiled:] if compiled else []
     return {
+        "compile_s_per_graph": [round(value / 1e9, 2) for _, value in samples],
         "host_ms_per_step": round(1000 * statistics.median(times[WARMUP_STEPS:]), 2),
         "compile_s": round(end.compile_seconds - start.compile_seconds, 2),
         "graphs": end.compiles - start.compiles,
@@ -128,12 +141,24 @@ def measure(layers: int, grad_accum: int, mode: str, steps: int) -> dict:
     }
 
 
-def in_subprocess(layers: int, grad_accum: int, mode: str, steps: int) -> dict:
+def bench_shape(name: str) -> tuple[dict, int, int]:
+    """(model config, seq_len, micro_batch) of a `make bench-train` shape (benchmarks/train_bench.py)."""
+    from benchmarks.train_bench import SHAPES
+    from finetuning_pipeline.demo.tiny_model import TINY_DIMENSIONS, VOCAB_SIZE
+
+    shape = SHAPES[name]
+    dimensions = TINY_DIMENSIONS if shape["model"] == "tiny" else shape["model"]
+    config = {**dimensions, "vocab_size": VOCAB_SIZE, "max_position_embeddings": 1024, "sliding_window": None}
+    return config, shape["seq_len"], shape["micro_batch"]
+
+
+def in_subprocess(layers: int, grad_accum: int, mode: str, steps: int, shape: str = "") -> dict:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.host_bench", "--measure", str(layers), str(grad_accum),
-                           mode, str(steps)], capture_output=True, text=True, env=env, check=False)
+                           mode, str(steps), *([shape] if shape else [])],
+                          capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
-        raise SystemExit(f"host bench failed ({layers} layers, grad_accum {grad_accum}, {mode}):\n"
+        raise SystemExit(f"host bench failed ({shape or layers} layers, grad_accum {grad_accum}, {mode}):\n"
                          f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -141,15 +166,18 @@ def in_subprocess(layers: int, grad_accum: int, mode: str, steps: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--grad-accum", default="1,8", help="comma-separated gradient accumulation steps")
+    parser.add_argument("--grad-accum", default="1,8", help="comma-separated gradient accumulation steps ('' for none)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up")
     parser.add_argument("--out", default="outputs/bench/bench.json")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
-    parser.add_argument("--measure", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--bench-shapes", default="small,large",
+                        help="also make bench-train's shapes (comma-separated; '' for none): the trainer's step, "
+                             "grad_accum 1, for its compile time")
+    parser.add_argument("--measure", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure:  # a child process: one measurement, printed as JSON
-        layers, grad_accum, mode, steps = args.measure
-        print(json.dumps(measure(int(layers), int(grad_accum), mode, int(steps))))
+        layers, grad_accum, mode, steps, *shape = args.measure
+        print(json.dumps(measure(int(layers), int(grad_accum), mode, int(steps), *shape)))
         return
     modes = args.modes.split(",")
     if not set(modes) <= set(MODES):
@@ -159,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": {**MODEL, "seq_len": SEQ_LEN, "micro_batch": 1, "lora_r": RANK, "lora_targets": 7, "dtype": "float32"},
         "grad_accum": {},
     }
-    for accum in [int(v) for v in args.grad_accum.split(",")]:
+    for accum in [int(v) for v in args.grad_accum.split(",") if v]:
         for mode in modes:
             # The default step's figures are the section's own; the others under their mode.
             where = (
@@ -175,6 +203,11 @@ def main(argv: list[str] | None = None) -> None:
                 f"({figures['compiles_after_warmup']} after warm-up)  host syncs/step {figures['host_syncs_per_step']}",
                 flush=True,
             )
+    for shape in filter(None, args.bench_shapes.split(",")):
+        figures = in_subprocess(0, 1, TRAINER_DEFAULT, args.steps, shape)
+        section.setdefault("bench_shapes", {})[shape] = figures
+        print(f"make bench-train's {shape} shape, the trainer's step: compile {figures['compile_s']:.2f} s (per graph "
+              f"{figures['compile_s_per_graph']})  host {figures['host_ms_per_step']:.1f} ms/step", flush=True)
     update_results(Path(args.out), "host", section)
     print(f"wrote the host section of {args.out}")
 

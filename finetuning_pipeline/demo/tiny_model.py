@@ -88,16 +88,17 @@ def build_tokenizer(sp_model: bytes) -> LlamaTokenizer:
     return tokenizer
 
 
+# The tiny model's shape (benchmarks build it without its tokenizer): grouped-query attention,
+# as in Mistral 7B (32:8).
+TINY_DIMENSIONS = {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 16}
+
+
 def tiny_mistral_config(tokenizer: LlamaTokenizer) -> MistralConfig:
     """A 2-layer Mistral small enough to train in minutes on 2 CPU cores (about 0.23M parameters)."""
     return MistralConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # grouped-query attention, as in Mistral 7B (32:8)
-        head_dim=16,
+        **TINY_DIMENSIONS,
         max_position_embeddings=1024,
         rope_theta=10000.0,
         sliding_window=None,
