@@ -9,8 +9,14 @@ from torch import nn
 
 from lora_logic.adapters import lora_modules
 from lora_logic.config import LoraConfig, adapter_set
-from lora_logic.layer import LoRALinear
+from lora_logic.layer import LoRALinear, share_input
 from lora_logic.quantized_linear import is_linear
+
+# The projections that a Hugging Face decoder calls on one tensor: attention's q, k and v on the
+# normed hidden states, the MLP's gate and up on its input. Wrapped siblings of one set share
+# their A product (lora_logic/layer.py, share_input); a model that feeds them different tensors
+# stays correct, each computing its own.
+SHARED_INPUT_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def matches_target(module_name: str, target: str) -> bool:
@@ -62,9 +68,22 @@ def inject_lora(model: nn.Module, adapters: LoraConfig | Mapping[str, LoraConfig
         # New modules start in training mode; keep the model's mode (no live dropout in eval).
         wrapped[name].train(base.training)
         setattr(parent, child_name, wrapped[name])
+    for siblings in sibling_sets(wrapped):
+        share_input(siblings)
     rng = torch.get_rng_state()
     for adapter, config in adapters.items():
         torch.set_rng_state(rng)
         for salt, name in enumerate(targets[adapter]):  # each layer its own dropout masks
             wrapped[name].add_adapter(adapter, config, dropout_salt=salt)
     return to_wrap
+
+
+def sibling_sets(wrapped: Mapping[str, LoRALinear]) -> list[list[LoRALinear]]:
+    """The wrapped layers of each SHARED_INPUT_SETS set under one parent module, where two or more are wrapped."""
+    sets = {}
+    for name, layer in wrapped.items():
+        parent, _, leaf = name.rpartition(".")
+        for index, names in enumerate(SHARED_INPUT_SETS):
+            if leaf in names:
+                sets.setdefault((parent, index), []).append(layer)
+    return [layers for layers in sets.values() if len(layers) > 1]

@@ -14,6 +14,15 @@ so the base's weights are read once for every adapter (what makes a small-batch 
 by reading those weights, cheaper than K steps of K models), and each adapter's gradients
 are those of its own rows' loss only. A layer that some adapter of the model does not target
 leaves that adapter's rows to the base.
+
+Layers that read one input (attention's q, k and v; the MLP's gate and up: `share_input`)
+compute their A products as one: x [rows, in] @ [A_q; A_k; A_v]^T [in, r_q + r_k + r_v], split
+by rank. Each output is the same sum as its own product, the activations are read once instead
+of once per layer, forward and backward (the backward's dA and dx are then one product each
+too), and the thin rank-r matmuls become one wider one. The first sibling called computes the
+product and leaves the others' parts on the input tensor itself (they live as long as it does);
+a sibling called with another tensor, or with its dropout active (each layer draws its own
+mask), computes its own product as before.
 """
 
 from __future__ import annotations
@@ -38,6 +47,10 @@ def init_lora_A_(weight: torch.Tensor) -> None:
 def init_lora_B_(weight: torch.Tensor) -> None:
     """Zeros (LoRA paper, section 4.1): B A = 0, so the wrapped model equals the base at step 0."""
     nn.init.zeros_(weight)
+
+
+# The attribute of an input tensor that holds its A products for the siblings not yet called.
+_PENDING = "_lora_pending_down"
 
 
 def scaling_buffer(adapter: str) -> str:
@@ -86,6 +99,10 @@ class LoRALinear(nn.Module):
         for p in self.base_layer.parameters():
             p.requires_grad_(False)
         self.merged = False
+        # The LoRALinears that read the same input as this one, itself included (share_input).
+        # A plain list, not registered (they are modules of their own elsewhere in the model), and
+        # private: a layer's settings are compared by value (layer_scan.py), and these are modules.
+        self._input_siblings: list[LoRALinear] = [self]
 
     @property
     def adapters(self) -> list[str]:
@@ -130,7 +147,7 @@ class LoRALinear(nn.Module):
             return y
         if len(self.groups) == 1:  # one adapter on every row: no slicing
             name = self.groups[0]
-            return y + self._update(name, x).view(y.shape) if name in self.lora_A else y
+            return y + self._update(name, x, None).view(y.shape) if name in self.lora_A else y
         rows = x.shape[0] // len(self.groups)
         if rows * len(self.groups) != x.shape[0]:
             raise ValueError(f"{x.shape[0]} rows do not split into {len(self.groups)} equal groups, one per adapter "
@@ -139,21 +156,43 @@ class LoRALinear(nn.Module):
         for k, name in enumerate(self.groups):
             y_k = y[k * rows:(k + 1) * rows]
             if name in self.lora_A:
-                y_k = y_k + self._update(name, x[k * rows:(k + 1) * rows]).view(y_k.shape)
+                y_k = y_k + self._update(name, x, slice(k * rows, (k + 1) * rows)).view(y_k.shape)
             out.append(y_k)
         return torch.cat(out)
 
-    def _update(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """scaling * B A dropout(x) of one adapter, [rows*seq, out]."""
-        h = self.lora_dropout[name](x)
-        a = self.lora_A[name].weight.to(h.dtype)  # [r, in]
-        # Scale B ([out, r]), not the [batch, seq, out] product: the same update, one
-        # activation-sized multiplication fewer in the forward and in the backward.
-        b = (self.lora_B[name].weight * getattr(self, scaling_buffer(name))).to(h.dtype)  # [out, r]
-        # Two 2-D products on the activations flattened once: F.linear on [batch, seq, in]
-        # flattens and restores around each product, operations that XLA traces on the host
-        # at every step, forward and backward (14 wrapped 64-wide layers: 6.6 -> 5.2 ms of tracing).
-        return (h.reshape(-1, self.in_features) @ a.t()) @ b.t()
+    def _update(self, name: str, x: torch.Tensor, rows: slice | None) -> torch.Tensor:
+        """scaling * B A dropout(x) of one adapter on its rows of x (None: all), [rows*seq, out]."""
+        h = self._down(name, x, rows)  # [rows*seq, r]
+        # Scale the thin [rows*seq, r] product, not the [rows*seq, out] one (an activation-sized
+        # multiplication fewer, forward and backward) nor B: with B scaled, the shared product's
+        # slices are kernels of their own in every layer; scaled, each slice joins its
+        # multiplication in a fusion that XLA compiles once for all layers (docs/benchmarks.md).
+        h = (h * getattr(self, scaling_buffer(name))).to(h.dtype)
+        return h @ self.lora_B[name].weight.to(h.dtype).t()
+
+    def _down(self, name: str, x: torch.Tensor, rows: slice | None) -> torch.Tensor:
+        """A dropout(x) of one adapter on its rows of x, [rows*seq, r]: its part of the siblings'
+        one product when they share it (see the module's docstring)."""
+        part = x if rows is None else x[rows]
+        siblings = [m for m in self._input_siblings if name in m.lora_A and not _drops(m.lora_dropout[name])]
+        if len(siblings) < 2 or self not in siblings:
+            h = self.lora_dropout[name](part)
+            # Two 2-D products on the activations flattened once: F.linear on [batch, seq, in]
+            # flattens and restores around each product, operations that XLA traces on the host
+            # at every step, forward and backward (14 wrapped 64-wide layers: 6.6 -> 5.2 ms of tracing).
+            return h.reshape(-1, self.in_features) @ self.lora_A[name].weight.to(h.dtype).t()
+        pending = x.__dict__.setdefault(_PENDING, {})
+        mine = pending.pop((self, name), None)
+        if not pending:  # (an empty attribute would keep the tensor's Python object alive with it)
+            del x.__dict__[_PENDING]
+        if mine is not None:
+            return mine
+        a = torch.cat([m.lora_A[name].weight.to(part.dtype) for m in siblings])  # [sum of ranks, in]
+        parts = (part.reshape(-1, self.in_features) @ a.t()).split([m.r[name] for m in siblings], dim=1)
+        for sibling, h in zip(siblings, parts):
+            if sibling is not self:
+                x.__dict__.setdefault(_PENDING, {})[(sibling, name)] = h
+        return parts[siblings.index(self)]
 
     def delta_weight(self, name: str) -> torch.Tensor:
         """scaling * B A of adapter `name` in fp32 (float64 for a float64 LoRA), [out, in]: what
@@ -206,3 +245,17 @@ class LoRALinear(nn.Module):
         each = ", ".join(f"{n}: r={self.r[n]} scaling={self.scaling[n]:g}" for n in self.adapters)
         groups = f" of {self.groups}" if self.groups != self.adapters else ""
         return f"in={self.in_features}, out={self.out_features}, adapters={{{each}}}{groups}, merged={self.merged}"
+
+
+def _drops(dropout: nn.Module) -> bool:
+    """Whether a LoRA dropout draws a mask now (p > 0 and training)."""
+    return isinstance(dropout, SeededDropout) and dropout.training
+
+
+def share_input(layers: list[LoRALinear]) -> None:
+    """Declare that these layers are always called with the same input tensor (q, k and v of
+    one attention): their A products are then computed as one (see the module's docstring).
+    A wrong declaration costs time, never correctness: a layer called with another tensor
+    computes its own product."""
+    for layer in layers:
+        layer._input_siblings = list(layers)
