@@ -114,3 +114,17 @@ def test_wraps_only_linear_and_freezes_base():
 def test_config_validation_names_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key):
         LoraConfig(**kwargs)
+
+
+def test_on_the_xla_device_b_gradient_is_the_r_by_out_product_behind_a_barrier():
+    # XLA would otherwise fold the transpose into the product and compute dy^T h [out, r], the
+    # form XLA:CPU runs about 4x slower (docs/benchmarks.md); the value is the same either way.
+    import torch_xla
+
+    layer = with_adapter(nn.Linear(64, 48), r=8, alpha=16).to(torch_xla.device())
+    layer(torch.randn(3, 5, 64).to(torch_xla.device())).sum().backward()
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([layer.lora_B["default"].weight.grad])
+    dots = [line.split(" = ")[1].split(" ")[0] for line in hlo.splitlines() if " dot(" in line]
+    assert "opt-barrier(" in hlo
+    assert any(shape.startswith("f32[8,48]") for shape in dots), dots
+    assert not any(shape.startswith("f32[48,8]") for shape in dots), dots
