@@ -27,7 +27,7 @@ DEMO_ANSWER := Județul Brașov se află în Transilvania.
 PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 
 # phase1, phase2, ... are a pattern rule (below): make skips pattern rules for .PHONY targets.
-.PHONY: help setup llama-cpp test test-fast lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load bench-gguf-export bench-stop clean
+.PHONY: help setup llama-cpp test test-fast lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-lora-cost bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load bench-gguf-export bench-stop clean
 
 help:
 	@echo "make setup       create .venv with the pinned stack (torch 2.9.0 + torch_xla 2.9.0) and test tools"
@@ -47,6 +47,7 @@ help:
 	@echo "make bench       the benchmarks below (about 45 minutes on 2 cores)"
 	@echo "make bench-train our trainer vs HF Trainer + PEFT on XLA:CPU, two shapes (outputs/bench/bench.json)"
 	@echo "make bench-host  host time per step and compile time, 32 layers, grad_accum 1 and 8, captured vs traced"
+	@echo "make bench-lora-cost  the LoRA's products, q/k/v with and without a shared A product, the step's kernels (2 minutes)"
 	@echo "make bench-prepare  measure dataset.prepare throughput and peak memory (a few minutes)"
 	@echo "make bench-memory   peak memory of a step with a 262k vocabulary: chunked loss, full logits, HF + PEFT"
 	@echo "make bench-side-by-side  4 adapters side by side in one run vs 4 runs one after another (2 minutes)"
@@ -140,7 +141,7 @@ preflight: $(STAMP) $(PHASE_DEPS)
 tpu-check: $(STAMP) $(PHASE_DEPS)
 	$(BIN)/python -m finetuning_pipeline.tpu_check --config $(CONFIG) $(ARGS)
 
-bench: bench-train bench-host bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load \
+bench: bench-train bench-host bench-lora-cost bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load \
 	bench-gguf-export bench-stop
 
 bench-train: $(STAMP)
@@ -148,6 +149,9 @@ bench-train: $(STAMP)
 
 bench-host: $(STAMP)
 	$(BIN)/python -m benchmarks.host_bench
+
+bench-lora-cost: $(STAMP)
+	$(BIN)/python -m benchmarks.lora_cost_bench
 
 bench-prepare: $(STAMP)
 	$(BIN)/python -m benchmarks.prepare_throughput

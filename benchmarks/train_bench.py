@@ -188,9 +188,11 @@ def measure_frozen(model_dir: str, data: str, micro_batch: int, steps: int, out_
     from transformers import AutoModelForCausalLM
 
     from finetuning_pipeline.model.attention_masks import attention_masks
+    from utils.xla_counters import read_counters
     from utils.xla_runtime import init_xla_device
 
     device = init_xla_device()
+    start = read_counters()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.config.use_cache = False
     for p in model.parameters():
@@ -209,7 +211,8 @@ def measure_frozen(model_dir: str, data: str, micro_batch: int, steps: int, out_
         ends.append(time.perf_counter())
     xm.wait_device_ops()
     ends[-1] = time.perf_counter()  # the last step ends when it has run
-    return {"step_time_s": steady_step_time(ends)}
+    return {"step_time_s": steady_step_time(ends),
+            "compile_seconds": round(read_counters().compile_seconds - start.compile_seconds, 2)}
 
 
 def steady_step_time(ends: list[float]) -> float:
@@ -271,6 +274,7 @@ def bench_shape(name: str, steps: int, peer: bool, root: Path, matmul_rate: floa
         **figures(ours, tokens_per_step, flops_per_token, matmul_rate),
         "traced_every_step": figures(traced, tokens_per_step, flops_per_token, matmul_rate),
         "frozen_base_fwd_bwd_step_s": frozen["step_time_s"],
+        "frozen_base_fwd_bwd_compile_s": frozen["compile_seconds"],
         "lora_step_vs_frozen_fwd_bwd": round(ours["step_time_s"] / frozen["step_time_s"], 3),
     }
     if peer:
@@ -334,7 +338,8 @@ def print_shape(name: str, r: dict) -> None:
               f"graphs {f['compiles_total']} ({f['compiles_after_warmup']} after warm-up)  "
               f"host syncs/step {f['host_syncs_per_step']:.2f}  mfu_host {f['mfu_host']:.3f}")
     extra = f"  ratio vs peer {r['ratio_vs_peer']:.2f}x" if "ratio_vs_peer" in r else ""
-    print(f"{name:5} LoRA step / frozen fwd+bwd {r['lora_step_vs_frozen_fwd_bwd']:.2f}  "
+    print(f"{name:5} LoRA step / frozen fwd+bwd {r['lora_step_vs_frozen_fwd_bwd']:.2f}  compile: ours "
+          f"{r['compile_seconds']} s, the frozen fwd+bwd {r['frozen_base_fwd_bwd_compile_s']} s  "
           f"data wait {r['data_wait_fraction']}{extra}")
 
 
