@@ -6,7 +6,8 @@ Three measurements on XLA:CPU, fp32, at `make bench-train`'s large shape (4096 t
 micro-batch, hidden 512, k/v 256, LoRA r 16):
   products   each of the six products a LoRA layer adds (forward: x A^T, h B^T; backward:
              dh = dy B, dB = dy^T h, dA = dh^T x, dx += dh A), each its own graph, against the
-             base's own x W^T: the time of the LoRA's arithmetic, product by product;
+             base's own x W^T: the time of the LoRA's arithmetic, product by product; and dB
+             in the form the LoRA layer keeps, (h^T dy)^T behind a barrier;
   attention  one attention input's q, k and v, forward and backward: frozen, with three LoRAs
              each reading the input, and with their A products shared (lora_logic/layer.py);
   kernels    the kernels XLA:CPU compiles for the trainer's captured step on a bench shape,
@@ -57,7 +58,7 @@ def timed(variants: dict, repeats: int) -> dict[str, float]:
 def products(repeats: int) -> dict[str, float]:
     import torch
 
-    from utils.xla_runtime import init_xla_device
+    from utils.xla_runtime import barrier_copies, init_xla_device
 
     device = init_xla_device()
     x, dy = torch.randn(TOKENS, HIDDEN).to(device), torch.randn(TOKENS, HIDDEN).to(device)
@@ -69,7 +70,8 @@ def products(repeats: int) -> dict[str, float]:
         "forward x A^T": lambda: x @ a.t(),
         "forward h B^T": lambda: h @ b.t(),
         "backward dh = dy B": lambda: dy @ b,
-        "backward dB = dy^T h": lambda: dy.t() @ h,
+        "backward dB = dy^T h": lambda: dy.t() @ h,  # the form XLA folds autograd's h^T dy, transposed, into
+        "backward dB = (h^T dy)^T, kept": lambda: barrier_copies(h.t() @ dy)[0].t(),  # lora_logic/layer.py's
         "backward dA = dh^T x": lambda: dh.t() @ x,
         "backward dx += dh A": lambda: x + dh @ a,
     }, repeats)
