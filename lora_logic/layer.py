@@ -252,8 +252,8 @@ class _ThinProduct(torch.autograd.Function):
     """h @ b^T ([rows, r] @ [r, out]) whose backward computes b's gradient as h^T dy, [r, out],
     and transposes that small result. Left to itself, XLA folds autograd's transpose into the
     product and computes dy^T h, [out, r], straight: the same sums, in a form XLA:CPU runs
-    about 4x slower (3.6 against 0.9 ms at the large bench shape, docs/benchmarks.md). An
-    optimization barrier keeps the product as written."""
+    about 3x slower (4.0 against 1.3 ms with the transpose at the large bench shape, `make
+    bench-lora-cost`). An optimization barrier keeps the product as written."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

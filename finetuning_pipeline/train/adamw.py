@@ -110,9 +110,9 @@ class MaskedAdamW:
     def _write_back(self, flat: torch.Tensor) -> None:
         """Copy each parameter's part of `flat` into it. Read at the parameter's start held as
         data, not sliced at a constant offset: a slice compiles into a kernel of its own for
-        each offset, where these reads are the same kernel for all parameters of one size
-        (XLA:CPU compiles identical kernels once: 112 parameters, 2.1 -> 0.5 s for the update,
-        docs/benchmarks.md). The values are the same either way: a read is a copy."""
+        each offset, where these reads are the same kernel for all parameters of one shape
+        (XLA:CPU compiles identical kernels once: docs/benchmarks.md, "The LoRA's own cost and
+        the compile"). The values are the same either way: a read is a copy."""
         for param, start in zip(self.params, self.starts):
             index = start + torch.arange(param.numel(), dtype=torch.int32, device=flat.device)
             param.copy_(flat[index].view(param.shape))

@@ -118,7 +118,7 @@ def test_config_validation_names_the_key(kwargs, key):
 
 def test_on_the_xla_device_b_gradient_is_the_r_by_out_product_behind_a_barrier():
     # XLA would otherwise fold the transpose into the product and compute dy^T h [out, r], the
-    # form XLA:CPU runs about 4x slower (docs/benchmarks.md); the value is the same either way.
+    # form XLA:CPU runs about 3x slower (docs/benchmarks.md); the value is the same either way.
     import torch_xla
 
     layer = with_adapter(nn.Linear(64, 48), r=8, alpha=16).to(torch_xla.device())
