@@ -131,8 +131,8 @@ def test_injected_model_shares_q_k_v_and_gate_up(arch):
         loss.backward()
         results.append([loss] + [p.grad for p in each.parameters() if p.requires_grad])
         counts.append(counter.count)
-    shared_sets = {id(layer._input_siblings[0]) for _, layer in lora_modules(model) if len(layer._input_siblings) > 1}
-    fewer = sum(len(lora_modules_of(model, first)) - 1 for first in shared_sets)
+    sets = {id(layer._input_siblings[0]): layer._input_siblings for _, layer in lora_modules(model)}
+    fewer = sum(len(siblings) - 1 for siblings in sets.values())  # A products no longer run
     # Each of the 2 layers: q, k, v's A products one (2 fewer), gate and up's one (1 fewer).
     assert fewer == 2 * 3 and counts[0] - counts[1] == fewer
     assert_all_equal(results[1], results[0], f"{arch}: shared A products against each alone")
@@ -143,7 +143,3 @@ def assert_all_equal(ours: list[torch.Tensor], theirs: list[torch.Tensor], what:
     for index, (a, b) in enumerate(zip(ours, theirs)):
         assert_equal_in_exact_arithmetic(a, b, f"{what} (output or gradient {index})")
 
-
-def lora_modules_of(model: nn.Module, first_id: int) -> list[LoRALinear]:
-    """The layers of the shared set whose first member has id `first_id`."""
-    return next(layer._input_siblings for _, layer in lora_modules(model) if id(layer._input_siblings[0]) == first_id)
