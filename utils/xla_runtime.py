@@ -22,6 +22,8 @@ def init_xla_device() -> torch.device:
     choose_device()
     for name, value in runtime_env_defaults(os.environ["PJRT_DEVICE"]).items():
         os.environ.setdefault(name, value)  # read by torch_xla at its first step boundary
+    # (read by XLA at its first compile)
+    os.environ["XLA_FLAGS"] = with_compiler_defaults(os.environ.get("XLA_FLAGS", ""), os.environ["PJRT_DEVICE"])
     import torch_xla
 
     return torch_xla.device()
@@ -63,6 +65,27 @@ def runtime_env_defaults(pjrt_device: str) -> dict[str, str]:
     if pjrt_device.upper() == "CPU":
         return {"XLA_ENABLE_PARAM_ALIASING": "0"}
     return {}
+
+
+def with_compiler_defaults(xla_flags: str, pjrt_device: str) -> str:
+    """XLA_FLAGS with the XLA compiler options we change by default, per device kind; an option
+    `xla_flags` already names keeps its value (torch_xla adds its own defaults the same way).
+
+    XLA:CPU: its tree reduction rewriter off. The pass splits every reduction over more than 32
+    elements into a reduce-window and a reduce, and XLA:CPU compiles each of the two as a kernel
+    of its own, unfused, at every occurrence: in a decoder, every layer's norms and softmaxes,
+    forward and backward, each compiled again. Off, a reduction fuses with what computes its
+    input, and the layers' identical fusions are compiled once: the step compiles in less time
+    and runs faster (docs/benchmarks.md, "The LoRA's own cost and the compile"). What the pass
+    buys is precision in very long fp32 sums (a pairwise order instead of lanes of sequential
+    partial sums): that of sums over a million elements and more, such as the gradient norm of
+    a large adapter, still within fp32's usual bounds. TPUs compile with their own compiler,
+    which these options do not touch.
+    """
+    defaults = {"xla_disable_hlo_passes": "tree_reduction_rewriter"} if pjrt_device.upper() == "CPU" else {}
+    named = {flag.lstrip("-").split("=")[0] for flag in xla_flags.split()}
+    return " ".join([xla_flags.strip()] + [f"--{name}={value}" for name, value in defaults.items()
+                                           if name not in named]).strip()
 
 
 def device_zeros(shape, dtype, device) -> torch.Tensor:

@@ -136,3 +136,38 @@ def test_on_xla_cpu_an_in_place_update_donates_no_buffer():
     assert runtime_env_defaults("TPU") == {}
     assert aliased_inputs({"PJRT_DEVICE": "CPU"}) == 0
     assert aliased_inputs({"PJRT_DEVICE": "CPU", "XLA_ENABLE_PARAM_ALIASING": "1"}) >= 1
+
+
+ROW_SUMS = """
+import sys, torch, torch_xla
+from utils.xla_runtime import init_xla_device
+x = torch.rand(4, 512).to(init_xla_device())
+(x * x).sum(-1).cpu()
+"""
+
+
+def compiled_reductions(tmp_path, xla_flags: str) -> str:
+    """The optimized HLO XLA:CPU compiled for a row sum over 512 elements, in a fresh process
+    whose XLA_FLAGS are `xla_flags` plus a dump (init_xla_device adds our defaults)."""
+    dump = tmp_path / "dump"
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "XLA_FLAGS": f"{xla_flags} --xla_dump_to={dump} --xla_dump_hlo_as_text"}
+    done = subprocess.run([sys.executable, "-c", ROW_SUMS], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    (hlo,) = dump.glob("*cpu_after_optimizations.txt")
+    return hlo.read_text()
+
+
+def test_on_xla_cpu_a_long_reduction_is_one_fused_kernel_unless_the_user_says_otherwise(tmp_path):
+    """init_xla_device turns XLA:CPU's tree reduction rewriter off (it splits a reduction into a
+    reduce-window and a reduce, compiled unfused at every occurrence); a user's own
+    xla_disable_hlo_passes wins, and with the pass left on, the same sum is split (so the HLO
+    read here does show the split when it happens)."""
+    from utils.xla_runtime import with_compiler_defaults
+
+    assert with_compiler_defaults("", "TPU") == ""
+    assert with_compiler_defaults("--xla_dump_to=/d", "cpu") == (
+        "--xla_dump_to=/d --xla_disable_hlo_passes=tree_reduction_rewriter")
+    ours = compiled_reductions(tmp_path / "ours", "")
+    assert "reduce-window" not in ours and " reduce(" in ours
+    assert "reduce-window" in compiled_reductions(tmp_path / "theirs", "--xla_disable_hlo_passes=none")
