@@ -44,23 +44,37 @@ class MaskedAdamW:
         # Updates applied so far, per group; the update's coefficients (bias corrections, the
         # gate) are computed in its dtype: fp32, or float64 for a float64 model's LoRA.
         self.steps = device_zeros(self.group_count, torch.promote_types(dtype, torch.float32), device)
+        # The flat vectors hold the parameters by size: those of n elements one after another,
+        # a [count, n] block of which each is a row (see _write_back).
+        self.order = sorted(range(len(self.params)), key=lambda i: self.sizes[i])
+        flat_sizes = [self.sizes[i] for i in self.order]
+        starts = dict(zip(self.order, itertools.accumulate([0] + flat_sizes)))
+        self.blocks: dict[int, tuple[int, int]] = {}  # size -> (its block's start, how many parameters)
+        for i in self.order:
+            first, count = self.blocks.get(self.sizes[i], (starts[i], 0))
+            self.blocks[self.sizes[i]] = (first, count + 1)
+        # Each parameter's row in its block, its own [1] tensor of data, not a constant baked into the graph.
+        self.rows = [device_counter((starts[i] - self.blocks[size][0]) // size, device, torch.int32)
+                     for i, size in enumerate(self.sizes)]
         # Each flat element's group, to spread a group's values over its elements (G > 1 only:
         # one group keeps its scalar arithmetic and its graph).
         self.element_group = None
         if self.group_count > 1:
-            self.element_group = torch.repeat_interleave(torch.tensor(groups), torch.tensor(self.sizes)).to(device)
+            self.element_group = torch.repeat_interleave(torch.tensor([groups[i] for i in self.order]),
+                                                         torch.tensor(flat_sizes)).to(device)
         # The moments of all parameters as one flat vector each: the update is then a dozen
         # operations on two vectors instead of a dozen per parameter (on XLA every operation
         # is traced on the host each step: 8.6 of a 42 ms step on the small benchmark model).
         self.exp_avg_flat = device_zeros(sum(self.sizes), dtype, device)
         self.exp_avg_sq_flat = device_zeros(sum(self.sizes), dtype, device)
-        # Where each parameter starts in the flat vectors, each its own [1] tensor of data, not a
-        # constant baked into the graph (see _write_back).
-        starts = [0] + list(itertools.accumulate(self.sizes))[:-1]
-        self.starts = [device_counter(start, device, torch.int32) for start in starts]
+
+    def _flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """One tensor per parameter, in parameter order -> the flat layout."""
+        return torch.cat([tensors[i].reshape(-1) for i in self.order])
 
     def _unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [chunk.view(p.shape) for chunk, p in zip(torch.split(flat, self.sizes), self.params)]
+        chunks = dict(zip(self.order, torch.split(flat, [self.sizes[i] for i in self.order])))
+        return [chunks[i].view(p.shape) for i, p in enumerate(self.params)]
 
     @property
     def exp_avg(self) -> list[torch.Tensor]:
@@ -71,8 +85,8 @@ class MaskedAdamW:
         return self._unflatten(self.exp_avg_sq_flat)
 
     def flat_grad(self) -> torch.Tensor:
-        """Every parameter's `.grad`, concatenated in parameter order."""
-        return torch.cat([p.grad.reshape(-1) for p in self.params])
+        """Every parameter's `.grad` in the flat layout (the parameters by size)."""
+        return self._flatten([p.grad for p in self.params])
 
     @torch.no_grad()
     def step(self, apply: torch.Tensor | None = None, grad: torch.Tensor | None = None) -> None:
@@ -101,21 +115,23 @@ class MaskedAdamW:
         # p -= gate * (lr * wd * p + lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps))
         denom = torch.sqrt(self.exp_avg_sq_flat) / each(bias_correction2_sqrt) + self.eps
         update = self.exp_avg_flat / denom * each(gate * lr / bias_correction1)
-        flat_params = torch.cat([p.reshape(-1) for p in self.params])
+        flat_params = self._flatten(self.params)
         if self.weight_decay:
             update = update + flat_params * each(gate * lr * self.weight_decay)
         self._write_back(flat_params - update)
         self.steps.copy_(steps.reshape(self.group_count))
 
     def _write_back(self, flat: torch.Tensor) -> None:
-        """Copy each parameter's part of `flat` into it. Read at the parameter's start held as
-        data, not sliced at a constant offset: a slice compiles into a kernel of its own for
-        each offset, where these reads are the same kernel for all parameters of one shape
-        (XLA:CPU compiles identical kernels once: docs/benchmarks.md, "The LoRA's own cost and
-        the compile"). The values are the same either way: a read is a copy."""
-        for param, start in zip(self.params, self.starts):
-            index = start + torch.arange(param.numel(), dtype=torch.int32, device=flat.device)
-            param.copy_(flat[index].view(param.shape))
+        """Copy each parameter's part of `flat` into it: the row of its size's block, at a row
+        number held as data. Read at a constant offset, each parameter's part would be a kernel
+        of its own for XLA to compile (a slice); one row read at a number that is a graph
+        parameter is a dynamic-slice, the same kernel for all parameters of one shape (XLA:CPU
+        compiles identical kernels once: docs/benchmarks.md, "The LoRA's own cost and the
+        compile"). The values are the same either way: a read is a copy."""
+        for param, row in zip(self.params, self.rows):
+            first, count = self.blocks[param.numel()]
+            block = flat[first:first + count * param.numel()].view(count, param.numel())
+            param.copy_(block.index_select(0, row).view(param.shape))
 
     def per_element(self, values: torch.Tensor) -> torch.Tensor:
         """A group's value on each of its flat elements (the values themselves for one group)."""
@@ -129,9 +145,9 @@ class MaskedAdamW:
         return torch.sqrt(squares.index_add(0, self.element_group, flat * flat))
 
     def device_constants(self) -> list[torch.Tensor]:
-        """What the update reads besides state and gradients: each parameter's start, and each
-        element's group side by side."""
-        return self.starts + ([] if self.element_group is None else [self.element_group])
+        """What the update reads besides state and gradients: each parameter's row in its block,
+        and each element's group side by side."""
+        return self.rows + ([] if self.element_group is None else [self.element_group])
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [self.steps, self.exp_avg_flat, self.exp_avg_sq_flat]
@@ -162,5 +178,5 @@ class MaskedAdamW:
         with torch.no_grad():
             self.steps.copy_(state["steps"].to(self.steps.device))
             for target, saved in ((self.exp_avg_flat, state["exp_avg"]), (self.exp_avg_sq_flat, state["exp_avg_sq"])):
-                flat = torch.cat([t.reshape(-1) for t in saved]).to(dtype=target.dtype)
+                flat = self._flatten(saved).to(dtype=target.dtype)
                 target.copy_(flat.to(target.device))
