@@ -50,9 +50,9 @@ class MaskedAdamW:
         flat_sizes = [self.sizes[i] for i in self.order]
         starts = dict(zip(self.order, itertools.accumulate([0] + flat_sizes)))
         self.blocks: dict[int, tuple[int, int]] = {}  # size -> (its block's start, how many parameters)
-        for i in self.order:
-            first, count = self.blocks.get(self.sizes[i], (starts[i], 0))
-            self.blocks[self.sizes[i]] = (first, count + 1)
+        for size, members in itertools.groupby(self.order, key=lambda i: self.sizes[i]):
+            members = list(members)
+            self.blocks[size] = (starts[members[0]], len(members))
         # Each parameter's row in its block, its own [1] tensor of data, not a constant baked into the graph.
         self.rows = [device_counter((starts[i] - self.blocks[size][0]) // size, device, torch.int32)
                      for i, size in enumerate(self.sizes)]
