@@ -139,7 +139,7 @@ def test_on_xla_cpu_an_in_place_update_donates_no_buffer():
 
 
 ROW_SUMS = """
-import sys, torch, torch_xla
+import torch
 from utils.xla_runtime import init_xla_device
 x = torch.rand(4, 512).to(init_xla_device())
 (x * x).sum(-1).cpu()
