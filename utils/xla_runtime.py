@@ -22,8 +22,6 @@ def init_xla_device() -> torch.device:
     choose_device()
     for name, value in runtime_env_defaults(os.environ["PJRT_DEVICE"]).items():
         os.environ.setdefault(name, value)  # read by torch_xla at its first step boundary
-    # (read by XLA at its first compile)
-    os.environ["XLA_FLAGS"] = with_compiler_defaults(os.environ.get("XLA_FLAGS", ""), os.environ["PJRT_DEVICE"])
     import torch_xla
 
     return torch_xla.device()
@@ -33,7 +31,12 @@ def choose_device(say=None) -> str:
     """PJRT_DEVICE as set; unset, TPU on a machine whose PCI bus has TPU chips and CPU elsewhere,
     said once to `say` (default: stderr) and set for this process and its children. (torch_xla
     would guess too, with a warning on every run; defaulting to CPU everywhere would train a
-    TPU VM's run on its CPU when a shell lacks the variable.)"""
+    TPU VM's run on its CPU when a shell lacks the variable.)
+
+    XLA_FLAGS gets that device kind's compiler defaults here too (with_compiler_defaults), for
+    this process and its children: XLA reads them once, when its runtime starts, and a TPU
+    launcher's worker starts the runtime (compile cache, topology) before its replicas reach
+    init_xla_device."""
     if "PJRT_DEVICE" not in os.environ:
         chips = tpu_chips()
         os.environ["PJRT_DEVICE"] = "TPU" if chips else "CPU"
@@ -41,6 +44,9 @@ def choose_device(say=None) -> str:
         (say or (lambda line: print(line, file=sys.stderr, flush=True)))(
             f"device: {os.environ['PJRT_DEVICE']} (PJRT_DEVICE is not set and {found}; set PJRT_DEVICE=CPU or "
             "PJRT_DEVICE=TPU to choose)")
+    flags = with_compiler_defaults(os.environ.get("XLA_FLAGS", ""), os.environ["PJRT_DEVICE"])
+    if flags:
+        os.environ["XLA_FLAGS"] = flags
     return os.environ["PJRT_DEVICE"]
 
 

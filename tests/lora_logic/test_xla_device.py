@@ -138,9 +138,15 @@ def test_on_xla_cpu_an_in_place_update_donates_no_buffer():
     assert aliased_inputs({"PJRT_DEVICE": "CPU", "XLA_ENABLE_PARAM_ALIASING": "1"}) >= 1
 
 
+# In the order of a TPU launcher's worker: the device chosen (in the launching process, whose
+# environment the worker inherits), the runtime started (compile cache, topology), and only
+# then init_xla_device in a replica.
 ROW_SUMS = """
-import torch
-from utils.xla_runtime import init_xla_device
+import sys, torch, torch_xla.runtime as xr
+from utils.xla_runtime import choose_device, init_xla_device
+choose_device()
+xr.initialize_cache(sys.argv[1], readonly=False)
+assert xr.global_runtime_device_count() >= 1
 x = torch.rand(4, 512).to(init_xla_device())
 (x * x).sum(-1).cpu()
 """
@@ -148,19 +154,20 @@ x = torch.rand(4, 512).to(init_xla_device())
 
 def compiled_reductions(tmp_path, xla_flags: str) -> str:
     """The optimized HLO XLA:CPU compiled for a row sum over 512 elements, in a fresh process
-    whose XLA_FLAGS are `xla_flags` plus a dump (init_xla_device adds our defaults)."""
+    whose XLA_FLAGS are `xla_flags` plus a dump (choose_device adds our defaults)."""
     dump = tmp_path / "dump"
     env = {**os.environ, "PJRT_DEVICE": "CPU", "XLA_FLAGS": f"{xla_flags} --xla_dump_to={dump} --xla_dump_hlo_as_text"}
-    done = subprocess.run([sys.executable, "-c", ROW_SUMS], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=REPO)
+    done = subprocess.run([sys.executable, "-c", ROW_SUMS, str(tmp_path / "cache")], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr
     (hlo,) = dump.glob("*cpu_after_optimizations.txt")
     return hlo.read_text()
 
 
 def test_on_xla_cpu_a_long_reduction_is_one_fused_kernel_unless_the_user_says_otherwise(tmp_path):
-    """init_xla_device turns XLA:CPU's tree reduction rewriter off (it splits a reduction into a
-    reduce-window and a reduce, compiled unfused at every occurrence); a user's own
+    """choose_device turns XLA:CPU's tree reduction rewriter off (it splits a reduction into a
+    reduce-window and a reduce, compiled unfused at every occurrence), in time for a runtime
+    started before init_xla_device; a user's own
     xla_disable_hlo_passes wins, and with the pass left on, the same sum is split (so the HLO
     read here does show the split when it happens)."""
     from utils.xla_runtime import with_compiler_defaults
