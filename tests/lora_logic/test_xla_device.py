@@ -6,7 +6,9 @@ import copy
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 import torch_xla
 from conftest import REPO, random_tokens, tiny_causal_lm
@@ -140,41 +142,68 @@ def test_on_xla_cpu_an_in_place_update_donates_no_buffer():
 
 # In the order of a TPU launcher's worker: the device chosen (in the launching process, whose
 # environment the worker inherits), the runtime started (compile cache, topology), and only
-# then init_xla_device in a replica.
-ROW_SUMS = """
+# then init_xla_device in a replica. Then a row sum over 512 elements and an elementwise update
+# of a [16, 192] tensor (a LoRA A's write-back).
+COMPILE_TWO_KERNELS = """
 import sys, torch, torch_xla.runtime as xr
 from utils.xla_runtime import choose_device, init_xla_device
 choose_device()
 xr.initialize_cache(sys.argv[1], readonly=False)
 assert xr.global_runtime_device_count() >= 1
-x = torch.rand(4, 512).to(init_xla_device())
+device = init_xla_device()
+x = torch.rand(4, 512).to(device)
 (x * x).sum(-1).cpu()
+p, g = torch.rand(16, 192).to(device), torch.rand(16, 192).to(device)
+(p - 0.5 * g).cpu()
 """
+# Each of our XLA:CPU compiler defaults overridden by the user, with XLA's own default as the value.
+XLAS_DEFAULTS = "--xla_disable_hlo_passes=none --xla_backend_extra_options=xla_none"
 
 
-def compiled_reductions(tmp_path, xla_flags: str) -> str:
-    """The optimized HLO XLA:CPU compiled for a row sum over 512 elements, in a fresh process
-    whose XLA_FLAGS are `xla_flags` plus a dump (choose_device adds our defaults)."""
-    dump = tmp_path / "dump"
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "XLA_FLAGS": f"{xla_flags} --xla_dump_to={dump} --xla_dump_hlo_as_text"}
-    done = subprocess.run([sys.executable, "-c", ROW_SUMS, str(tmp_path / "cache")], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=REPO)
-    assert done.returncode == 0, done.stderr
-    (hlo,) = dump.glob("*cpu_after_optimizations.txt")
-    return hlo.read_text()
+@pytest.fixture(scope="module")
+def xla_dumps(tmp_path_factory) -> dict[str, Path]:
+    """XLA's dumps of COMPILE_TWO_KERNELS, each in a fresh process: "ours" with our defaults
+    (choose_device adds them), "xla's" with the user's XLA_FLAGS giving XLA's defaults back."""
+    dumps = {}
+    for name, xla_flags in (("ours", ""), ("xla's", XLAS_DEFAULTS)):
+        dumps[name] = tmp_path_factory.mktemp("dump")
+        env = {**os.environ, "PJRT_DEVICE": "CPU",
+               "XLA_FLAGS": f"{xla_flags} --xla_dump_to={dumps[name]} --xla_dump_hlo_as_text"}
+        done = subprocess.run([sys.executable, "-c", COMPILE_TWO_KERNELS, str(dumps[name] / "cache")],
+                              capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+        assert done.returncode == 0, done.stderr
+    return dumps
 
 
-def test_on_xla_cpu_a_long_reduction_is_one_fused_kernel_unless_the_user_says_otherwise(tmp_path):
+def optimized_hlo(dump: Path) -> str:
+    return "\n".join(hlo.read_text() for hlo in dump.glob("*cpu_after_optimizations.txt"))
+
+
+def test_on_xla_cpu_a_long_reduction_is_one_fused_kernel_unless_the_user_says_otherwise(xla_dumps):
     """choose_device turns XLA:CPU's tree reduction rewriter off (it splits a reduction into a
     reduce-window and a reduce, compiled unfused at every occurrence), in time for a runtime
-    started before init_xla_device; a user's own
-    xla_disable_hlo_passes wins, and with the pass left on, the same sum is split (so the HLO
-    read here does show the split when it happens)."""
+    started before init_xla_device; a user's own xla_disable_hlo_passes wins, and with the pass
+    left on, the same sum is split (so the HLO read here does show the split when it happens)."""
     from utils.xla_runtime import with_compiler_defaults
 
     assert with_compiler_defaults("", "TPU") == ""
     assert with_compiler_defaults("--xla_dump_to=/d", "cpu") == (
-        "--xla_dump_to=/d --xla_disable_hlo_passes=tree_reduction_rewriter")
-    ours = compiled_reductions(tmp_path / "ours", "")
+        "--xla_dump_to=/d --xla_disable_hlo_passes=tree_reduction_rewriter "
+        "--xla_backend_extra_options=xla_cpu_disable_loop_unrolling")
+    ours = optimized_hlo(xla_dumps["ours"])
     assert "reduce-window" not in ours and " reduce(" in ours
-    assert "reduce-window" in compiled_reductions(tmp_path / "theirs", "--xla_disable_hlo_passes=none")
+    assert "reduce-window" in optimized_hlo(xla_dumps["xla's"])
+
+
+def test_on_xla_cpu_a_kernel_keeps_its_loop_unless_the_user_says_otherwise(xla_dumps):
+    """choose_device turns LLVM's loop unrolling off for XLA:CPU: the [16, 192] update compiles
+    to a vectorized loop, a few vector stores in its optimized IR, where with unrolling (the
+    user's own xla_backend_extra_options) LLVM writes out every one of its 384 8-wide stores."""
+    def vector_stores(dump: Path) -> int:
+        # The kernel whose buffers are [16, 192] fp32, 12288 bytes (the row sum's: 8 KB and 16 bytes),
+        # as XLA emitted it; then its IR as LLVM optimized it.
+        (emitted,) = [ir for ir in dump.glob("*.ir-no-opt.ll") if "dereferenceable(12288)" in ir.read_text()]
+        return Path(str(emitted).replace(".ir-no-opt.ll", ".ir-with-opt.ll")).read_text().count("store <")
+
+    assert 1 <= vector_stores(xla_dumps["ours"]) <= 8
+    assert vector_stores(xla_dumps["xla's"]) >= 16 * 192 // 16
