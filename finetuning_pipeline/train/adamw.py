@@ -20,10 +20,11 @@ would, in the same flat update.
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
-from utils.xla_runtime import device_counter, device_zeros
+from utils.xla_runtime import barrier_copies, device_counter, device_zeros
 
 
 class MaskedAdamW:
@@ -56,12 +57,16 @@ class MaskedAdamW:
         # Each parameter's row in its block, its own [1] tensor of data, not a constant baked into the graph.
         self.rows = [device_counter((starts[i] - self.blocks[size][0]) // size, device, torch.int32)
                      for i, size in enumerate(self.sizes)]
-        # Each flat element's group, to spread a group's values over its elements (G > 1 only:
-        # one group keeps its scalar arithmetic and its graph).
-        self.element_group = None
+        # The row length each size's parameters are summed in by group_norms.
+        self.norm_rows = {size: row_length(size) for size in self.blocks}
+        # Each flat element's group, to spread a group's values over its elements, and each
+        # parameter's in the flat order, to sum a group's squares (G > 1 only: one group keeps
+        # its scalar arithmetic and its graph).
+        self.element_group = self.param_group = None
         if self.group_count > 1:
-            self.element_group = torch.repeat_interleave(torch.tensor([groups[i] for i in self.order]),
-                                                         torch.tensor(flat_sizes)).to(device)
+            param_group = torch.tensor([groups[i] for i in self.order])
+            self.element_group = torch.repeat_interleave(param_group, torch.tensor(flat_sizes)).to(device)
+            self.param_group = param_group.to(device)
         # The moments of all parameters as one flat vector each: the update is then a dozen
         # operations on two vectors instead of a dozen per parameter (on XLA every operation
         # is traced on the host each step: 8.6 of a 42 ms step on the small benchmark model).
@@ -138,16 +143,31 @@ class MaskedAdamW:
         return values if self.element_group is None else values[self.element_group]
 
     def group_norms(self, flat: torch.Tensor) -> torch.Tensor:
-        """The L2 norm of each group's part of a flat vector: 0-dim for one group, else [G]."""
-        if self.element_group is None:
-            return torch.linalg.vector_norm(flat)
-        squares = torch.zeros(self.group_count, dtype=flat.dtype, device=flat.device)
-        return torch.sqrt(squares.index_add(0, self.element_group, flat * flat))
+        """The L2 norm of each group's part of a flat vector (the flat layout): 0-dim for one
+        group, else [G]. The gradient norm, which clipping and the logs read.
+
+        Its squares are summed in three short sums rather than one long one: each parameter's
+        rows of about sqrt(n) elements, then each parameter's row sums, then the parameters'
+        sums. XLA:CPU sums one reduction in a few lanes of running sums (without the tree
+        reduction rewriter, which utils/xla_runtime turns off for compile time), and its error
+        grows with the length: the norm of 8M values is off by 2.4e-5 relative to float64 as one
+        sum, 1.5e-7 in levels (docs/benchmarks.md). XLA merges a sum of sums into one sum, so
+        an optimization barrier keeps each level's results apart. The values are the same sums
+        in another order."""
+        blocks = list(self.blocks.items())
+        rows = [flat[first:first + count * size].view(-1, self.norm_rows[size]) for size, (first, count) in blocks]
+        row_sums = barrier_copies(*[(r * r).sum(1) for r in rows])
+        param_sums = barrier_copies(*[s.view(count, -1).sum(1) for s, (_, (_, count)) in zip(row_sums, blocks)])
+        squares = torch.cat(param_sums)  # one per parameter, in the flat order
+        if self.param_group is None:
+            return torch.sqrt(squares.sum())
+        zeros = torch.zeros(self.group_count, dtype=flat.dtype, device=flat.device)
+        return torch.sqrt(zeros.index_add(0, self.param_group, squares))
 
     def device_constants(self) -> list[torch.Tensor]:
         """What the update reads besides state and gradients: each parameter's row in its block,
-        and each element's group side by side."""
-        return self.rows + ([] if self.element_group is None else [self.element_group])
+        and side by side each element's and each parameter's group."""
+        return self.rows + ([] if self.element_group is None else [self.element_group, self.param_group])
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [self.steps, self.exp_avg_flat, self.exp_avg_sq_flat]
@@ -180,3 +200,12 @@ class MaskedAdamW:
             for target, saved in ((self.exp_avg_flat, state["exp_avg"]), (self.exp_avg_sq_flat, state["exp_avg_sq"])):
                 flat = self._flatten(saved).to(dtype=target.dtype)
                 target.copy_(flat.to(target.device))
+
+
+def row_length(size: int) -> int:
+    """The divisor of `size` nearest its square root from above: a parameter of `size` elements
+    summed as size / row rows of this length makes two sums of about sqrt(size) each."""
+    for rows in range(math.isqrt(size), 0, -1):
+        if size % rows == 0:
+            return size // rows
+    return size

@@ -76,7 +76,7 @@ def apply_update(optimizer, grad: torch.Tensor, loss_total: torch.Tensor, tokens
     scale = 1.0 / torch.clamp(tokens, min=1.0)  # no label tokens: grads stay 0
     if not grouped:
         scale = scale.reshape(())
-    grad_norm = (optimizer.group_norms(grad) if grouped else torch.linalg.vector_norm(grad)) * scale
+    grad_norm = optimizer.group_norms(grad) * scale
     coefficient = scale
     if max_grad_norm > 0:
         coefficient = scale * torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)

@@ -25,6 +25,9 @@ class RecordGradients:
     def flat_grad(self):
         return torch.cat([p.grad.reshape(-1) for p in self.params])
 
+    def group_norms(self, flat):
+        return torch.linalg.vector_norm(flat)
+
     def step(self, applied, grad):
         self.grads = [chunk.view(p.shape) for chunk, p in zip(torch.split(grad, [p.numel() for p in self.params]),
                                                               self.params)]
