@@ -7,7 +7,8 @@ micro-batch, hidden 512, k/v 256, LoRA r 16):
   products   each of the six products a LoRA layer adds (forward: x A^T, h B^T; backward:
              dh = dy B, dB = dy^T h, dA = dh^T x, dx += dh A), each its own graph, against the
              base's own x W^T: the time of the LoRA's arithmetic, product by product; and dB
-             in the form the LoRA layer keeps, (h^T dy)^T behind a barrier;
+             in the form the LoRA layer keeps, (h^T dy)^T behind a barrier; and for scale, one
+             fused pass that reads x, and one that reads and writes it;
   attention  one attention input's q, k and v, forward and backward: frozen, with three LoRAs
              each reading the input, and with their A products shared (lora_logic/layer.py);
   kernels    the kernels XLA:CPU compiles for the trainer's captured step on a bench shape,
@@ -74,6 +75,9 @@ def products(repeats: int) -> dict[str, float]:
         "backward dB = (h^T dy)^T, kept": lambda: barrier_copies(h.t() @ dy)[0].t(),  # lora_logic/layer.py's
         "backward dA = dh^T x": lambda: dh.t() @ x,
         "backward dx += dh A": lambda: x + dh @ a,
+        # What memory allows: one pass over an activation, as a fused kernel reads and writes it.
+        "reference: x summed by rows": lambda: x.sum(1),
+        "reference: x * 2": lambda: x * 2,
     }, repeats)
 
 
