@@ -87,7 +87,9 @@ def evaluate(argv: list[str] | None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
     if args.device == "xla":
-        choose_device()
+        if choose_device().upper() == "TPU" and args.dtype == "float64":
+            parser.error("--dtype float64 is for the CPU's exact comparisons; a TPU does not compute in float64: "
+                         "evaluate in bfloat16 or float32 there, or on the host with --device cpu")
     else:
         on_the_host_only()
     args.model = resolve_model(args.model).local_dir

@@ -177,8 +177,12 @@ def test_a_lora_target_that_matches_nothing_is_refused_before_the_device(tiny_mo
     (["--micro-batch", "0"], "argument --micro-batch: must be an integer >= 1, got 0"),
     (["--micro-batch", "two"], "argument --micro-batch: expected an integer, got 'two'"),
     (["--samples", "-1"], "argument --samples: must be an integer >= 0, got -1"),
+    (["--device", "xla", "--dtype", "float64"], "--dtype float64 is for the CPU's exact comparisons; a TPU"),
 ])
-def test_evaluate_flags_outside_their_domain_are_usage_errors(argv, message, tiny_model_dir, data, capsys):
+def test_evaluate_flags_outside_their_domain_are_usage_errors(argv, message, tiny_model_dir, data, capsys,
+                                                              monkeypatch):
+    # As on a TPU VM (PJRT_DEVICE=TPU): each is refused before anything loads, so no runtime starts here.
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
     with pytest.raises(SystemExit) as exit_info:
         evaluate_main(["--model", str(tiny_model_dir), "--data", str(data[1]), *argv])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
