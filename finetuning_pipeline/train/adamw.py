@@ -212,7 +212,5 @@ class MaskedAdamW:
 def row_length(size: int) -> int:
     """The divisor of `size` nearest its square root from above: a parameter of `size` elements
     summed as size / row rows of this length makes two sums of about sqrt(size) each."""
-    for rows in range(math.isqrt(size), 0, -1):
-        if size % rows == 0:
-            return size // rows
-    return size
+    rows = max(d for d in range(1, math.isqrt(size) + 1) if size % d == 0)
+    return size // rows
