@@ -29,15 +29,27 @@ class _KeepFloat64(TorchFunctionMode):
         if source is not None and source.dtype == torch.float64:
             if func is torch.nn.functional.gelu and source.device.type == "xla":
                 return _gelu(source, *args[1:], **kwargs)
-            if func is torch.Tensor.float:
+            if func is torch.Tensor.float or (func is torch.Tensor.type and _names_fp32(args[1:], kwargs)):
                 return source
-            if func is torch.Tensor.to:
-                args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if func is torch.Tensor.type_as and _is_fp32(args[1]):
+                return source.to(args[1].device)
+            if func is torch.Tensor.to:  # .to(torch.float32), .to(device, torch.float32), .to(an fp32 tensor)
+                args = tuple(torch.float64 if a is torch.float32 else a.device if _is_fp32(a) else a for a in args)
                 if kwargs.get("dtype") is torch.float32:
                     kwargs["dtype"] = torch.float64
             elif kwargs.get("dtype") is torch.float32 and func in _SOFTMAXES:
                 kwargs["dtype"] = torch.float64
         return func(*args, **kwargs)
+
+
+def _is_fp32(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.float32
+
+
+def _names_fp32(args: tuple, kwargs: dict) -> bool:
+    """Tensor.type's arguments name fp32: torch.float32 or "torch.FloatTensor"."""
+    named = args[0] if args else kwargs.get("dtype")
+    return named is torch.float32 or named == "torch.FloatTensor"
 
 
 def _gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:

@@ -29,8 +29,15 @@ def test_the_fp32_islands_of_a_float64_model_stay_float64_inside():
         inside = rms_norm(x)
         soft = torch.softmax(x, dim=-1, dtype=torch.float32)
         also = x.float()
+        # Every spelling of the cast a family may write (an fp32 tensor's dtype taken, by .to or .type_as).
+        fp32 = torch.zeros(1)
+        spellings = [x.to(fp32), x.to("cpu", torch.float32), x.to(dtype=torch.float32), x.type(torch.float32),
+                     x.type("torch.FloatTensor"), x.type(dtype=torch.float32), x.type_as(fp32)]
     assert inside.dtype == torch.float64 and (inside - exact).abs().max() < 1e-14
     assert soft.dtype == torch.float64 and also.dtype == torch.float64
+    assert [t.dtype for t in spellings] == [torch.float64] * len(spellings)
+    assert all(torch.equal(t, x) for t in spellings)
+    assert x.to(fp32).dtype == x.type_as(fp32).dtype == x.type(torch.float32).dtype == torch.float32  # outside
     assert keeping_float64(lambda t: t.to(torch.float32))(x).dtype == torch.float64  # (a layer's recompute)
     with float64_throughout(torch.float32):  # other dtypes: the model's own numerics
         assert rms_norm(x.float()).dtype == torch.float32 and x.float().dtype == torch.float32
