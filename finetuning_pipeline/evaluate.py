@@ -28,7 +28,7 @@ from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss
 from utils.cli_types import non_negative_int, positive_int
 from utils.hub_models import resolve_model
 from utils.tokenizer_loading import load_tokenizer
-from utils.xla_runtime import choose_device, init_xla_device, on_the_host_only
+from utils.xla_runtime import choose_device, device_kind, init_xla_device, on_the_host_only
 
 
 def chat_samples(model, tokenizer, data: str, split: str, n: int, max_new_tokens: int) -> list[dict]:
@@ -87,7 +87,8 @@ def evaluate(argv: list[str] | None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
     if args.device == "xla":
-        if choose_device().upper() == "TPU" and args.dtype == "float64":
+        choose_device()
+        if device_kind() == "TPU" and args.dtype == "float64":
             parser.error("--dtype float64 is for the CPU's exact comparisons; a TPU does not compute in float64: "
                          "evaluate in bfloat16 or float32 there, or on the host with --device cpu")
     else:
