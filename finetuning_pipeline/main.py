@@ -144,10 +144,8 @@ def run_replica(config: RunConfig, plans: list[PhasePlan], resume_command: str, 
                 if result.summary is not None:
                     print(summary_lines(result.summary), flush=True)
                 if result.stopped_at_step is not None:
-                    # One write with its newline: the replicas of a TPU host's process are threads, and
-                    # print's own write of the newline let two replicas' lines run into one.
                     print(f"replica {parallel.rank}: stopped after step {result.stopped_at_step} of phase {plan.phase} "
-                          f"({stop.reason()})\n", end="", flush=True)
+                          f"({stop.reason()})", flush=True)
                     if parallel.master:
                         print(stop.after_stop(result.stopped_at_step, plan.phase, resume_command), flush=True)
                     break

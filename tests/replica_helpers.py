@@ -85,8 +85,9 @@ def patched_main(root: Path, patch: str) -> str:
 
 def stopped_after(output: str, rank: int) -> int:
     """The step replica `rank` says it stopped after."""
-    line = next(line for line in output.splitlines() if line.startswith(f"replica {rank}: stopped"))
-    return int(line.split("after step ")[1].split()[0])
+    lines = [line for line in output.splitlines() if line.startswith(f"replica {rank}: stopped")]
+    assert len(lines) == 1, f"replica {rank}'s stop line, once, at the start of a line, in:\n{output}"
+    return int(lines[0].split("after step ")[1].split()[0])
 
 
 def stop_lines(replicas: Replicas) -> list[int]:

@@ -38,6 +38,7 @@ import threading
 import time
 
 from finetuning_pipeline.distributed.parallel import use_compile_cache
+from finetuning_pipeline.distributed.whole_lines import whole_lines_on_stdout_and_stderr
 from finetuning_pipeline.errors import ConfigError, ReplicaLost
 from finetuning_pipeline.run.stop_signal import PROCESS_SIGNALS, threads_started_here_leave_signals_to_this_one
 from utils.stack_dump import dump_stacks_on_signal
@@ -178,7 +179,8 @@ def _worker_main(local: int, *, report, **kwargs) -> None:
     launcher = os.getppid()
     error = None
     try:
-        _worker_process(local, launcher=launcher, **kwargs)
+        with whole_lines_on_stdout_and_stderr():  # its replica threads print to one stdout
+            _worker_process(local, launcher=launcher, **kwargs)
     except BaseException as err:  # reported to the launcher, which raises it
         error = err
     if os.getppid() != launcher and error is not None:  # nobody to report to
