@@ -47,9 +47,9 @@ def _is_fp32(value) -> bool:
 
 
 def _names_fp32(args: tuple, kwargs: dict) -> bool:
-    """Tensor.type's arguments name fp32: torch.float32 or "torch.FloatTensor"."""
+    """Tensor.type's arguments name fp32: torch.float32, torch.FloatTensor or "torch.FloatTensor"."""
     named = args[0] if args else kwargs.get("dtype")
-    return named is torch.float32 or named == "torch.FloatTensor"
+    return named is torch.float32 or named is torch.FloatTensor or named == "torch.FloatTensor"
 
 
 def _gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:

@@ -32,7 +32,8 @@ def test_the_fp32_islands_of_a_float64_model_stay_float64_inside():
         # Every spelling of the cast a family may write (an fp32 tensor's dtype taken, by .to or .type_as).
         fp32 = torch.zeros(1)
         spellings = [x.to(fp32), x.to("cpu", torch.float32), x.to(dtype=torch.float32), x.type(torch.float32),
-                     x.type("torch.FloatTensor"), x.type(dtype=torch.float32), x.type_as(fp32)]
+                     x.type("torch.FloatTensor"), x.type(torch.FloatTensor), x.type(dtype=torch.float32),
+                     x.type_as(fp32)]
     assert inside.dtype == torch.float64 and (inside - exact).abs().max() < 1e-14
     assert soft.dtype == torch.float64 and also.dtype == torch.float64
     assert [t.dtype for t in spellings] == [torch.float64] * len(spellings)
