@@ -20,28 +20,45 @@ from utils.output_guard import claim_output, mark_written_by, refuse_overlap, st
 
 def read_adapters(directories: list[str]) -> tuple[list[Adapter], str, str | None, dict | None]:
     """The adapters, the base (name or path, revision) they were all trained on, and what lay
-    beneath them in training (lineage.py; None if none records it): adapters of different bases,
-    or trained with other adapters merged beneath them, are refused, naming both."""
+    beneath them in training (lineage.py; None if none records it). Adapters trained on different
+    weights are refused, naming both. Two adapters that record their lineage are compared by it,
+    by weights and not by path (one base at two paths is one base: a run's directory may move);
+    one that does not (PEFT's, an older run's) by the base named in its adapter_config.json."""
     adapters, bases = [], {}
     for directory in directories:
         config, raw = read_adapter_config(directory)
         adapters.append(Adapter(directory, config, read_adapter_weights(directory)))
         bases[directory] = (raw.get("base_model_name_or_path"), raw.get("revision"))
-    first = directories[0]
-    for directory, base in bases.items():
-        if (where(base[0]), base[1]) != (where(bases[first][0]), bases[first][1]):
-            raise ValueError(f"--adapter {directory} was trained on {base[0]} (revision {base[1]}), --adapter {first} "
-                             f"on {bases[first][0]} (revision {bases[first][1]}): adapters of different bases do "
-                             "not combine")
     recorded = {directory: lineage for directory in directories if (lineage := read_lineage(directory))}
-    if not recorded:
-        return adapters, *bases[first], None
-    known, lineage = next(iter(recorded.items()))  # the first adapter that records one
-    for directory, other in recorded.items():
-        if weights_beneath(other) != weights_beneath(lineage):
-            raise ValueError(f"--adapter {directory} was trained on {described(other)}, --adapter {known} on "
-                             f"{described(lineage)}: adapters trained on different weights do not combine")
-    return adapters, *bases[first], lineage
+    if recorded:  # one base by weights, named by any of its adapters
+        known, lineage = next(iter(recorded.items()))
+        for directory, other in recorded.items():
+            if weights_beneath(other) != weights_beneath(lineage):
+                raise ValueError(f"--adapter {directory} was trained on {described(other)}, --adapter {known} on "
+                                 f"{described(lineage)}: adapters trained on different weights do not combine")
+    unrecorded = [directory for directory in directories if directory not in recorded]
+    if unrecorded:  # one base by name, which the recorded ones' names include
+        first = unrecorded[0]
+        for directory in unrecorded[1:]:
+            if named(bases[directory]) != named(bases[first]):
+                raise different_bases(directory, bases[directory], first, bases[first])
+        if recorded and not any(named(bases[d]) == named(bases[first]) for d in recorded):
+            other = next(iter(recorded))
+            raise different_bases(first, bases[first], other, bases[other])
+    return adapters, *bases[directories[0]], next(iter(recorded.values()), None)
+
+
+def named(base: tuple[str | None, str | None]) -> tuple[str | None, str | None]:
+    """A base (name, revision) as comparable: a local directory by its real path (one base written
+    as a relative and as an absolute path, or through a link, is one base), a Hub id as it is."""
+    name, revision = base
+    return (os.path.realpath(name) if name and Path(name).is_dir() else name), revision
+
+
+def different_bases(directory: str, base: tuple, other: str, other_base: tuple) -> ValueError:
+    return ValueError(f"--adapter {directory} was trained on {base[0]} (revision {base[1]}), --adapter {other} on "
+                      f"{other_base[0]} (revision {other_base[1]}): adapters of different bases do not combine (an "
+                      "adapter whose lineage.json is missing is known by the base named in its adapter_config.json)")
 
 
 def weights_beneath(lineage: dict) -> tuple:
@@ -51,12 +68,6 @@ def weights_beneath(lineage: dict) -> tuple:
 def described(lineage: dict) -> str:
     merged = ", ".join(m["path"] for m in lineage["merged_adapters"])
     return f"{lineage['base']['name']}" + (f" with {merged} merged beneath" if merged else "")
-
-
-def where(base: str | None) -> str | None:
-    """A base as a comparable name: a local directory by its real path (one base written as a
-    relative and as an absolute path, or through a link, is one base), a Hub id as it is."""
-    return os.path.realpath(base) if base and Path(base).is_dir() else base
 
 
 def export_combined(base: str, directories: list[str], out: str, *, weights: list[float], method: str,

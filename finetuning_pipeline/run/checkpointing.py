@@ -30,6 +30,7 @@ import torch
 
 from dataset.manifest import content_digest, read_manifest
 from finetuning_pipeline.errors import CheckpointWriteError
+from finetuning_pipeline.model.lineage import base_fingerprint
 from finetuning_pipeline.run.run_layout import RunLayout, adapter_dirs
 from lora_logic.adapter_io import load_adapters, save_adapters
 from lora_logic.adapters import adapter_names, per_layer_lora, per_layer_lora_names, stacked_lora
@@ -143,16 +144,21 @@ def data_content_key(config, phase: int, adapter: str) -> str:
     return f"{config.data_key(phase, adapter)}.content"
 
 
+BASE_WEIGHTS_KEY = "model.weights"
+
+
 def resume_keys(config, phase: int, manifests: dict | None = None) -> dict:
     """The phase's resume keys, what a checkpoint (trainer_state.json) and the summary record to
     refuse a resume that would not continue the same run: the settings that decide the result
-    (RunConfig.resume_keys) and the content of the phase's
+    (RunConfig.resume_keys), a local base's weights (lineage.base_fingerprint), the content of the phase's
     prepared data (re-preparing into the same directory between a stop and its resume would
     otherwise silently continue on another stream; `phaseN.adapters.<name>.data.content` for
     each adapter side by side), and the digest of each earlier phase's adapter it is built on
     (RunConfig.lineage: an earlier phase trained again makes this phase another run).
     manifests: the phase's, if already read ({adapter: manifest}, as PhaseData.manifests)."""
     keys = config.resume_keys(phase)
+    if Path(config.model.path).is_dir():  # a local base is known by its weights, as lineage.json knows it
+        keys[BASE_WEIGHTS_KEY] = base_fingerprint(config.model.path)
     for name, data in config.data_dirs(phase).items():
         manifest = manifests[name] if manifests is not None else read_manifest(data)
         keys[data_content_key(config, phase, name)] = content_digest(manifest)
@@ -162,6 +168,16 @@ def resume_keys(config, phase: int, manifests: dict | None = None) -> dict:
         weights = layout.adapter(earlier) / "adapter_model.safetensors"
         keys[f"phase{earlier}.adapter"] = sha256_file(weights) if weights.is_file() else None
     return keys
+
+
+def changed_resume_keys(saved: dict, current: dict) -> list[str]:
+    """The resume keys both record and that differ. A local base's path is not compared where both
+    record its weights (BASE_WEIGHTS_KEY): a base that moved, or is reached through another path,
+    is the same base; other weights at the same path are another one."""
+    common = set(saved) & set(current)
+    if BASE_WEIGHTS_KEY in common:
+        common.discard("model.path")
+    return sorted(k for k in common if saved[k] != current[k])
 
 
 def saved_resume_keys(record: dict) -> dict:

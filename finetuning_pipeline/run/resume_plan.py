@@ -17,6 +17,8 @@ from pathlib import Path
 
 from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.run.checkpointing import (
+    BASE_WEIGHTS_KEY,
+    changed_resume_keys,
     data_content_key,
     newest_intact_checkpoint,
     read_json,
@@ -93,7 +95,7 @@ def check_resumable(config: RunConfig, plans: list[PhasePlan], accept_changes: b
             continue
         saved = saved_resume_keys(read_json(plan.resume_from / "trainer_state.json"))
         current = resume_keys(config, plan.phase)
-        changed = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
+        changed = changed_resume_keys(saved, current)
         if changed and accept_changes:
             fixed = [k for k in changed if not tunable_on_resume(k)]
             if fixed:
@@ -118,6 +120,9 @@ def check_resumable(config: RunConfig, plans: list[PhasePlan], accept_changes: b
                 hint += (f" (the phase trains another set of adapters now: list the checkpoint's "
                          f"{saved[f'phase{plan.phase}.adapters']} again, or start the phase over with --phase "
                          f"{plan.phase} --resume never --force; their order may change)")
+            if BASE_WEIGHTS_KEY in changed:
+                hint += (f" (the files in {config.model.path} are not the base the checkpoint trained on: another "
+                         "model, or the same one saved again; point model.path at the base it trained on)")
             if "model.revision" in changed:
                 hint += (f" (the Hub model's revision is another commit now: set model.revision="
                          f"{saved.get('model.revision')} to resume on the weights the checkpoint trained)")
@@ -167,7 +172,7 @@ def is_phase_input(key: str) -> bool:
     """What a phase is built on: when one changed, its finished outputs no longer belong to
     this config (the base, the phase's prepared data, the earlier adapters it builds on)."""
     number, name = phase_key(key)
-    return key in ("model.path", "model.revision") or (
+    return key in ("model.path", "model.revision", BASE_WEIGHTS_KEY) or (
         number is not None and name in ("data.content", "adapter", "adapters"))
 
 
@@ -183,13 +188,14 @@ def check_finished_phase(config: RunConfig, phase: int, say) -> None:
             f"--resume auto: {err}; rerun the phase with --phase {phase} --resume never --force"
         ) from None
     current = resume_keys(config, phase)
-    changed = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
+    changed = changed_resume_keys(saved, current)
     inputs = [k for k in changed if is_phase_input(k)]
     if inputs:
         prepared_again = {key: f"{data} was prepared again from other inputs"
                           for key, data in data_keys(config, phase).items()}
         why = {**prepared_again,
                "model.path": "the base model is another one",
+               BASE_WEIGHTS_KEY: f"the base model's weights in {config.model.path} are other ones",
                "model.revision": "the base model's Hub revision is another commit",
                **{f"phase{n}.adapter": f"phase {n} was trained again since phase {phase} was built on its adapter"
                   for n in adapter_phases(inputs)}}

@@ -26,6 +26,7 @@ from trainer_helpers import (
     launcher_worker,
     poison_nan_in_steps,
     process_alive,
+    train_losses,
     wait_for_step,
     write_run_config,
 )
@@ -329,6 +330,36 @@ def test_bad_resume_paths_and_changed_settings(tiny_model_dir, data, reference, 
     assert main.main(["--config", str(config), "--resume", str(checkpoint), "train.lr=0.5", "lora.r=4"]) == 2
     err = capsys.readouterr().err
     assert "was saved under other settings" in err and "lora.r: 8 -> 4" in err and "train.lr: 0.01 -> 0.5" in err
+
+
+def test_a_base_that_moved_resumes_and_other_weights_at_its_path_are_refused(tiny_model_dir, data, reference,
+                                                                          tmp_path, capsys):
+    """Issue #54.2: a resume matches the base by its weights, as lineage.json does, not by its path:
+    the base copied elsewhere (a run's directories may move) resumes the checkpoint and finishes the
+    uninterrupted run bitwise; other weights at that path are refused, naming them."""
+    from safetensors.torch import save_file
+
+    moved = tmp_path / "moved" / "base"
+    shutil.copytree(tiny_model_dir, moved)
+    config = config_for(tmp_path, moved, data)
+    checkpoint = complete_checkpoints(reference / "phase1" / "checkpoints")[-2]
+    assert main.main(["--config", str(config), "--phase", "1", "--resume", str(checkpoint)]) == 0, \
+        capsys.readouterr().err
+    resumed_at = int(checkpoint.name.split("_")[1])
+    assert train_losses(tmp_path / "out") == [(s, loss) for s, loss in train_losses(reference) if s > resumed_at]
+    ours, theirs = adapter_tensors(tmp_path / "out"), adapter_tensors(reference)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+    weights = load_file(moved / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = weights[name] + 1e-2
+    save_file(weights, moved / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "other").mkdir()
+    other = config_for(tmp_path / "other", moved, data)
+    capsys.readouterr()
+    assert main.main(["--config", str(other), "--phase", "1", "--resume", str(checkpoint)]) == 2
+    err = capsys.readouterr().err
+    assert "model.weights: 'sha256:" in err and f"the files in {moved} are not the base the checkpoint" in err
 
 
 def test_a_session_budget_checkpoints_exits_0_and_the_next_session_continues(tiny_model_dir, data, reference,

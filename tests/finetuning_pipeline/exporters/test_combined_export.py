@@ -80,3 +80,46 @@ def test_the_export_writes_a_combined_adapter_peft_loads_and_a_merged_model(adap
     with pytest.raises(SystemExit):
         run_export(*flags, "--out", tmp_path / "stacked")  # --weights without --combine
     assert "--weights go with --combine" in capsys.readouterr().err
+
+
+def test_adapters_are_matched_to_a_base_by_their_lineage_not_by_its_path(adapters, tmp_path, capsys):
+    """Issue #54.2: two adapters whose lineage.json records the same base weights combine, whatever
+    path each adapter_config.json names (the base moved between the runs); other weights are
+    refused, whatever the paths. An adapter without lineage.json is matched by the name it records,
+    against any adapter's name."""
+    from finetuning_pipeline.model.lineage import write_lineage
+
+    base = tmp_path / "base"
+    tiny_causal_lm("llama").to(DTYPE).save_pretrained(base)
+
+    def adapter(name, source, base_named, fingerprint):
+        directory = tmp_path / name
+        directory.mkdir()
+        weights = "adapter_model.safetensors"
+        (directory / weights).write_bytes((adapters / source / weights).read_bytes())
+        config = json.loads((adapters / source / "adapter_config.json").read_text())
+        (directory / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": base_named}))
+        if fingerprint:
+            write_lineage(directory, {"base": {"name": base_named, "revision": None, "fingerprint": fingerprint},
+                                      "merged_adapters": []})
+        return directory
+
+    moved = [adapter("before_move", "a1", "/runs/old/base", "sha256:same"),
+             adapter("after_move", "a2", "/data/new/base", "sha256:same")]
+    assert run_export("--base", base, *[f for a in moved for f in ("--adapter", a)], "--combine", "linear",
+                      "--adapter-only", "--out", tmp_path / "moved") == 0, capsys.readouterr().err
+
+    other = adapter("other_weights", "a2", "/runs/old/base", "sha256:other")
+    capsys.readouterr()
+    assert run_export("--base", base, "--adapter", moved[0], "--adapter", other, "--combine", "linear",
+                      "--adapter-only", "--out", tmp_path / "refused") == 2
+    assert "adapters trained on different weights do not combine" in capsys.readouterr().err
+
+    unrecorded = adapter("peft_made", "a2", "/data/new/base", None)  # the name of the second recorded one
+    assert run_export("--base", base, "--adapter", moved[0], "--adapter", moved[1], "--adapter", unrecorded,
+                      "--combine", "linear", "--adapter-only", "--out", tmp_path / "mixed") == 0, \
+        capsys.readouterr().err
+    stranger = adapter("stranger", "a2", "/elsewhere/base", None)
+    assert run_export("--base", base, "--adapter", moved[0], "--adapter", stranger, "--combine", "linear",
+                      "--adapter-only", "--out", tmp_path / "refused2") == 2
+    assert "adapters of different bases do not combine" in capsys.readouterr().err
