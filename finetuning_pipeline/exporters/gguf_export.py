@@ -41,7 +41,7 @@ from finetuning_pipeline.exporters.gguf_tensors import (
     tensor_type,
 )
 from finetuning_pipeline.exporters.gguf_vocab import read_vocab, write_vocab
-from finetuning_pipeline.model.lineage import check_stack, trained_quantized
+from finetuning_pipeline.model.lineage import check_stack, quantized_from, same_blocks, trained_quantized
 from lora_logic.adapter_io import read_adapter_config, read_adapter_weights
 from utils.output_guard import claim_output, staged_file
 from utils.tokenizer_loading import load_tokenizer
@@ -92,16 +92,11 @@ def export_gguf(base: str, adapters: list[str], out: str, outtype: str, tokenize
         claim_output(out_path, force=force, command=COMMAND, inputs=inputs, ours=written_by_us)
         check_stack(base_path, adapters, warn)
         updates = read_updates(adapters)
-        for adapter in adapters:
-            if fmt := trained_quantized(adapter):
-                warn(f"note: adapter {adapter} was trained on the base stored as {fmt} (model.quantize): serve it on "
-                     f"the base's GGUF in --outtype {fmt}, which holds the very blocks it was trained on"
-                     if adapter_only else
-                     f"adapter {adapter} was trained on the base stored as {fmt}; it is merged into the base's "
-                     "full-precision weights, as QLoRA adapters are: close to, not equal to, what it trained on "
-                     f"(for exactly that: the base alone as --outtype {fmt}, and the adapter with --adapter-only)")
         with BaseTensors(base_path) as tensors:
             check_updates_fit(updates, tensors, adapters)
+            for adapter in adapters:
+                if fmt := trained_quantized(adapter):
+                    warn(quantized_note(adapter, fmt, adapter_only, tensors.float_dtypes()))
             if adapter_only:
                 write = adapter_file(config, updates, outtype)
             else:
@@ -116,6 +111,29 @@ def export_gguf(base: str, adapters: list[str], out: str, outtype: str, tokenize
     with BaseTensors(base_path) as tensors, staged_file(out_path) as staging:
         write(staging, tensors)
     return out_path
+
+
+def quantized_note(adapter: str, fmt: str, adapter_only: bool, file_dtypes: set[str]) -> str:
+    """What an adapter trained on the base stored as `fmt` (model.quantize) gets from this export:
+    merged, the full-precision weights; alone, the base's GGUF in `fmt`, whose blocks are quantized
+    from the files' values (`file_dtypes`): the trained ones only when the run quantized those."""
+    if not adapter_only:
+        return (f"adapter {adapter} was trained on the base stored as {fmt}; it is merged into the base's "
+                "full-precision weights, as QLoRA adapters are: close to, not equal to, what it trained on "
+                f"(for the trained blocks: the base alone as --outtype {fmt}, and the adapter with --adapter-only)")
+    run_dtype, files = quantized_from(adapter), " / ".join(sorted(file_dtypes))
+    same = same_blocks(run_dtype, file_dtypes)
+    if same:
+        return (f"note: adapter {adapter} was trained on the base stored as {fmt} (model.quantize), quantized from "
+                f"the files' {files} values: serve it on the base's GGUF in --outtype {fmt}, which holds the very "
+                "blocks it was trained on")
+    if same is False:
+        return (f"note: adapter {adapter} was trained on the base stored as {fmt} (model.quantize), quantized from "
+                f"its values rounded to {run_dtype} (model.dtype); the base's GGUF in --outtype {fmt} is quantized "
+                f"from the files' {files} values, so its blocks are close to, not equal to, those it was trained on")
+    return (f"note: adapter {adapter} was trained on the base stored as {fmt} (model.quantize); the base's GGUF in "
+            f"--outtype {fmt} holds the blocks it was trained on only if the run's model.dtype was the files' own "
+            f"({files}) or float32, which its lineage.json does not say")
 
 
 def read_config(base: Path):

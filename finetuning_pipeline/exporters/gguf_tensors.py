@@ -106,6 +106,9 @@ def safetensors_files(base: Path) -> list[Path]:
                      "weights (save the model with save_pretrained)")
 
 
+SAFETENSORS_FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
 class BaseTensors:
     """The base's tensors by name, read lazily from its mapped safetensors files."""
 
@@ -122,6 +125,11 @@ class BaseTensors:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._where[name].get_slice(name).get_shape())
+
+    def float_dtypes(self) -> set[str]:
+        """torch's names of the float dtypes the base's tensors are stored in ({"bfloat16"}, ...)."""
+        stored = {handle.get_slice(name).get_dtype() for name, handle in self._where.items()}
+        return {SAFETENSORS_FLOATS[d] for d in stored if d in SAFETENSORS_FLOATS}
 
     def fp32(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name).float()

@@ -92,15 +92,39 @@ def lineage_with(model_dir: str | os.PathLike, adapters: list, name: str | None 
     return lineage
 
 
-def quantized_with(lineage: dict, fmt: str) -> dict:
-    """`lineage` of an adapter trained on the base stored in `fmt` (model.quantize; "none": as it is)."""
-    return lineage if fmt == "none" else {**lineage, "quantize": fmt}
+def quantized_with(lineage: dict, fmt: str, dtype: str) -> dict:
+    """`lineage` of an adapter trained on the base stored in `fmt` (model.quantize; "none": as it
+    is), quantized from its values in `dtype` (model.dtype: the files' values cast to it)."""
+    return lineage if fmt == "none" else {**lineage, "quantize": fmt, "quantized_from": dtype}
 
 
 def trained_quantized(adapter_dir: str | os.PathLike) -> str | None:
     """The format of the quantized base the adapter was trained on (model.quantize), or None."""
     lineage = read_lineage(adapter_dir)
     return lineage.get("quantize") if lineage else None
+
+
+def quantized_from(adapter_dir: str | os.PathLike) -> str | None:
+    """The dtype the base's values were cast to before they were quantized for the adapter's run
+    (model.dtype), or None where lineage.json does not record it (runs before it did)."""
+    lineage = read_lineage(adapter_dir)
+    return lineage.get("quantized_from") if lineage else None
+
+
+# Dtypes that hold every value of a bf16, fp16 or fp32 file exactly.
+WIDE_DTYPES = ("float32", "float64")
+
+
+def same_blocks(run_dtype: str | None, file_dtypes: set[str]) -> bool | None:
+    """Whether quantizing the files' values (what a GGUF export of the base does) gives the blocks a
+    run that cast them to `run_dtype` first quantized: True when that cast changed no value (the
+    files' own dtype, or a wider one), False when it rounded them, None when unknown (the run's
+    dtype unrecorded, or files of several dtypes). file_dtypes: torch's names ("bfloat16", ...)."""
+    if run_dtype is None or not file_dtypes:
+        return None
+    if run_dtype in WIDE_DTYPES:
+        return True
+    return file_dtypes == {run_dtype} if len(file_dtypes) == 1 else None
 
 
 def write_lineage(directory: str | os.PathLike, lineage: dict) -> None:

@@ -217,7 +217,7 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
               merged_adapters=[str(layout.adapter(n)) for n in merged],
               trained_on=quantized_with(lineage_with(model_dir(config.model.path, config.model.revision),
                                                      [layout.adapter(n) for n in merged], config.model.path,
-                                                     config.model.revision), config.model.quantize),
+                                                     config.model.revision), config.model.quantize, config.model.dtype),
               accepted_changes={**state.get("accepted_changes", {}), **(accepted_changes or {})},
               adapters={name: config.adapter_max_steps(phase, name) for name in adapters}, quantized_base=quantized)
     if p.eval_before is None:

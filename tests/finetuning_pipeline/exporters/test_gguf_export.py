@@ -206,18 +206,38 @@ def test_the_gguf_of_a_quantized_base_holds_the_bytes_a_quantized_run_trained_on
 
 
 def test_an_adapter_trained_on_a_quantized_base_says_which_base_serves_it(llama_files, tmp_path, capsys):
+    """Issue #54.3: the base's GGUF in the run's format holds the blocks the adapter trained on only
+    when the run quantized the files' own values: its model.dtype the files' dtype, or float32. A
+    run in bf16 on fp16 files (or in fp16 on bf16 ones) quantized values rounded first."""
+    from finetuning_pipeline.exporters.gguf_tensors import BaseTensors
     from finetuning_pipeline.model.lineage import model_lineage, quantized_with, write_lineage
 
     base, trained = llama_files
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    for path in trained.iterdir():
-        (adapter / path.name).write_bytes(path.read_bytes())
-    write_lineage(adapter, quantized_with(model_lineage(base), "q8_0"))
-    capsys.readouterr()
-    assert export.main(["--format", "gguf", "--adapter-only", "--base", str(base), "--adapter", str(adapter),
-                        "--out", str(tmp_path / "a.gguf")]) == 0
-    assert "serve it on the base's GGUF in --outtype q8_0" in capsys.readouterr().err
+    with BaseTensors(base) as tensors:
+        (stored,) = tensors.float_dtypes()
+    rounding = "float16" if stored == "bfloat16" else "bfloat16"
+    cases = [(stored, "serve it on the base's GGUF in --outtype q8_0, which holds the very blocks"),
+             ("float32", "serve it on the base's GGUF in --outtype q8_0, which holds the very blocks"),
+             (rounding, f"quantized from its values rounded to {rounding} (model.dtype); the base's GGUF in "
+                        f"--outtype q8_0 is quantized from the files' {stored} values, so its blocks are close to, "
+                        "not equal to"),
+             (None, f"only if the run's model.dtype was the files' own ({stored}) or float32")]
+    for k, (run_dtype, said) in enumerate(cases):
+        adapter = tmp_path / f"adapter{k}"
+        adapter.mkdir()
+        for path in trained.iterdir():
+            (adapter / path.name).write_bytes(path.read_bytes())
+        lineage = quantized_with(model_lineage(base), "q8_0", run_dtype)
+        if run_dtype is None:  # a run from before lineage.json recorded its dtype
+            del lineage["quantized_from"]
+        write_lineage(adapter, lineage)
+        capsys.readouterr()
+        assert export.main(["--format", "gguf", "--adapter-only", "--base", str(base), "--adapter", str(adapter),
+                            "--out", str(tmp_path / f"a{k}.gguf")]) == 0
+        err = capsys.readouterr().err
+        assert said in err, (run_dtype, err)
+        if run_dtype in (rounding, None):
+            assert "which holds the very blocks" not in err
     assert export.main(["--format", "gguf", "--base", str(base), "--adapter", str(adapter),
                         "--out", str(tmp_path / "m.gguf")]) == 0
     assert "merged into the base's full-precision weights" in capsys.readouterr().err
