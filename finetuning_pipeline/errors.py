@@ -17,6 +17,7 @@ import sys
 
 from dataset.errors import DataError
 from utils.hub_models import HubModelError
+from utils.interrupts import interrupted_message
 from utils.output_guard import OutputConflict
 from utils.tokenizer_loading import TokenizerError
 
@@ -70,14 +71,24 @@ def exit_code_of(err: BaseException) -> int | None:
 def run_command(main, *args) -> int:
     """Call `main(*args)`; an error of ours is printed as one line on stderr and becomes its exit
     code. So does a file-system error (a full or read-only disk, a permission): exit 3, naming
-    the file; every command writes its outputs atomically, so nothing half-written is left."""
+    the file; every command writes its outputs atomically, so nothing half-written is left. A stop
+    signal is one line too (utils/interrupts.py), exit 128 + its number."""
     try:
         return main(*args)
     except (*BAD_INPUT, RunError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return exit_code_of(err)
+    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM while an output was staged (utils/interrupts.py)
+        message, code = interrupted_message(err, command_name(main))
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return code
     except OSError as err:
         where = f"{err.filename}: " if err.filename else ""
         print(f"error: {where}{err.strerror or err}; nothing half-written was left. Fix it (free space, permissions) "
               "and run the same command again", file=sys.stderr, flush=True)
         return 3
+
+
+def command_name(main) -> str:
+    """How a user knows the command `main` runs: its module's name (finetuning_pipeline.export -> export)."""
+    return main.__module__.rpartition(".")[2]

@@ -15,10 +15,13 @@ so it appears only when complete. (The trainer's output_dir has its own layout a
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+
+from utils.interrupts import stop_signals_unwind
 
 MARKER = ".written_by"
 
@@ -73,34 +76,74 @@ def refuse_overlap(out: str | Path, inputs: Mapping[str, str | Path | None], fla
                                  f"inputs; choose another {flag}")
 
 
+STAGING_INFIX = ".partial-"
+
+
+def staging_path(out: Path) -> Path:
+    """Where `out` is built before it is put in place: beside it, hidden, named by this process."""
+    return out.with_name(f".{out.name}{STAGING_INFIX}{os.getpid()}")
+
+
+def remove_stale_staging(out: Path) -> list[Path]:
+    """Remove what a process that has died (SIGKILL, the OOM killer, a lost VM) staged for `out`:
+    its pid is in the name. A live process's staging, or a name of another form, is left alone.
+    Returns what was removed."""
+    removed = []
+    for path in out.parent.glob(f".{glob.escape(out.name)}{STAGING_INFIX}*"):
+        pid = path.name.rpartition(STAGING_INFIX)[2]
+        if not pid.isdigit() or int(pid) == os.getpid() or process_alive(int(pid)):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def staged_directory(out: str | Path) -> Iterator[Path]:
     """Build an output directory next to `out` and put it in place only when the block ends
-    without an error: a crash, a full disk or a bad record leaves `out` as it was (an earlier
-    output, already claimed with claim_output, is replaced at the very end) and no staging
-    directory behind."""
+    without an error: a crash, a full disk, a bad record, SIGTERM or SIGINT (utils/interrupts.py)
+    leaves `out` as it was (an earlier output, already claimed with claim_output, is replaced at
+    the very end) and no staging directory behind; a dead process's leftovers are removed first."""
     out = Path(out)
-    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        yield staging
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    finally:
+    staging = staging_path(out)
+    with stop_signals_unwind():
+        remove_stale_staging(out)
         shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        try:
+            yield staging
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(staging, out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def staged_file(out: str | Path) -> Iterator[Path]:
     """Write a file output next to `out` and put it in place only when the block ends without an
-    error (as staged_directory does for a directory); a crash leaves no partial file behind."""
+    error (as staged_directory does for a directory); a crash, SIGTERM or SIGINT leaves no partial
+    file behind."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    try:
-        yield staging
-        os.replace(staging, out)
-    finally:
-        staging.unlink(missing_ok=True)
+    staging = staging_path(out)
+    with stop_signals_unwind():
+        remove_stale_staging(out)
+        try:
+            yield staging
+            os.replace(staging, out)
+        finally:
+            staging.unlink(missing_ok=True)

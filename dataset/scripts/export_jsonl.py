@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from dataset.errors import DataError, InvalidRecord
-from utils.output_guard import OutputConflict, claim_output
+from utils.interrupts import interrupted_message
+from utils.output_guard import OutputConflict, claim_output, staged_file
 
 
 def export_jsonl(
@@ -21,11 +22,8 @@ def export_jsonl(
     `convert` raises InvalidRecord for a row it cannot use; such rows are counted by reason.
     Returns {"read", "written", "skipped": {reason: count}}.
     """
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial")
     read, written, skipped = 0, 0, Counter()
-    with open(partial, "w", encoding="utf-8") as f:
+    with staged_file(out) as staging, open(staging, "w", encoding="utf-8") as f:
         for row in rows:
             if limit is not None and written >= limit:
                 break
@@ -39,7 +37,6 @@ def export_jsonl(
             written += 1
         f.flush()
         os.fsync(f.fileno())
-    os.replace(partial, out)
     return {"read": read, "written": written, "skipped": dict(skipped)}
 
 
@@ -59,5 +56,9 @@ def run_export(rows: Callable[[], Iterable[dict]], convert: Callable[[dict], dic
     except (DataError, OutputConflict) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM while the file was staged (utils/interrupts.py)
+        message, code = interrupted_message(err, "the download script")
+        print(f"error: {message}", file=sys.stderr)
+        return code
     print(report(counts, out))
     return 0

@@ -8,13 +8,13 @@ from step closures, possibly on torch_xla's closure thread, hence the lock.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
 
 from finetuning_pipeline.monitor.console import step_line
 from finetuning_pipeline.run.run_layout import RunLayout
+from utils.output_guard import staged_file
 
 
 class MetricsLog:
@@ -131,10 +131,9 @@ def plot_losses(output_dir: str | Path, phases: list[int]) -> Path | None:
     ax.grid(alpha=0.3)
     path = layout.loss_plot
     fig.tight_layout()
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")  # a reader never sees half a PNG
-    fig.savefig(partial, dpi=100, format="png")
+    with staged_file(path) as partial:  # a reader never sees half a PNG
+        fig.savefig(partial, dpi=100, format="png")
     plt.close(fig)
-    os.replace(partial, path)
     return path
 
 

@@ -1,0 +1,84 @@
+"""Every writer stopped mid-write by SIGTERM or SIGINT (issue #54.1): the output never appears,
+nothing it staged stays behind, and the command says so in one line and exits 128 + the signal's
+number, with no traceback. The signal is sent by the process to itself from inside the write (a
+patched writer call), so it lands mid-write every time, in the command's own process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from dataset.samples import DOMAIN_TEXT
+
+# argv[1]: "module.attribute" to patch; the patched call signals the process, then does its work.
+SIGNAL_MID_WRITE = """
+import importlib, os, signal, sys
+where, sig, command, *argv = sys.argv[1:]
+module_name, _, name = where.rpartition(".")
+module = importlib.import_module(module_name)
+real = getattr(module, name)
+def signalling(*args, **kwargs):
+    os.kill(os.getpid(), getattr(signal, sig))
+    return real(*args, **kwargs)
+setattr(module, name, signalling)
+sys.exit(importlib.import_module(command).main(argv))
+"""
+
+
+def run_signalled(where: str, sig: str, command: str, *argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SIGNAL_MID_WRITE, where, sig, command, *map(str, argv)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
+
+
+def assert_stopped_cleanly(done: subprocess.CompletedProcess, sig: str, command: str, folder, out) -> None:
+    assert done.returncode == {"SIGTERM": 143, "SIGINT": 130}[sig], done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert f"error: {command}: stopped by {sig}; nothing half-written was left" in done.stderr, done.stderr
+    assert not out.exists()
+    assert [p.name for p in folder.iterdir() if ".partial" in p.name] == []
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_export_gguf_stopped_mid_write(tiny_model_dir, tmp_path, sig):
+    out = tmp_path / "model.gguf"
+    done = run_signalled("finetuning_pipeline.exporters.gguf_export.encode", sig, "finetuning_pipeline.export", "--format", "gguf",
+                         "--outtype", "q8_0", "--base", tiny_model_dir, "--out", out)
+    assert_stopped_cleanly(done, sig, "export", tmp_path, out)
+
+
+def test_export_hf_stopped_mid_write(tiny_model_dir, tmp_path):
+    from lora_logic.adapter_io import save_adapters
+    from lora_logic.config import LoraConfig
+    from lora_logic.inject import inject_lora
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    inject_lora(model, LoraConfig(r=4, alpha=8))
+    save_adapters(model, tmp_path / "adapter", LoraConfig(r=4, alpha=8), str(tiny_model_dir))
+    out = tmp_path / "merged"
+    # Called once the weights and tokenizer are in the staging directory, before it is put in place.
+    done = run_signalled("finetuning_pipeline.exporters.merged.write_lineage", "SIGTERM", "finetuning_pipeline.export",
+                         "--base", tiny_model_dir, "--adapter", tmp_path / "adapter", "--out", out)
+    assert_stopped_cleanly(done, "SIGTERM", "export", tmp_path, out)
+
+
+def test_prepare_stopped_mid_write(tiny_model_dir, tmp_path):
+    out = tmp_path / "data"
+    done = run_signalled("dataset.prepare.atomic_write_json", "SIGTERM", "dataset.prepare", "--tokenizer",
+                         tiny_model_dir, "--seq-len", 64, "--input", DOMAIN_TEXT, "--out", out, "--quiet")
+    assert_stopped_cleanly(done, "SIGTERM", "prepare", tmp_path, out)
+
+
+def test_a_download_script_stopped_mid_write(tmp_path):
+    """The download scripts' JSONL (dataset/scripts/export_jsonl.py) is staged as every output is."""
+    source = tmp_path / "articles.jsonl"
+    source.write_text("".join(f'{{"id": "{k}", "url": "u", "title": "T{k}", "text": "{"x" * 300}"}}\n'
+                              for k in range(5)))
+    out = tmp_path / "out" / "wiki.jsonl"
+    done = run_signalled("dataset.scripts.download_text_dataset.wikipedia_to_record", "SIGTERM",
+                         "dataset.scripts.download_text_dataset", "--dataset", source, "--out", out)
+    assert_stopped_cleanly(done, "SIGTERM", "the download script", out.parent, out)
