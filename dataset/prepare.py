@@ -17,6 +17,7 @@ by reason in stats.json, and carries on. The output directory appears only when 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -53,6 +54,11 @@ FORMATS = (*RECORD_FORMATS, "hf", "auto")
 BYTES_PER_CHAR = 100
 CHARS_PER_BATCH = 2_000_000
 OVERLONG_POLICIES = ("truncate", "drop")
+
+
+# The longest block prepare writes where the model states no context length: longer than any
+# model's context today (Llama 4 Scout's 10M), and 192 MiB of int32 arrays a block.
+MAX_SEQ_LEN = 1 << 24
 
 
 @dataclass
@@ -108,8 +114,9 @@ class PrepareOptions:
         for key in ("tokenizer", "out"):
             if not getattr(self, key):
                 raise DataError(f"{key}: required (--{key})")
-        if not isinstance(self.seq_len, int) or self.seq_len < 8:
-            raise DataError(f"seq_len: must be an integer >= 8, got {self.seq_len!r} (--seq-len)")
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or not 8 <= self.seq_len <= MAX_SEQ_LEN:
+            raise DataError(f"seq_len: must be an integer from 8 to {MAX_SEQ_LEN:,} (each block is three int32 arrays "
+                            f"of seq_len values), got {self.seq_len!r} (--seq-len)")
         if self.format not in FORMATS:
             raise DataError(f"format: {self.format!r} is not one of {list(FORMATS)}")
         if self.phase not in (None, 1, 2):
@@ -144,12 +151,29 @@ class Sample:
     line: int
 
 
+def check_seq_len(seq_len: int, tokenizer_dir: str | Path) -> None:
+    """Refuse blocks longer than the model's context length (max_position_embeddings in the
+    config.json beside the tokenizer: a base model's directory), before any block is allocated."""
+    try:
+        config = json.loads((Path(tokenizer_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # a tokenizer alone: MAX_SEQ_LEN bounds it
+    if not isinstance(config, dict):
+        return
+    context = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    if isinstance(context, int) and seq_len > context:
+        raise DataError(f"--seq-len {seq_len:,}: longer than the model's context length ({context:,} tokens, "
+                        f"max_position_embeddings in {Path(tokenizer_dir) / 'config.json'}); choose at most {context}")
+
+
 class Preparation:
     """One run of prepare: reads, accounts, tokenizes, packs and writes. `run()` returns stats."""
 
     def __init__(self, options: PrepareOptions) -> None:
         self.options = options
-        self.tokenizer = load_tokenizer(resolve_model(options.tokenizer).local_dir, "--tokenizer")  # or a Hub id
+        tokenizer_dir = resolve_model(options.tokenizer).local_dir  # or a Hub id
+        check_seq_len(options.seq_len, tokenizer_dir)
+        self.tokenizer = load_tokenizer(tokenizer_dir, "--tokenizer")
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id  # the usual fallback; pads are masked anyway

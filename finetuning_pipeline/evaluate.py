@@ -23,7 +23,7 @@ from dataset.loader import open_prepared
 from dataset.manifest import is_packed, tokenizer_fingerprint
 from dataset.shards import open_split
 from finetuning_pipeline.errors import run_command
-from finetuning_pipeline.model.loading import DTYPES, load_model
+from finetuning_pipeline.model.loading import DTYPES, check_new_tokens, context_length, load_model
 from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss
 from utils.cli_types import non_negative_int, positive_int
 from utils.hub_models import resolve_model
@@ -97,6 +97,11 @@ def evaluate(argv: list[str] | None) -> int:
     model, _ = load_model(args.model, args.adapter, DTYPES[args.dtype])
     tokenizer = load_tokenizer(args.model, "--model")
     manifest = open_prepared(args.data, fingerprint=tokenizer_fingerprint(tokenizer))
+    if manifest["phase"] == 2 and args.samples > 0:
+        check_new_tokens(args.max_new_tokens, context_length(model.config))
+    # Every batch is padded to --micro-batch rows: more rows than the split holds would only be
+    # padding (--micro-batch 100000 on 12 blocks grew the process to 24 GB), and add nothing to the loss.
+    micro_batch = min(args.micro_batch, max(1, manifest["counts"][args.split]))
     if args.device == "xla":
         device = init_xla_device()
     else:
@@ -105,7 +110,7 @@ def evaluate(argv: list[str] | None) -> int:
     result = evaluate_loss(
         model,
         args.data,
-        micro_batch=args.micro_batch,
+        micro_batch=micro_batch,
         pad_id=manifest["tokenizer"]["pad_id"],
         packed=is_packed(manifest),
         device=device,

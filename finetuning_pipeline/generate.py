@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from finetuning_pipeline.errors import ModelLoadError, run_command
-from finetuning_pipeline.model.loading import load_model
+from finetuning_pipeline.model.loading import check_new_tokens, context_length, load_model
 from utils.cli_types import non_negative_float, positive_int
 from utils.hub_models import resolve_model
 from utils.tokenizer_loading import load_tokenizer
@@ -40,6 +40,7 @@ def generate(model_dir: str, prompt: str, adapters: list[str] = (), max_new_toke
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    check_new_tokens(max_new_tokens, context_length(model.config), ids.shape[1])
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     with torch.no_grad():
         output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
@@ -60,8 +61,10 @@ def generate_gguf(path: str, prompt: str, adapters: list[str] = (), max_new_toke
                              "(export --format gguf --adapter-only --adapter A --adapter B)")
     if not Path(path).is_file():
         raise ModelLoadError(f"--model {path}: no such file")
+    context = gguf_context(path)
+    check_new_tokens(max_new_tokens, context)  # the prompt's own tokens are known only to llama.cpp
     try:
-        model = llama_cpp.Llama(str(path), n_ctx=gguf_context(path), verbose=False, seed=0,
+        model = llama_cpp.Llama(str(path), n_ctx=context, verbose=False, seed=0,
                                 **({"lora_path": str(adapters[0])} if adapters else {}))
     except ValueError as err:  # not a GGUF, or one llama.cpp cannot load (its own message is on stderr)
         raise ModelLoadError(f"--model {path}: llama.cpp cannot load it ({err}); a file `export --format gguf` "

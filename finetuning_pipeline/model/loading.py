@@ -25,6 +25,7 @@ from finetuning_pipeline.model.quantized_base import (
 from lora_logic.adapter_io import load_adapters
 from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
+from lora_logic.layer import LoRALinear
 from lora_logic.merge import merge_and_unload
 
 # float64: the CPU's exactness proofs only (README "How the tests prove equality"); a TPU refuses it.
@@ -66,15 +67,38 @@ def load_base(path: str | Path, dtype: torch.dtype = torch.float32, quantize: st
     return model
 
 
-def check_lora_targets(model_config, lora_config: LoraConfig) -> dict:
-    """Inject the LoRA into a weightless (meta-device) model of the architecture: every target
-    must match (a ValueError names the one that does not). No weights are read or allocated."""
+def weightless_model(model_config):
+    """The architecture of `model_config` on the meta device: shapes without weights or memory."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+        return AutoModelForCausalLM.from_config(model_config)
+
+
+def check_lora_targets(model_config, lora_config: LoraConfig) -> dict:
+    """Inject the LoRA into a weightless (meta-device) model of the architecture: every target
+    must match (a ValueError names the one that does not). No weights are read or allocated."""
+    model = weightless_model(model_config)
     wrapped = inject_lora(model, lora_config)
     return {"wrapped_modules": len(wrapped), "architecture": type(model).__name__}
+
+
+def check_lora_rank(model_config, lora_config: LoraConfig) -> None:
+    """A ValueError naming lora.r when it exceeds the smaller side of a Linear it wraps: B A has rank
+    at most min(in, out), so a larger r adds parameters and memory (r=10**9 asks for terabytes) and
+    nothing a smaller one cannot learn. Read on a weightless model, before anything is allocated."""
+    model = weightless_model(model_config)
+    inject_lora(model, lora_config)
+    for name, module in model.named_modules():
+        if not isinstance(module, LoRALinear):
+            continue
+        side = min(module.in_features, module.out_features)
+        for adapter in module.adapters:
+            r = module.lora_A[adapter].weight.shape[0]
+            if r > side:
+                raise ValueError(f"lora.r {r} exceeds {name}'s smaller side ({module.in_features} in, "
+                                 f"{module.out_features} out): an update B A has rank {side} at most there. "
+                                 f"Choose lora.r <= {side}")
 
 
 def check_quantizable(model_config, fmt: str) -> None:
@@ -82,15 +106,30 @@ def check_quantizable(model_config, fmt: str) -> None:
     Linears cannot be stored in `fmt` (their shapes, read from a weightless meta-device model)."""
     if fmt == NONE:
         return
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
-    problems = quantization_problems(model, fmt)
+    problems = quantization_problems(weightless_model(model_config), fmt)
     if problems:
         raise ValueError(f"model.quantize={fmt}: cannot store the decoder's " + "; ".join(problems)
                          + ". Choose a format whose block fits them (q8_0 and q4_0: input dimensions that are "
                          "multiples of 32; nf4: weights of a multiple of 64 values), or model.quantize=none")
+
+
+def context_length(model_config) -> int | None:
+    """The model's context length in tokens (max_position_embeddings), or None if it states none."""
+    value = getattr(model_config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def check_new_tokens(max_new_tokens: int, context: int | None, prompt_tokens: int = 0,
+                     flag: str = "--max-new-tokens") -> None:
+    """Refuse to generate past the model's context before anything is allocated for it (the KV
+    cache grows with every token): the prompt and the answer must fit in `context` tokens."""
+    if context is not None and prompt_tokens + max_new_tokens > context:
+        room = context - prompt_tokens
+        raise ModelLoadError(f"{flag} {max_new_tokens}: the prompt ({prompt_tokens} tokens) and the answer would "
+                             f"exceed the model's context of {context} tokens; pass {flag} {room} or fewer"
+                             if room > 0 else
+                             f"the prompt ({prompt_tokens} tokens) fills the model's context of {context} tokens: "
+                             "shorten it")
 
 
 def add_adapter(model, adapter: str | Path, *, merge: bool) -> dict[str, LoraConfig]:

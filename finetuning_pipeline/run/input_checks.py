@@ -14,7 +14,7 @@ from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.model.attention_masks import mask_windows
 from finetuning_pipeline.model.causal_lm_loss import resolve_chunk_tokens
 from finetuning_pipeline.model.kernel_attention import attention_here, choose_attention
-from finetuning_pipeline.model.loading import check_lora_targets, check_quantizable
+from finetuning_pipeline.model.loading import check_lora_rank, check_lora_targets, check_quantizable
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import RunConfig
 from utils.hub_models import model_dir, resolve_model
@@ -63,6 +63,7 @@ def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | Non
             )
         if manifest["counts"]["train"] < 1:
             raise ConfigError(f"{key}: {data} has no training blocks")
+        check_micro_batches(config, key, data, manifest["counts"])
         lengths.setdefault(phase, {})[key] = manifest["seq_len"]
         if len(set(lengths[phase].values())) > 1:  # adapters side by side share one batch shape
             raise ConfigError(f"phase{phase}.adapters: side by side, every adapter's data has one sequence length; "
@@ -81,6 +82,10 @@ def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | Non
             check_lora_targets(model_config, config.lora_config())
         except ValueError as err:
             raise ConfigError(f"lora.target_modules: {err}") from None
+        try:
+            check_lora_rank(model_config, config.lora_config())
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     try:
         check_quantizable(model_config, config.model.quantize)
     except ValueError as err:
@@ -96,6 +101,19 @@ def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | Non
               **{key: data for _, key, data in phase_data(config, config.phase_numbers())}}
     RunLayout(config.output_dir).check_apart_from(inputs)
     probe_output_dir(config.output_dir)
+
+
+def check_micro_batches(config: RunConfig, key: str, data: str, counts: dict) -> None:
+    """A micro-batch (train.micro_batch, eval.micro_batch) is bounded by the data's size before its
+    arrays are allocated on the host and the device: one larger than the phase's blocks would hold
+    every block several times over (and train.micro_batch=100000 asks for gigabytes a step)."""
+    blocks = counts["train"] + counts.get("eval", 0)
+    for setting, value in (("train.micro_batch", config.train.micro_batch),
+                           ("eval.micro_batch", config.eval.micro_batch)):
+        if value is not None and value > blocks:
+            raise ConfigError(f"{setting}={value}: more rows than {key} holds ({data}: {counts['train']} training "
+                              f"and {counts.get('eval', 0)} eval blocks); a micro-batch would repeat blocks. Choose "
+                              f"{setting} <= {blocks}, or prepare more data")
 
 
 def phase_data(config: RunConfig, phases: list[int]) -> list[tuple[int, str, str]]:
