@@ -45,16 +45,17 @@ def assert_stopped_cleanly(done: subprocess.CompletedProcess, sig: str, command:
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_export_gguf_stopped_mid_write(tiny_model_dir, tmp_path, sig):
     out = tmp_path / "model.gguf"
-    done = run_signalled("finetuning_pipeline.exporters.gguf_export.encode", sig, "finetuning_pipeline.export", "--format", "gguf",
-                         "--outtype", "q8_0", "--base", tiny_model_dir, "--out", out)
+    done = run_signalled("finetuning_pipeline.exporters.gguf_export.encode", sig, "finetuning_pipeline.export",
+                         "--format", "gguf", "--outtype", "q8_0", "--base", tiny_model_dir, "--out", out)
     assert_stopped_cleanly(done, sig, "export", tmp_path, out)
 
 
 def test_export_hf_stopped_mid_write(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
     from lora_logic.adapter_io import save_adapters
     from lora_logic.config import LoraConfig
     from lora_logic.inject import inject_lora
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     inject_lora(model, LoraConfig(r=4, alpha=8))
