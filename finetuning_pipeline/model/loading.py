@@ -25,6 +25,7 @@ from finetuning_pipeline.model.quantized_base import (
 from lora_logic.adapter_io import load_adapters
 from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
+from lora_logic.quantize import FORMATS
 from lora_logic.layer import LoRALinear
 from lora_logic.merge import merge_and_unload
 
@@ -106,11 +107,13 @@ def check_quantizable(model_config, fmt: str) -> None:
     Linears cannot be stored in `fmt` (their shapes, read from a weightless meta-device model)."""
     if fmt == NONE:
         return
-    problems = quantization_problems(weightless_model(model_config), fmt)
-    if problems:
-        raise ValueError(f"model.quantize={fmt}: cannot store the decoder's " + "; ".join(problems)
-                         + ". Choose a format whose block fits them (q8_0 and q4_0: input dimensions that are "
-                         "multiples of 32; nf4: weights of a multiple of 64 values), or model.quantize=none")
+    model = weightless_model(model_config)
+    problems = quantization_problems(model, fmt)
+    if problems:  # the rule is the problem's own words; the way out, the formats that fit this model
+        fits = [other for other in FORMATS if other != fmt and not quantization_problems(model, other)]
+        instead = (f"set model.quantize to one that fits this model ({', '.join(fits)}) or to none" if fits
+                   else "no format fits this model: set model.quantize=none")
+        raise ValueError(f"model.quantize={fmt}: cannot store the decoder's " + "; ".join(problems) + f"; {instead}")
 
 
 def context_length(model_config) -> int | None:
