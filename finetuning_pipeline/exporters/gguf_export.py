@@ -73,7 +73,9 @@ def export_gguf(base: str, adapters: list[str], out: str, outtype: str, tokenize
         allowed = ADAPTER_OUTTYPES if adapter_only else tuple(OUTTYPES)
         if outtype not in allowed:
             what = "a LoRA GGUF (--adapter-only)" if adapter_only else "a GGUF"
-            if adapter_only and outtype in OUTTYPES:
+            if outtype.lower() in allowed:
+                hint = f"; did you mean {outtype.lower()}?"
+            elif adapter_only and outtype.lower() in OUTTYPES:
                 hint = "; the base's own GGUF takes q8_0 or q4_0"
             elif outtype.lower().startswith(("q", "iq")):  # Q4_K_M, IQ4_XS, ...: llama.cpp's C++ quantizers
                 kind = outtype.upper()

@@ -80,6 +80,11 @@ def test_an_outtype_the_export_cannot_write_is_refused(llama_files, tmp_path, ca
     assert "f32, f16, bf16, q8_0, q4_0" in line and "llama-quantize model-f16.gguf model-Q4_K_M.gguf Q4_K_M" in line
     line = refused(capsys, "--format", "gguf", "--outtype", "fp8", "--base", base, "--out", tmp_path / "m.gguf")
     assert "--outtype fp8" in line
+    # Issue #54.8: a type the export writes, in capitals, is not sent to llama-quantize as a K-quant.
+    for typed, adapter_only in (("Q8_0", []), ("F16", ["--adapter-only", "--adapter", adapter])):
+        line = refused(capsys, "--format", "gguf", "--outtype", typed, *adapter_only, "--base", base, "--out",
+                       tmp_path / "m.gguf")
+        assert line.endswith(f"did you mean {typed.lower()}?") and "K-quant" not in line, line
     assert nothing_written(tmp_path)
 
 
