@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "the one an uninterrupted run would give, and its summary records the changes. Model, LoRA, "
                         "data and seed changes are refused even so")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # key=value overrides before and after the flags
 
 
 @contextlib.contextmanager

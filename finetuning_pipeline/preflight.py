@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML run config")
     parser.add_argument("--no-rehearsal", action="store_true", help="only check and plan (seconds, not minutes)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value overrides before and after the flags
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     checks: dict[str, dict] = {}
     try:

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML run config (the run to check)")
     parser.add_argument("--force", action="store_true", help="replace an earlier check's tpu_check.json and runs")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value overrides before and after the flags
     choose_device()  # on a TPU VM whose shell lacks PJRT_DEVICE, the TPU: a CPU check there would skip it
     device = os.environ["PJRT_DEVICE"].upper()
     host = pod_host(device)
