@@ -5,6 +5,7 @@ file) named in every error. Override values are parsed as YAML scalars, so `trai
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import types
 import typing
@@ -173,5 +174,17 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         config = _build_run_config(data)
         validate(config)
     except ConfigError as err:
-        raise ConfigError(f"{path}: {err}" if path else str(err)) from None
+        raise ConfigError(f"{source_of(str(err), path, overrides)}{err}") from None
     return config
+
+
+def source_of(message: str, path: str | Path | None, overrides: list[str]) -> str:
+    """Where the value an error names came from, as its prefix: the last override that set the key
+    the message names (it wins over the file), else the file; nothing for an override's own error."""
+    if message.startswith("override "):
+        return ""
+    for override in reversed(overrides):
+        key = override.partition("=")[0]
+        if re.search(rf"(?<![\w.]){re.escape(RENAMED.get(key, key))}(?![\w])", message):
+            return f"override {override}: "
+    return f"{path}: " if path else ""

@@ -27,6 +27,36 @@ def test_demo_config_loads_and_overrides_apply():
     assert config.phase(1).data == "outputs/demo/data/phase1"  # data paths do not follow output_dir
 
 
+def test_overrides_go_before_and_after_the_flags():
+    """Issue #54.9: `--config c.yaml output_dir=X --phase 1 train.max_steps=1` was an argparse
+    error ("unrecognized arguments: train.max_steps=1"): every key=value is an override."""
+    args = main.parse_args(["--config", DEMO, "output_dir=X", "--phase", "1", "train.max_steps=1", "--resume",
+                            "never", "lora.r=4"])
+    assert (args.config, args.phase, args.resume) == (DEMO, "1", "never")
+    assert args.overrides == ["output_dir=X", "train.max_steps=1", "lora.r=4"]
+
+
+@pytest.mark.parametrize("overrides, source", [
+    (["model.quantize=Q8_0"], "override model.quantize=Q8_0: model.quantize must be none, q8_0"),
+    (["train.max_steps=5", "train.lr=-1"], "override train.lr=-1: train.lr must be > 0"),
+    (["lora.r=0"], "override lora.r=0: lora.r must be a positive integer"),
+    (["phase1.lr=-2"], "override phase1.lr=-2: phase1.lr must be > 0"),
+    (["train.lr=-1", "train.lr=-3"], "override train.lr=-3: train.lr must be > 0, got -3.0"),  # the one that won
+])
+def test_an_error_in_an_override_names_the_override_not_the_file(overrides, source):
+    """Issue #54.10: the error blamed the YAML file, which held a valid value."""
+    with pytest.raises(ConfigError) as err:
+        load_config(DEMO, overrides)
+    assert str(err.value).startswith(source), str(err.value)
+
+
+def test_an_error_in_the_file_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  path: somewhere\ntrain:\n  lr: -1\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: train.lr must be > 0"):
+        load_config(path, ["train.max_steps=3"])  # an override of another key is not blamed
+
+
 LEAF = """
 import sys
 from finetuning_pipeline.run_config import load_config
