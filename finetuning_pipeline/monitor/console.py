@@ -43,8 +43,11 @@ def summary_lines(summary: dict) -> str:
     if ran == 0:
         head += (f" (every step was taken before this resume from step {summary['resumed_from_step']}; this run "
                  "evaluated and wrote the outputs)")
+    elif summary["tokens_per_sec"] is None:  # every step this run took was a warm-up step: nothing timed
+        head += (f", compiles {summary['compiles_total']}; tokens/s and host syncs/step n/a: no step ran after the "
+                 "warm-up steps (train.warmup_compiles_steps), which compile and are not timed")
     else:
-        head += (f", {summary['tokens_per_sec'] or 0:,.0f} tokens/s, compiles {summary['compiles_total']} "
+        head += (f", {summary['tokens_per_sec']:,.0f} tokens/s, compiles {summary['compiles_total']} "
                  f"({summary['compiles_after_warmup']} after warm-up), host syncs/step "
                  f"{number(summary['host_syncs_per_step'], 'g')}")
     lines = [head]

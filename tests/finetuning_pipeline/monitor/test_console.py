@@ -40,6 +40,15 @@ def test_a_resume_that_took_no_step_says_so_not_zero_tokens_per_second():
                     "before this resume from step 10; this run evaluated and wrote the outputs)")
 
 
+def test_a_run_of_warm_up_steps_only_says_why_it_has_no_rate_not_zero_tokens_per_second():
+    """Issue #54.11: a 1-step run printed "0 tokens/s ... host syncs/step -"."""
+    line = summary_lines(summary(steps=1, tokens_per_sec=None, host_syncs_per_step=None))
+    assert line == ("phase 1: 1 steps, eval loss 2.0000 -> 1.5000 (perplexity 7.4 -> 4.5), compiles 3; tokens/s and "
+                    "host syncs/step n/a: no step ran after the warm-up steps (train.warmup_compiles_steps), which "
+                    "compile and are not timed")
+    assert "0 tokens/s" not in line and "host syncs/step -" not in line
+
+
 def test_side_by_side_each_adapter_has_its_own_line_with_its_own_evaluation():
     def adapter(name, steps, before, after, diverged=None):
         return {"adapter": f"out/phase1/adapters/{name}", "steps": steps, "diverged_at_step": diverged,
