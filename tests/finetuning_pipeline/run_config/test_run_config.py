@@ -50,6 +50,18 @@ def test_an_error_in_an_override_names_the_override_not_the_file(overrides, sour
     assert str(err.value).startswith(source), str(err.value)
 
 
+def test_phase_one_refuses_to_merge_an_earlier_phase_it_does_not_have(tmp_path):
+    """Issue #54.12: phase1.init=merge was accepted and ignored (phase 1 has no earlier phase)."""
+    with pytest.raises(ConfigError, match=r"^override phase1.init=merge: phase1.init=merge: phase 1 has no earlier "
+                                          "phase to build on"):
+        load_config(DEMO, ["phase1.init=merge"])
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  path: somewhere\nphase1:\n  data: d1\n  init: merge\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: phase1.init=merge: phase 1 has no earlier phase"):
+        load_config(path)
+    assert load_config(DEMO, ["phase1.init=fresh"]).phase(1).init == "fresh"  # what phase 1 does: said, not refused
+
+
 def test_an_error_in_the_file_names_the_file(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("model:\n  path: somewhere\ntrain:\n  lr: -1\n")
