@@ -556,7 +556,8 @@ def summary(stats: dict, out: str) -> str:
            if stats["samples"] != records["kept"] or stats["samples_skipped"] else "")
         + f"  blocks: {splits['train']['blocks']} train, {splits['eval']['blocks']} eval; "
         f"{stats['tokens']:,} tokens, fill ratio {stats['fill_ratio']:.3f}, "
-        + (f"{stats['tokens_per_sec']:,} tokens/s" if stats["tokens_per_sec"] is not None else "tokens/s n/a (too fast to time)")
+        + (f"{stats['tokens_per_sec']:,} tokens/s" if stats["tokens_per_sec"] is not None
+           else "tokens/s n/a (too fast to time)")
     )
 
 
