@@ -3,8 +3,11 @@ written as one PEFT adapter (`export --adapter-only`) or merged into the base li
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -15,7 +18,7 @@ from finetuning_pipeline.exporters.merged import COMMAND, export_merged
 from finetuning_pipeline.model.lineage import read_lineage, write_lineage
 from lora_logic.adapter_io import read_adapter_config, read_adapter_weights, write_adapter
 from lora_logic.combine import Adapter, combine_adapters
-from utils.output_guard import claim_output, mark_written_by, refuse_overlap, staged_directory
+from utils.output_guard import OutputConflict, claim_output, mark_written_by, refuse_overlap, staged_directory
 
 
 def read_adapters(directories: list[str]) -> tuple[list[Adapter], str, str | None, dict | None]:
@@ -88,20 +91,35 @@ def export_combined(base: str, directories: list[str], out: str, *, weights: lis
     tensors = {}
     for module, (lora_a, lora_b) in modules.items():
         tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"] = lora_a, lora_b
-    if gguf is not None:
-        with tempfile.TemporaryDirectory(prefix="combined-adapter-") as combined:
-            write_combined(combined, tensors, config, trained_on or base, revision, lineage)
-            return export_gguf(base, [combined], out, gguf["outtype"], tokenizer, force, adapter_only=adapter_only)
-    if adapter_only:
+    if adapter_only and gguf is None:
         out_path = Path(out)
         claim_output(out_path, force=force, command=COMMAND, inputs={f"--adapter {d}": d for d in directories})
         with staged_directory(out_path) as staging:
             write_combined(staging, tensors, config, trained_on or base, revision, lineage)
             mark_written_by(staging, COMMAND)
         return out_path
-    with tempfile.TemporaryDirectory(prefix="combined-adapter-") as combined:
+    with combined_adapter(directories) as (combined, warn):
         write_combined(combined, tensors, config, trained_on or base, revision, lineage)
-        return export_merged(base, [combined], out, dtype, tokenizer, force)
+        if gguf is not None:
+            return export_gguf(base, [combined], out, gguf["outtype"], tokenizer, force, adapter_only=adapter_only,
+                               warn=warn)
+        return export_merged(base, [combined], out, dtype, tokenizer, force, warn=warn)
+
+
+@contextlib.contextmanager
+def combined_adapter(directories: list[str]) -> Iterator[tuple[str, Callable[[str], None]]]:
+    """A temporary directory for the combined adapter, which the writers take by path like any
+    adapter, and the `warn` to hand them: their notes, and the errors they raise, name it as the
+    user knows it (the --adapter directories combined), not as a temporary path."""
+    shown = " + ".join(map(str, directories)) + " (combined)"
+    with tempfile.TemporaryDirectory(prefix="combined-adapter-") as combined:
+        def warn(message: str) -> None:
+            print(message.replace(combined, shown), file=sys.stderr, flush=True)
+
+        try:
+            yield combined, warn
+        except (ModelLoadError, OutputConflict) as err:
+            raise type(err)(str(err).replace(combined, shown)) from None
 
 
 def write_combined(directory, tensors: dict, config, base: str, revision: str | None, lineage: dict | None) -> None:

@@ -18,10 +18,10 @@ COMMAND = "finetuning_pipeline.export"
 
 
 def export_merged(base: str, adapters: list[str], out: str, dtype: str = "auto", tokenizer: str | None = None,
-                  force: bool = False) -> Path:
+                  force: bool = False, warn=None) -> Path:
     """Merge `adapters` (in order) into `base` and save to `out`; returns `out`. An existing
     `out` is replaced only with force, and only when an earlier export wrote it; `out` may not
-    overlap the base, an adapter or the tokenizer."""
+    overlap the base, an adapter or the tokenizer. warn: where notes go (default: stderr)."""
     out_path = Path(out)
     inputs = {"--base": base, "--tokenizer": tokenizer, **{f"--adapter {a}": a for a in adapters}}
     claim_output(out_path, force=force, command=COMMAND, inputs=inputs)
@@ -29,7 +29,7 @@ def export_merged(base: str, adapters: list[str], out: str, dtype: str = "auto",
     # Read before loading: transformers' config then holds the dtype it was loaded in, not stored in.
     base_dtype = stored_dtype(base) or torch.float32
     # Merge in at least fp32 (each W0 + s B A is rounded once, into the output dtype, at save time).
-    model, _ = load_model(base, adapters, torch.promote_types(base_dtype, torch.float32))
+    model, _ = load_model(base, adapters, torch.promote_types(base_dtype, torch.float32), warn=warn)
     model.config.use_cache = True  # the exported model is for inference
     model.to(DTYPES[dtype] or base_dtype)
     with staged_directory(out_path) as staging:

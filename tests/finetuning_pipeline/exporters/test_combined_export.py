@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -26,20 +28,28 @@ def run_export(*args):
     return export.main(list(map(str, args)))
 
 
+def base_with_tokenizer(tmp_path):
+    """The adapters' tiny Llama in float64 (as they are: equal in exact arithmetic), with a
+    tokenizer for a merged model's directory."""
+    from finetuning_pipeline.demo.tiny_model import write_tiny_model
+
+    base = tmp_path / "base"
+    tiny_causal_lm("llama").to(DTYPE).save_pretrained(base)
+    write_tiny_model(tmp_path / "tokenizer_source")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tmp_path / "tokenizer_source" / name).exists():
+            (base / name).write_bytes((tmp_path / "tokenizer_source" / name).read_bytes())
+    return base
+
+
 def test_the_export_writes_a_combined_adapter_peft_loads_and_a_merged_model(adapters, tmp_path, capsys):
     """--adapter-only: one PEFT adapter whose logits are PEFT's combined adapter's. Merged: the base
     with that adapter merged, as PEFT's merge_and_unload of it."""
     from transformers import AutoModelForCausalLM
 
-    from finetuning_pipeline.demo.tiny_model import write_tiny_model
     from utils.precision import float64_throughout
 
-    base = tmp_path / "base"
-    tiny_causal_lm("llama").to(DTYPE).save_pretrained(base)  # float64 as the adapters: equal in exact arithmetic
-    write_tiny_model(tmp_path / "tokenizer_source")  # a tokenizer for the merged model's directory
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tmp_path / "tokenizer_source" / name).exists():
-            (base / name).write_bytes((tmp_path / "tokenizer_source" / name).read_bytes())
+    base = base_with_tokenizer(tmp_path)
     flags = ["--base", base, "--adapter", adapters / "a1", "--adapter", adapters / "a2", "--weights", "0.7,0.3"]
     assert run_export(*flags, "--combine", "ties", "--density", "0.5", "--adapter-only", "--out", tmp_path / "c") == 0
     _, _, theirs = peft_combined(adapters, ["a1", "a2"], [0.7, 0.3], "ties", density=0.5)
@@ -123,3 +133,24 @@ def test_adapters_are_matched_to_a_base_by_their_lineage_not_by_its_path(adapter
     assert run_export("--base", base, "--adapter", moved[0], "--adapter", stranger, "--combine", "linear",
                       "--adapter-only", "--out", tmp_path / "refused2") == 2
     assert "adapters of different bases do not combine" in capsys.readouterr().err
+
+
+def test_notes_on_a_combination_name_the_users_adapters_not_a_temporary_directory(adapters, tmp_path, capsys):
+    """Issue #54.13: the combined adapter reaches the writers as a temporary directory; the notes
+    on adapters trained on a quantized base named that directory (combined-adapter-... in the
+    system's temporary folder) instead of the --adapter paths the user gave."""
+    from finetuning_pipeline.model.lineage import model_lineage, quantized_with, write_lineage
+
+    base = base_with_tokenizer(tmp_path)
+    given = []
+    for name in ("a1", "a2"):
+        shutil.copytree(adapters / name, tmp_path / name)
+        write_lineage(tmp_path / name, quantized_with(model_lineage(base), "q4_0", "float64"))
+        given += ["--adapter", tmp_path / name]
+    capsys.readouterr()
+    for fmt, out in (([], "merged"), (["--format", "gguf", "--adapter-only"], "combined.gguf")):
+        assert run_export(*fmt, "--base", base, *given, "--combine", "linear", "--out", tmp_path / out) == 0
+        err = capsys.readouterr().err
+        assert f"adapter {tmp_path / 'a1'} + {tmp_path / 'a2'} (combined) was trained on the base stored as q4_0" \
+               in err, err
+        assert "combined-adapter-" not in err and tempfile.gettempdir() + "/" not in err.replace(str(tmp_path), "")
