@@ -27,7 +27,8 @@ MARKER = ".written_by"
 
 
 class OutputConflict(ValueError):
-    """An output that would overwrite an input or something the command did not write."""
+    """An output that would overwrite an input or something the command did not write, or whose
+    name the file system would refuse."""
 
 
 def overlaps(a: str | Path, b: str | Path) -> bool:
@@ -56,6 +57,7 @@ def claim_output(out: str | Path, *, force: bool, command: str, inputs: Mapping[
     of this command (default: its marker)."""
     out = Path(out)
     refuse_overlap(out, inputs, flag)
+    refuse_unwritable_name(out, flag)
     if not out.exists() and not out.is_symlink():
         return
     if out.is_dir() and not any(out.iterdir()):
@@ -74,6 +76,43 @@ def refuse_overlap(out: str | Path, inputs: Mapping[str, str | Path | None], fla
         if path and overlaps(out, path):
             raise OutputConflict(f"{flag} {out} overlaps {name} {path}: a command never writes into its own "
                                  f"inputs; choose another {flag}")
+
+
+def refuse_unwritable_name(out: Path, flag: str = "--out") -> None:
+    """Raise OutputConflict for a path the file system would refuse, before anything is created: a
+    directory or file name over its NAME_MAX bytes (the staging name, longer than the output's own,
+    included), or the whole over PATH_MAX. Otherwise the write fails at its end as an OSError, after
+    the directories above it were made."""
+    absolute = Path(os.path.abspath(out))
+    existing = next(p for p in (absolute, *absolute.parents) if os.path.exists(p))  # False for a name too long
+    name_max, path_max = os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
+    staging = staging_path(absolute)
+    for name in (*absolute.relative_to(existing).parts[:-1], staging.name):
+        if len(os.fsencode(name)) > name_max:
+            what = "its staging name" if name == staging.name else "the directory name"
+            raise OutputConflict(f"{flag} {out}: {what} {name[:40]}... is {len(os.fsencode(name))} bytes, and the "
+                                 f"file system takes names of {name_max} bytes at most (the output is written as "
+                                 f"{staging.name[:12]}... first): choose a shorter {flag}")
+    if len(os.fsencode(str(staging))) >= path_max:
+        raise OutputConflict(f"{flag} {out}: the path is {len(os.fsencode(str(staging)))} bytes with its staging "
+                             f"name, over the file system's {path_max}: choose a shorter {flag}")
+
+
+def make_parents(directory: Path) -> list[Path]:
+    """Make `directory` and the directories above it that are missing; returns those made, the
+    outermost first, for `remove_made` to take back if the output is never written."""
+    missing = [p for p in (directory, *directory.parents) if not os.path.exists(p)][::-1]
+    directory.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def remove_made(made: list[Path]) -> None:
+    """Remove the directories `make_parents` made, innermost first, where they are still empty."""
+    for path in reversed(made):
+        try:
+            path.rmdir()
+        except OSError:
+            return  # something else was put there meanwhile: leave it, and the directories above it
 
 
 STAGING_INFIX = ".partial-"
@@ -116,20 +155,24 @@ def staged_directory(out: str | Path) -> Iterator[Path]:
     """Build an output directory next to `out` and put it in place only when the block ends
     without an error: a crash, a full disk, a bad record, SIGTERM or SIGINT (utils/interrupts.py)
     leaves `out` as it was (an earlier output, already claimed with claim_output, is replaced at
-    the very end) and no staging directory behind; a dead process's leftovers are removed first."""
+    the very end), no staging directory and no directory made for it behind; a dead process's
+    leftovers are removed first."""
     out = Path(out)
     staging = staging_path(out)
     with stop_signals_unwind():
+        made = make_parents(out.parent)
         remove_stale_staging(out)
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
         try:
+            staging.mkdir()
             yield staging
             if out.exists():
                 shutil.rmtree(out)
             os.replace(staging, out)
-        finally:
+        except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
+            remove_made(made)
+            raise
 
 
 @contextlib.contextmanager
@@ -138,12 +181,14 @@ def staged_file(out: str | Path) -> Iterator[Path]:
     error (as staged_directory does for a directory); a crash, SIGTERM or SIGINT leaves no partial
     file behind."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_path(out)
     with stop_signals_unwind():
+        made = make_parents(out.parent)
         remove_stale_staging(out)
         try:
             yield staging
             os.replace(staging, out)
-        finally:
+        except BaseException:
             staging.unlink(missing_ok=True)
+            remove_made(made)
+            raise

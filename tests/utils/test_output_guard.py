@@ -7,11 +7,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO
 
-from utils.output_guard import remove_stale_staging, staged_directory, staged_file, staging_path
+from utils.output_guard import (
+    OutputConflict,
+    claim_output,
+    remove_stale_staging,
+    staged_directory,
+    staged_file,
+    staging_path,
+)
 
 # Stages `out`, writes part of it, signals itself; the exception the signal raised ends the block,
 # and the script reports it as a command does (utils/interrupts.py).
@@ -80,3 +88,26 @@ def test_only_the_outputs_own_stagings_are_removed(tmp_path):
     other.write_bytes(b"y")
     assert remove_stale_staging(out) == [mine]
     assert other.exists() and staging_path(out).name == f".m[1].gguf.partial-{os.getpid()}"
+
+
+@pytest.mark.parametrize("stage", [staged_file, staged_directory])
+def test_a_write_that_fails_takes_back_the_directories_it_made(tmp_path, stage):
+    """Issue #54.14: a failed write left the empty directories made for its output."""
+    (tmp_path / "kept").mkdir()
+    out = tmp_path / "kept" / "made" / "also made" / "out"
+    with pytest.raises(OSError), stage(out):
+        raise OSError(28, "No space left on device")
+    assert [p.relative_to(tmp_path) for p in tmp_path.rglob("*")] == [Path("kept")]
+    with stage(out) as staging:  # and one that succeeds keeps them
+        (staging / "x" if stage is staged_directory else staging).write_text("whole")
+    assert out.exists()
+
+
+def test_claim_output_refuses_what_the_file_system_would_refuse(tmp_path):
+    for out in (tmp_path / ("n" * 300), tmp_path / ("d" * 256) / "out", tmp_path / ("n" * 250)):
+        with pytest.raises(OutputConflict, match="the file system takes names of 255 bytes at most"):
+            claim_output(out, force=False, command="test")
+    claim_output(tmp_path / ("n" * 200), force=False, command="test")
+    with pytest.raises(OutputConflict, match="over the file system's 4096"):
+        claim_output(tmp_path / "/".join(["d" * 200] * 21), force=False, command="test")
+    assert list(tmp_path.iterdir()) == []

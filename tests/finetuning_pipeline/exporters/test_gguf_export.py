@@ -88,6 +88,18 @@ def test_an_outtype_the_export_cannot_write_is_refused(llama_files, tmp_path, ca
     assert nothing_written(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["x" * 300 + ".gguf", "x" * 245 + ".gguf", "d" * 300 + "/m.gguf"],
+                         ids=["file name over NAME_MAX", "staging name over NAME_MAX", "directory name over NAME_MAX"])
+def test_a_name_the_file_system_refuses_is_bad_input_and_creates_nothing(llama_files, tmp_path, capsys, name):
+    """Issue #54.14: an --out whose name the file system refuses was exit 3 ("Fix it (free space,
+    permissions)") after the directories above it were made, and they stayed."""
+    base, _ = llama_files
+    out = tmp_path / "dir with space" / "below" / name
+    line = refused(capsys, "--format", "gguf", "--base", base, "--out", out)
+    assert "the file system takes names of" in line and "choose a shorter --out" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_adapter_for_another_base_is_refused(llama_files, tmp_path, capsys):
     base, _ = llama_files
     other = write_family_model(tmp_path / "other", "llama", intermediate_size=96)
