@@ -107,6 +107,8 @@ def generate_command(argv: list[str] | None) -> int:
     parser.add_argument("--max-new-tokens", type=positive_int, default=64)
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 (default): greedy")
     args = parser.parse_args(argv)
+    if not args.prompt.strip():  # a chat model would answer its own template's tokens ("assis...")
+        parser.error("--prompt is empty: give the text to answer (or, with --plain, to continue)")
     on_the_host_only()
     if args.model.endswith(".gguf"):
         print(generate_gguf(args.model, args.prompt, args.adapter, args.max_new_tokens, args.plain, args.temperature,

@@ -87,3 +87,4 @@ def test_the_trainer_bounds_its_sizes_before_the_device(setting, expected, tiny_
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()
+
