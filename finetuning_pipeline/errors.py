@@ -14,6 +14,7 @@ a user sees `error: <what, where, what to do>` and never a traceback for these.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from dataset.errors import DataError
 from utils.hub_models import HubModelError
@@ -90,5 +91,10 @@ def run_command(main, *args) -> int:
 
 
 def command_name(main) -> str:
-    """How a user knows the command `main` runs: its module's name (finetuning_pipeline.export -> export)."""
-    return main.__module__.rpartition(".")[2]
+    """How a user knows the command `main` runs: its module's last name (export, generate, main),
+    also when it runs as __main__ (`python -m finetuning_pipeline.export`, `python .../main.py`)."""
+    module = sys.modules.get(main.__module__)
+    spec = getattr(module, "__spec__", None)
+    if spec is not None:
+        return spec.name.rpartition(".")[2]
+    return Path(getattr(module, "__file__", None) or main.__module__).stem

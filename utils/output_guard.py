@@ -85,7 +85,10 @@ def refuse_unwritable_name(out: Path, flag: str = "--out") -> None:
     the directories above it were made."""
     absolute = Path(os.path.abspath(out))
     existing = next(p for p in (absolute, *absolute.parents) if os.path.exists(p))  # False for a name too long
-    name_max, path_max = os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
+    try:
+        name_max, path_max = os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError):  # a file system that does not say: the write itself will tell
+        return
     staging = staging_path(absolute)
     for name in (*absolute.relative_to(existing).parts[:-1], staging.name):
         if len(os.fsencode(name)) > name_max:

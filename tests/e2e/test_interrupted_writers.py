@@ -15,9 +15,11 @@ from conftest import REPO
 from dataset.samples import DOMAIN_TEXT
 
 # argv[1]: "module.attribute" to patch; the patched call signals the process, then does its work.
+# The command runs as `python -m` runs it (as __main__), or, with as_main off, as its main() called
+# from here (for a patch in the command's own module, which __main__ would not see).
 SIGNAL_MID_WRITE = """
-import importlib, os, signal, sys
-where, sig, command, *argv = sys.argv[1:]
+import importlib, os, runpy, signal, sys
+where, sig, as_main, command, *argv = sys.argv[1:]
 module_name, _, name = where.rpartition(".")
 module = importlib.import_module(module_name)
 real = getattr(module, name)
@@ -25,13 +27,17 @@ def signalling(*args, **kwargs):
     os.kill(os.getpid(), getattr(signal, sig))
     return real(*args, **kwargs)
 setattr(module, name, signalling)
+if as_main == "yes":
+    sys.argv = [command, *argv]
+    runpy.run_module(command, run_name="__main__", alter_sys=True)
 sys.exit(importlib.import_module(command).main(argv))
 """
 
 
-def run_signalled(where: str, sig: str, command: str, *argv) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SIGNAL_MID_WRITE, where, sig, command, *map(str, argv)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
+def run_signalled(where: str, sig: str, command: str, *argv, as_main: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SIGNAL_MID_WRITE, where, sig, "yes" if as_main else "no", command,
+                           *map(str, argv)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PJRT_DEVICE": "CPU"})
 
 
 def assert_stopped_cleanly(done: subprocess.CompletedProcess, sig: str, command: str, folder, out) -> None:
@@ -39,7 +45,7 @@ def assert_stopped_cleanly(done: subprocess.CompletedProcess, sig: str, command:
     assert "Traceback" not in done.stderr, done.stderr
     assert f"error: {command}: stopped by {sig}; nothing half-written was left" in done.stderr, done.stderr
     assert not out.exists()
-    assert [p.name for p in folder.iterdir() if ".partial" in p.name] == []
+    assert [p.name for p in folder.rglob("*") if ".partial" in p.name] == []
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
@@ -69,7 +75,7 @@ def test_export_hf_stopped_mid_write(tiny_model_dir, tmp_path):
 
 def test_prepare_stopped_mid_write(tiny_model_dir, tmp_path):
     out = tmp_path / "data"
-    done = run_signalled("dataset.prepare.atomic_write_json", "SIGTERM", "dataset.prepare", "--tokenizer",
+    done = run_signalled("utils.atomic_io.atomic_write_json", "SIGTERM", "dataset.prepare", "--tokenizer",
                          tiny_model_dir, "--seq-len", 64, "--input", DOMAIN_TEXT, "--out", out, "--quiet")
     assert_stopped_cleanly(done, "SIGTERM", "prepare", tmp_path, out)
 
@@ -81,5 +87,6 @@ def test_a_download_script_stopped_mid_write(tmp_path):
                               for k in range(5)))
     out = tmp_path / "out" / "wiki.jsonl"
     done = run_signalled("dataset.scripts.download_text_dataset.wikipedia_to_record", "SIGTERM",
-                         "dataset.scripts.download_text_dataset", "--dataset", source, "--out", out)
-    assert_stopped_cleanly(done, "SIGTERM", "the download script", out.parent, out)
+                         "dataset.scripts.download_text_dataset", "--dataset", source, "--out", out, as_main=False)
+    assert_stopped_cleanly(done, "SIGTERM", "the download script", tmp_path, out)
+    assert not out.parent.exists()  # made for the output, and taken back with it
