@@ -41,7 +41,7 @@ from dataset.readers import SourceFile, iter_file_records
 from dataset.shards import SplitWriter
 from utils.atomic_io import atomic_write_json
 from utils.hub_models import HubModelError, resolve_model
-from utils.interrupts import interrupted_message
+from utils.interrupts import interrupted_message, stop_signals_unwind
 from utils.output_guard import OutputConflict, claim_output, staged_directory
 from utils.tokenizer_loading import TokenizerError, load_tokenizer
 from utils.yaml_file import read_yaml_mapping
@@ -563,8 +563,9 @@ def summary(stats: dict, out: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        options = options_from_args(argv)
-        stats = prepare(options)
+        with stop_signals_unwind():  # SIGTERM unwinds as SIGINT does: what was staged is removed
+            options = options_from_args(argv)
+            stats = prepare(options)
     except (DataError, OutputConflict, TokenizerError, HubModelError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -13,12 +13,13 @@ a user sees `error: <what, where, what to do>` and never a traceback for these.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
 from dataset.errors import DataError
 from utils.hub_models import HubModelError
-from utils.interrupts import interrupted_message
+from utils.interrupts import interrupted_message, stop_signals_unwind
 from utils.output_guard import OutputConflict
 from utils.tokenizer_loading import TokenizerError
 
@@ -69,13 +70,16 @@ def exit_code_of(err: BaseException) -> int | None:
     return None
 
 
-def run_command(main, *args) -> int:
+def run_command(main, *args, own_stop_signals: bool = False) -> int:
     """Call `main(*args)`; an error of ours is printed as one line on stderr and becomes its exit
     code. So does a file-system error (a full or read-only disk, a permission): exit 3, naming
     the file; every command writes its outputs atomically, so nothing half-written is left. A stop
-    signal is one line too (utils/interrupts.py), exit 128 + its number."""
+    signal is one line too (utils/interrupts.py), exit 128 + its number: SIGTERM unwinds the
+    command as SIGINT does, unless it handles the stop signals itself (own_stop_signals: the
+    trainer, whose SIGTERM checkpoints and stops, and whose launcher forwards it to its workers)."""
     try:
-        return main(*args)
+        with contextlib.nullcontext() if own_stop_signals else stop_signals_unwind():
+            return main(*args)
     except (*BAD_INPUT, RunError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return exit_code_of(err)

@@ -175,7 +175,7 @@ def run_one_phase(config: RunConfig, plan: PhasePlan, parallel, device, stop, la
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(train, argv)
+    return run_command(train, argv, own_stop_signals=True)
 
 
 def train(argv: list[str] | None) -> int:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from dataset.errors import DataError, InvalidRecord
-from utils.interrupts import interrupted_message
+from utils.interrupts import interrupted_message, stop_signals_unwind
 from utils.output_guard import OutputConflict, claim_output, staged_file
 
 
@@ -50,9 +50,10 @@ def run_export(rows: Callable[[], Iterable[dict]], convert: Callable[[dict], dic
     """A download script's body: export, print the report, or the error (exit status 2). An
     existing `out` file is replaced only with force; `out` may never be (or hold) the source."""
     try:
-        claim_output(out, force=force, command="the download script", inputs={"--dataset": source},
-                     ours=lambda path: path.is_file())
-        counts = export_jsonl(rows(), convert, out, limit)
+        with stop_signals_unwind():  # SIGTERM unwinds as SIGINT does: what was staged is removed
+            claim_output(out, force=force, command="the download script", inputs={"--dataset": source},
+                         ours=lambda path: path.is_file())
+            counts = export_jsonl(rows(), convert, out, limit)
     except (DataError, OutputConflict) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

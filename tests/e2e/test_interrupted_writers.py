@@ -56,6 +56,15 @@ def test_export_gguf_stopped_mid_write(tiny_model_dir, tmp_path, sig):
     assert_stopped_cleanly(done, sig, "export", tmp_path, out)
 
 
+def test_a_command_stopped_before_it_writes_says_so_in_one_line_too(tiny_model_dir, tmp_path):
+    """SIGTERM while the export still reads its base (nothing staged yet): one line, exit 143, no
+    traceback, as SIGINT (the trainer keeps its own handlers: SIGTERM checkpoints and stops it)."""
+    out = tmp_path / "model.gguf"
+    done = run_signalled("finetuning_pipeline.exporters.gguf_export.read_config", "SIGTERM",
+                         "finetuning_pipeline.export", "--format", "gguf", "--base", tiny_model_dir, "--out", out)
+    assert_stopped_cleanly(done, "SIGTERM", "export", tmp_path, out)
+
+
 def test_export_hf_stopped_mid_write(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
