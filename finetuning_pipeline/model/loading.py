@@ -25,9 +25,9 @@ from finetuning_pipeline.model.quantized_base import (
 from lora_logic.adapter_io import load_adapters
 from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
-from lora_logic.quantize import FORMATS
 from lora_logic.layer import LoRALinear
 from lora_logic.merge import merge_and_unload
+from lora_logic.quantize import FORMATS
 
 # float64: the CPU's exactness proofs only (README "How the tests prove equality"); a TPU refuses it.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
