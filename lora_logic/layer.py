@@ -19,10 +19,11 @@ Layers that read one input (attention's q, k and v; the MLP's gate and up: `shar
 compute their A products as one: x [rows, in] @ [A_q; A_k; A_v]^T [in, r_q + r_k + r_v], split
 by rank. Each output is the same sum as its own product, the activations are read once instead
 of once per layer, forward and backward (the backward's dA and dx are then one product each
-too), and the thin rank-r matmuls become one wider one. The first sibling called computes the
-product and leaves the others' parts on the input tensor itself (they live as long as it does);
-a sibling called with another tensor, or with its dropout active (each layer draws its own
-mask), computes its own product as before.
+too), and the thin rank-r matmuls become one wider one. The siblings hold one `SharedInput`,
+an explicit structure and no state on the tensors (which torch.compile cannot trace): the first
+sibling called computes the product and leaves the others' parts there, for that very input
+tensor, until each has taken its own; a sibling called with another tensor, or with its dropout
+active (each layer draws its own mask), computes its own product as before.
 """
 
 from __future__ import annotations
@@ -48,10 +49,6 @@ def init_lora_A_(weight: torch.Tensor) -> None:
 def init_lora_B_(weight: torch.Tensor) -> None:
     """Zeros (LoRA paper, section 4.1): B A = 0, so the wrapped model equals the base at step 0."""
     nn.init.zeros_(weight)
-
-
-# The attribute of an input tensor that holds its A products for the siblings not yet called.
-_PENDING = "_lora_pending_down"
 
 
 def scaling_buffer(adapter: str) -> str:
@@ -100,10 +97,11 @@ class LoRALinear(nn.Module):
         for p in self.base_layer.parameters():
             p.requires_grad_(False)
         self.merged = False
-        # The LoRALinears that read the same input as this one, itself included (share_input).
-        # A plain list, not registered (they are modules of their own elsewhere in the model), and
-        # private: a layer's settings are compared by value (layer_scan.py), and these are modules.
-        self._input_siblings: list[LoRALinear] = [self]
+        # The LoRALinears that read the same input as this one, itself included (share_input), and
+        # this one's place among them. Not registered (they are modules of their own elsewhere in
+        # the model), and private: a layer's settings are compared by value (layer_scan.py).
+        self._shared_input = SharedInput([self])
+        self._sibling_index = 0
 
     @property
     def adapters(self) -> list[str]:
@@ -175,23 +173,22 @@ class LoRALinear(nn.Module):
         """A dropout(x) of one adapter on its rows of x, [rows*seq, r]: its part of the siblings'
         one product when they share it (see the module's docstring)."""
         part = x if rows is None else x[rows]
-        siblings = [m for m in self._input_siblings if name in m.lora_A and not _drops(m.lora_dropout[name])]
-        if len(siblings) < 2 or self not in siblings:
+        shared = self._shared_input
+        sharing = [k for k, m in enumerate(shared.layers) if name in m.lora_A and not _drops(m.lora_dropout[name])]
+        if len(sharing) < 2 or self._sibling_index not in sharing:
             h = self.lora_dropout[name](part)
             # Two 2-D products on the activations flattened once: F.linear on [batch, seq, in]
             # flattens and restores around each product, operations that XLA traces on the host
             # at every step, forward and backward (14 wrapped 64-wide layers: 6.6 -> 5.2 ms of tracing).
             return h.reshape(-1, self.in_features) @ self.lora_A[name].weight.to(h.dtype).t()
-        pending = x.__dict__.get(_PENDING, {})
-        if (self, name) in pending:  # a sibling computed it
-            mine = pending.pop((self, name))
-            if not pending:  # (an empty attribute would keep the tensor's Python object alive with it)
-                del x.__dict__[_PENDING]
+        mine = shared.take(x, name, self._sibling_index)
+        if mine is not None:  # a sibling computed it
             return mine
+        siblings = [shared.layers[k] for k in sharing]
         a = torch.cat([m.lora_A[name].weight.to(part.dtype) for m in siblings])  # [sum of ranks, in]
         parts = (part.reshape(-1, self.in_features) @ a.t()).split([m.r[name] for m in siblings], dim=1)
-        x.__dict__.setdefault(_PENDING, {}).update({(m, name): h for m, h in zip(siblings, parts) if m is not self})
-        return parts[siblings.index(self)]
+        shared.keep(x, name, {k: h for k, h in zip(sharing, parts) if k != self._sibling_index})
+        return parts[sharing.index(self._sibling_index)]
 
     def delta_weight(self, name: str) -> torch.Tensor:
         """scaling * B A of adapter `name` in fp32 (float64 for a float64 LoRA), [out, in]: what
@@ -274,10 +271,46 @@ def _drops(dropout: nn.Module) -> bool:
     return isinstance(dropout, SeededDropout) and dropout.training
 
 
+class SharedInput:
+    """The LoRALinears that read one input tensor (share_input), and the parts of their one A
+    product that the first of them called left for the others: for one input tensor at a time,
+    each part until its layer takes it. A plain object the layers hold (torch.compile traces its
+    attributes as it traces a module's, where state kept on a tensor breaks it), emptied as the
+    last part is taken, so it keeps no activation alive between forwards."""
+
+    def __init__(self, layers: list[LoRALinear]) -> None:
+        self.layers = list(layers)
+        self._input: torch.Tensor | None = None  # the tensor the parts below were computed from
+        self._parts: dict[str, dict[int, torch.Tensor]] = {}  # adapter -> {sibling index: [rows*seq, r]}
+
+    def take(self, x: torch.Tensor, name: str, index: int) -> torch.Tensor | None:
+        """Sibling `index`'s part of adapter `name`'s product on this very `x`, or None."""
+        if self._input is not x or index not in self._parts.get(name, {}):
+            return None
+        mine = self._parts[name].pop(index)
+        if not self._parts[name]:
+            del self._parts[name]
+        if not self._parts:
+            self._input = None
+        return mine
+
+    def keep(self, x: torch.Tensor, name: str, parts: dict[int, torch.Tensor]) -> None:
+        """Leave the other siblings' parts of adapter `name`'s product on `x` (parts of another
+        input, never taken, are dropped: their layers were called with other tensors)."""
+        if self._input is not x:
+            self._input, self._parts = x, {}
+        self._parts[name] = parts
+
+    def pending(self) -> int:
+        """How many parts wait for their layer (0 once every sibling took its own)."""
+        return sum(len(parts) for parts in self._parts.values())
+
+
 def share_input(layers: list[LoRALinear]) -> None:
     """Declare that these layers are always called with the same input tensor (q, k and v of
     one attention): their A products are then computed as one (see the module's docstring).
     A wrong declaration costs time, never correctness: a layer called with another tensor
     computes its own product."""
-    for layer in layers:
-        layer._input_siblings = list(layers)
+    shared = SharedInput(layers)
+    for index, layer in enumerate(layers):
+        layer._shared_input, layer._sibling_index = shared, index

@@ -62,10 +62,12 @@ def test_siblings_run_one_a_product_equal_to_each_alone():
     x = torch.randn(2, 5, IN, dtype=torch.float64, requires_grad=True)
     alone, alone_products = run(siblings(shared=False), [x] * 3)
     x.grad = None
-    shared, shared_products = run(siblings(), [x] * 3)
+    layers = siblings()
+    shared, shared_products = run(layers, [x] * 3)
     # The three bases' products, then three A and three B products alone; one A and three B shared.
     assert (alone_products, shared_products) == (3 + 6, 3 + 4)
-    assert not hasattr(x, "_lora_pending_down")  # every part taken: nothing left on the input
+    # Every part taken: nothing kept for the next forward, and nothing on the input tensor.
+    assert layers[0]._shared_input.pending() == 0 and layers[0]._shared_input._input is None and not vars(x)
     assert_all_equal(shared, alone, "q, k, v sharing their A product against each alone")
 
 
@@ -114,7 +116,7 @@ def test_side_by_side_siblings_share_per_adapter():
 def test_injected_model_shares_q_k_v_and_gate_up(arch):
     model = tiny_causal_lm(arch).double()
     inject_lora(model, LoraConfig(r=4, alpha=8))
-    groups = {frozenset(n.rsplit(".", 1)[-1] for n, m in lora_modules(model) if m in layer._input_siblings)
+    groups = {frozenset(n.rsplit(".", 1)[-1] for n, m in lora_modules(model) if m in layer._shared_input.layers)
               for _, layer in lora_modules(model)}
     assert groups == {frozenset({"q_proj", "k_proj", "v_proj"}), frozenset({"gate_proj", "up_proj"}),
                       frozenset({"o_proj"}), frozenset({"down_proj"})}
@@ -122,7 +124,7 @@ def test_injected_model_shares_q_k_v_and_gate_up(arch):
         nn.init.normal_(layer.lora_B[DEFAULT_ADAPTER].weight, std=0.1)
     alone = copy.deepcopy(model)
     for _, layer in lora_modules(alone):
-        layer._input_siblings = [layer]
+        share_input([layer])
     tokens = random_tokens()
     results, counts = [], []
     for each in (alone, model):
@@ -131,7 +133,7 @@ def test_injected_model_shares_q_k_v_and_gate_up(arch):
         loss.backward()
         results.append([loss] + [p.grad for p in each.parameters() if p.requires_grad])
         counts.append(counter.count)
-    sets = {id(layer._input_siblings[0]): layer._input_siblings for _, layer in lora_modules(model)}
+    sets = {id(layer._shared_input): layer._shared_input.layers for _, layer in lora_modules(model)}
     fewer = sum(len(siblings) - 1 for siblings in sets.values())  # A products no longer run
     # Each of the 2 layers: q, k, v's A products one (2 fewer), gate and up's one (1 fewer).
     assert fewer == 2 * 3 and counts[0] - counts[1] == fewer

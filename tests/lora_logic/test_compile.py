@@ -1,0 +1,74 @@
+"""torch.compile traces a LoRA-wrapped decoder layer whole (no graph break), its A products still
+shared (q, k, v and gate, up: one product each), and computes what eager PyTorch computes: the
+native runtime compiles per decoder layer, as torchtitan does (issue #52). The shared products once
+passed between the layers on the input tensor itself (`x.__dict__`), which dynamo cannot trace."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from conftest import random_tokens, tiny_causal_lm
+from torch import nn
+
+from lora_logic.adapters import lora_modules
+from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
+from lora_logic.inject import inject_lora
+
+PRODUCTS = (operator.matmul, torch.matmul)  # the LoRA's A products (the bases' are F.linear, B's in a Function)
+
+
+def wrapped_layer(arch: str, dtype: torch.dtype):
+    """Decoder layer 0 of a tiny LoRA-wrapped model (B random: B = 0 would hide the update), and
+    the inputs of its forward."""
+    model = tiny_causal_lm(arch).to(dtype)
+    inject_lora(model, LoraConfig(r=4, alpha=8))
+    for _, layer in lora_modules(model):
+        nn.init.normal_(layer.lora_B[DEFAULT_ADAPTER].weight, std=0.1)
+    tokens = random_tokens()
+    hidden = model.get_input_embeddings()(tokens).detach().requires_grad_(True)
+    positions = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1)
+    return model.model.layers[0], hidden, model.model.rotary_emb(hidden, positions)
+
+
+def forward_backward(layer, hidden, position_embeddings) -> list[torch.Tensor]:
+    """The layer's output and the gradients of a weighted sum of it: the input's and the LoRA's."""
+    hidden.grad = None
+    for p in layer.parameters():
+        p.grad = None
+    out = layer(hidden, position_embeddings=position_embeddings, attention_mask=None)
+    out = out[0] if isinstance(out, tuple) else out
+    (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+    return [out.detach(), hidden.grad, *(p.grad for p in layer.parameters() if p.requires_grad)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_decoder_layer_compiles_whole_with_its_a_products_shared_and_equals_eager(arch):
+    layer, hidden, position_embeddings = wrapped_layer(arch, torch.float64)
+    eager = forward_backward(layer, hidden, position_embeddings)
+    graphs = []
+
+    def recording(graph_module, example_inputs):  # dynamo's graph, run as traced: the eager ops, in its order
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compiled = torch.compile(layer, backend=recording, fullgraph=True)  # a graph break is an error
+    ours = forward_backward(compiled, hidden, position_embeddings)
+    assert len(graphs) == 1
+    products = [node for node in graphs[0].graph.nodes if node.op == "call_function" and node.target in PRODUCTS]
+    # 7 targets, 4 A products: q/k/v's one, o's, gate/up's one, down's.
+    assert len(products) == 4, graphs[0].code
+    for index, (a, b) in enumerate(zip(ours, eager, strict=True)):
+        assert torch.equal(a, b), f"{arch}: output or gradient {index}"
+    shared = [module._shared_input for _, module in lora_modules(layer)]
+    assert all(s.pending() == 0 and s._input is None for s in shared)  # nothing kept after the compiled call
+
+
+def test_the_compiled_layer_runs_inductors_kernels_within_rounding_of_eager():
+    """Inductor (torch.compile's default backend) fuses and reorders: float32 within rounding."""
+    layer, hidden, position_embeddings = wrapped_layer("llama", torch.float32)
+    eager = forward_backward(layer, hidden, position_embeddings)
+    ours = forward_backward(torch.compile(layer, fullgraph=True), hidden, position_embeddings)
+    for index, (a, b) in enumerate(zip(ours, eager, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"output or gradient {index}")
