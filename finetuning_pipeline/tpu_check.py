@@ -35,7 +35,7 @@ if __package__ in (None, ""):
 
 from finetuning_pipeline.checks.device_check import device_check, format_report, write_report
 from finetuning_pipeline.checks.pod_hosts import HostBarrier, PodCheckError, PodHost, pod_host
-from finetuning_pipeline.planning.phase_plan import load_architecture, seq_len_of
+from finetuning_pipeline.planning.phase_plan import layers_scanned, load_architecture, seq_len_of
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import ConfigError, load_config
 from utils.output_guard import OutputConflict, claim_output, mark_written_by
@@ -72,7 +72,8 @@ class CheckRefused(Exception):
 
 
 def load_and_claim(args: argparse.Namespace, host: PodHost, barrier: HostBarrier):
-    """(config, model_config, seq_len, layout), once every host has loaded the config and host 0
+    """(config, model_config, seq_len, layout, scanned: whether the full-depth run scans its
+    decoder layers), once every host has loaded the config and host 0
     has cleared the check's directory: nothing is deleted unless every host can run the check,
     and no host writes there before it is cleared. Raises CheckRefused otherwise."""
     failure = None
@@ -83,6 +84,7 @@ def load_and_claim(args: argparse.Namespace, host: PodHost, barrier: HostBarrier
                               "its adapters' data side by side) or phase1.seq_len")
         seq_len = seq_len_of(config, 1)
         model_config, _ = load_architecture(config.model.path, config.model.revision)
+        scanned = layers_scanned(config, model_config)  # train.scan_layers=true where it cannot be: refused here
         layout = RunLayout(config.output_dir)
         if host.writer:
             refuse_outputs(layout, args.force)
@@ -97,7 +99,7 @@ def load_and_claim(args: argparse.Namespace, host: PodHost, barrier: HostBarrier
     failures = failures or barrier.ready("claim", failure)
     if failures:
         raise CheckRefused("; ".join(failures))
-    return config, model_config, seq_len, layout
+    return config, model_config, seq_len, layout, scanned
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     host = pod_host(device)
     try:
         barrier = HostBarrier(host)
-        config, model_config, seq_len, layout = load_and_claim(args, host, barrier)
-        report = device_check(config, model_config, layout.tpu_check_runs, device=device, seq_len=seq_len, host=host,
-                              barrier=barrier)
+        config, model_config, seq_len, layout, scanned = load_and_claim(args, host, barrier)
+        report = device_check(config, model_config, layout.tpu_check_runs, device=device, seq_len=seq_len,
+                              scanned=scanned, host=host, barrier=barrier)
     except CheckRefused as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -372,10 +372,13 @@ def cpu_environment(mode: str, hosts: int = 1) -> dict[str, str]:
 
 
 def run_config_for(config: RunConfig, model_path: Path, data: Path, out: Path, on_tpu: bool, overrides: dict,
-                   hosts: int = 1) -> dict:
-    """The check's run: rehearsal.small_run as configured, with `overrides` ({"section.key": value})."""
+                   hosts: int = 1, *, scanned: bool) -> dict:
+    """The check's run: rehearsal.small_run as configured, with `overrides` ({"section.key": value}).
+    scanned: whether the full-depth run scans its decoder layers (planning.layers_scanned): the
+    check's copy, of fewer layers than `auto` scans from, then scans them too, as the run will."""
     run = small_run(config, model_path=model_path, output_dir=out, data={1: data}, steps=CHECK_STEPS,
                     on_cpu=not on_tpu)
+    run["train"]["scan_layers"] = scanned
     run["train"]["recompile_policy"] = "warn"  # a recompile is one of the check's lines, not the end of it
     if not on_tpu:
         run["train"]["micro_batch"] = 1
@@ -389,13 +392,15 @@ def run_config_for(config: RunConfig, model_path: Path, data: Path, out: Path, o
     return run
 
 
-def device_check(config: RunConfig, model_config, root: Path, *, device: str, seq_len: int,
+def device_check(config: RunConfig, model_config, root: Path, *, device: str, seq_len: int, scanned: bool,
                  host: PodHost = ONE_HOST, barrier: HostBarrier | None = None) -> dict:
     """Run the checks in `root` (output_dir/tpu_check, claimed and cleared by host 0 before this
     is called on any host); returns the report tpu_check.json holds (see the module docstring).
     On a pod (pod_hosts.py) every host calls it at once: the runs go to root/runs, one run of
     the slice each, and what this host alone reads to root/host<index>; no host starts a run
-    before every host has set up, or any once one host could not (the `barrier`)."""
+    before every host has set up, or any once one host could not (the `barrier`). scanned: whether
+    the full-depth run scans its decoder layers (planning.layers_scanned), which the check's
+    2-layer copy then does too: the path the run takes, and its compile_s_scanned measured."""
     from transformers import AutoTokenizer
 
     on_tpu = device == "TPU"
@@ -435,7 +440,8 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
 
     def train(name: str, overrides: dict, env: dict | None = None) -> tuple[Path, str | None]:
         """A run of the check (of the slice, on a pod: every host takes the same runs in order)."""
-        run = run_config_for(config, own / "model", data, pod_runs / name, on_tpu, overrides, hosts=host.hosts)
+        run = run_config_for(config, own / "model", data, pod_runs / name, on_tpu, overrides, hosts=host.hosts,
+                             scanned=scanned)
         path = own / f"{name}.yaml"
         path.write_text(yaml.safe_dump(run))
         started_runs.append(name)

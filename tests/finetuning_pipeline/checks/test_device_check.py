@@ -107,8 +107,33 @@ def test_on_a_cpu_the_check_takes_the_tpu_hosts_path_unless_told_otherwise(tmp_p
     monkeypatch.setenv("XLA_ENABLE_PARAM_ALIASING", "0")
     assert device_check.cpu_environment("dp") == {"XLA_ENABLE_PARAM_ALIASING": "0", "CPU_NUM_DEVICES": "4"}
     run = device_check.run_config_for(config(tmp_path), tmp_path / "model", tmp_path / "data", tmp_path / "o",
-                                      on_tpu=False, overrides={})
+                                      on_tpu=False, overrides={}, scanned=False)
     assert run["parallel"]["launcher"] == "tpu" and run["train"]["micro_batch"] == 1
+
+
+def test_the_check_scans_its_two_layers_when_the_full_depth_run_will(tmp_path):
+    """Issue #53.2: the 2-layer copy is below the depth at which `auto` scans, so the check ran the
+    layer loop while a 32-layer run scans: torch_xla's scan on a TPU was never run by the check, nor
+    compile_s_scanned measured. The copy now takes the full run's decision; the pair turns it off."""
+    from transformers import AutoConfig
+
+    from finetuning_pipeline.planning.phase_plan import layers_scanned
+
+    depth = {layers: AutoConfig.for_model("mistral", vocab_size=64, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2)
+             for layers in (32, 2)}
+    decisions = {layers: layers_scanned(config(tmp_path), model_config) for layers, model_config in depth.items()}
+    assert decisions == {32: True, 2: False}
+    for layers, scanned in decisions.items():
+        run = device_check.run_config_for(config(tmp_path), tmp_path / "model", tmp_path / "data", tmp_path / "o",
+                                          on_tpu=True, overrides={}, scanned=scanned)
+        assert run["train"]["scan_layers"] is scanned, layers
+    variants, _ = device_check.variants(config(tmp_path), SUMMARY, "float32", 2)
+    off = next(v for v in variants if v.check == "scanned layers")
+    assert off.overrides == {"train.scan_layers": False}
+    run = device_check.run_config_for(config(tmp_path), tmp_path / "model", tmp_path / "data", tmp_path / "o",
+                                      on_tpu=True, overrides=off.overrides, scanned=True)
+    assert run["train"]["scan_layers"] is False  # the pair's run: the layer loop
 
 
 def test_recompiles_and_a_donation_short_of_the_updated_state_fail(tmp_path):
@@ -247,14 +272,14 @@ def test_a_tpu_type_that_is_not_this_hosts_and_a_configured_run_that_fails_are_f
     run = load_config(write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out"), [])
     model_config, _ = load_architecture(str(tiny_model_dir))
     monkeypatch.setattr(device_check, "tpu_generation", lambda: "v6e")
-    report = device_check.device_check(run, model_config, tmp_path / "runs", device="TPU", seq_len=64)
+    report = device_check.device_check(run, model_config, tmp_path / "runs", device="TPU", seq_len=64, scanned=False)
     assert [(c["name"], c["status"]) for c in report["checks"]] == [("TPU type", "failed")]
     assert "tpu.type=v5e-8, but this host's chips are v6e" in device_check.format_report(report)
     assert not (tmp_path / "runs").exists() and report["ok"] is False
 
     failed = subprocess.CompletedProcess([], 3, stdout="", stderr="error: phase 1 step 2: buffer deleted")
     monkeypatch.setattr(device_check, "run_trainer", lambda *args, **kwargs: failed)
-    report = device_check.device_check(run, model_config, tmp_path / "runs", device="CPU", seq_len=64)
+    report = device_check.device_check(run, model_config, tmp_path / "runs", device="CPU", seq_len=64, scanned=False)
     (line,) = report["checks"]
     assert line["status"] == "failed" and line["detail"].endswith("error: phase 1 step 2: buffer deleted")
 
