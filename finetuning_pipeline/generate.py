@@ -61,14 +61,16 @@ def generate_gguf(path: str, prompt: str, adapters: list[str] = (), max_new_toke
                              "(export --format gguf --adapter-only --adapter A --adapter B)")
     if not Path(path).is_file():
         raise ModelLoadError(f"--model {path}: no such file")
-    context = gguf_context(path)
+    try:
+        context = gguf_context(path)  # its header: a file that is not a GGUF fails here
+    except ValueError as err:
+        raise unloadable(path, err) from None
     check_new_tokens(max_new_tokens, context)  # the prompt's own tokens are known only to llama.cpp
     try:
         model = llama_cpp.Llama(str(path), n_ctx=context, verbose=False, seed=0,
                                 **({"lora_path": str(adapters[0])} if adapters else {}))
-    except ValueError as err:  # not a GGUF, or one llama.cpp cannot load (its own message is on stderr)
-        raise ModelLoadError(f"--model {path}: llama.cpp cannot load it ({err}); a file `export --format gguf` "
-                             "wrote loads") from None
+    except ValueError as err:  # one llama.cpp cannot load (its own message is on stderr)
+        raise unloadable(path, err) from None
     sampling = {"temperature": temperature} if temperature > 0 else {"temperature": 0.0, "top_k": 1}
     try:
         if plain or not model.metadata.get("tokenizer.chat_template"):
@@ -78,6 +80,11 @@ def generate_gguf(path: str, prompt: str, adapters: list[str] = (), max_new_toke
         return answer["choices"][0]["message"]["content"]
     finally:
         model.close()
+
+
+def unloadable(path: str, err: ValueError) -> ModelLoadError:
+    return ModelLoadError(f"--model {path}: llama.cpp cannot load it ({err}); a file `export --format gguf` wrote "
+                          "loads")
 
 
 def gguf_context(path: str, at_most: int = 4096) -> int:
