@@ -41,7 +41,7 @@ from dataset.readers import SourceFile, iter_file_records
 from dataset.shards import SplitWriter
 from utils.atomic_io import atomic_write_json
 from utils.hub_models import HubModelError, resolve_model
-from utils.interrupts import interrupted_message, stop_signals_unwind
+from utils.interrupts import report_interrupted, stop_signals_unwind
 from utils.output_guard import OutputConflict, claim_output, staged_directory
 from utils.tokenizer_loading import TokenizerError, load_tokenizer
 from utils.yaml_file import read_yaml_mapping
@@ -569,10 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, OutputConflict, TokenizerError, HubModelError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM while the output was staged (utils/interrupts.py)
-        message, code = interrupted_message(err, "prepare")
-        print(f"error: {message}", file=sys.stderr)
-        return code
+    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM (utils/interrupts.py): what was staged is removed
+        return report_interrupted(err, "prepare")
     except OSError as err:  # a full or read-only disk: the partial output is already removed
         where = f"{err.filename}: " if err.filename else ""
         print(f"error: {where}{err.strerror or err}; nothing was written to {options.out} (the partial output was "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dataset.errors import DataError
 from utils.hub_models import HubModelError
-from utils.interrupts import interrupted_message, stop_signals_unwind
+from utils.interrupts import report_interrupted, stop_signals_unwind
 from utils.output_guard import OutputConflict
 from utils.tokenizer_loading import TokenizerError
 
@@ -83,10 +83,8 @@ def run_command(main, *args, own_stop_signals: bool = False) -> int:
     except (*BAD_INPUT, RunError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return exit_code_of(err)
-    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM while an output was staged (utils/interrupts.py)
-        message, code = interrupted_message(err, command_name(main))
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        return code
+    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM (utils/interrupts.py): what was staged is removed
+        return report_interrupted(err, command_name(main))
     except OSError as err:
         where = f"{err.filename}: " if err.filename else ""
         print(f"error: {where}{err.strerror or err}; nothing half-written was left. Fix it (free space, permissions) "

@@ -4,7 +4,7 @@ By default SIGTERM (`kill`, a spot VM's preemption notice, a job scheduler) ends
 at once: no `finally` runs, so a half-written output staged next to its destination (output_guard's
 `.NAME.partial-PID`) would stay on disk, gigabytes for a 7B export. While an output is staged,
 SIGTERM raises `Interrupted` instead, as SIGINT (Ctrl-C) raises KeyboardInterrupt, so the staging
-blocks' cleanup runs; the command then reports it in one line (`interrupted_message`) and exits
+blocks' cleanup runs; the command then reports it in one line (`report_interrupted`) and exits
 128 + the signal's number, as a shell reports a process killed by it.
 
 Only a signal whose handler would have ended the process is taken over: the trainer's own handlers
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -53,8 +54,10 @@ def stop_signals_unwind() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def interrupted_message(err: KeyboardInterrupt, command: str) -> tuple[str, int]:
-    """The one line a command prints when a stop signal ended it, and its exit status."""
+def report_interrupted(err: KeyboardInterrupt, command: str) -> int:
+    """Print the one line a command gives when a stop signal ended it; returns its exit status
+    (128 + the signal's number, as a shell reports a process the signal killed)."""
     name = getattr(err, "signal_name", "SIGINT")
-    return (f"{command}: stopped by {name}; nothing half-written was left (what it had staged was removed). "
-            "Run the same command again to write the output", getattr(err, "exit_code", 128 + signal.SIGINT))
+    print(f"error: {command}: stopped by {name}; nothing half-written was left (what it had staged was removed). "
+          "Run the same command again to write the output", file=sys.stderr, flush=True)
+    return getattr(err, "exit_code", 128 + signal.SIGINT)

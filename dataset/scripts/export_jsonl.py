@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from dataset.errors import DataError, InvalidRecord
-from utils.interrupts import interrupted_message, stop_signals_unwind
+from utils.interrupts import report_interrupted, stop_signals_unwind
 from utils.output_guard import OutputConflict, claim_output, staged_file
 
 
@@ -57,9 +57,7 @@ def run_export(rows: Callable[[], Iterable[dict]], convert: Callable[[dict], dic
     except (DataError, OutputConflict) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM while the file was staged (utils/interrupts.py)
-        message, code = interrupted_message(err, "the download script")
-        print(f"error: {message}", file=sys.stderr)
-        return code
+    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM (utils/interrupts.py): what was staged is removed
+        return report_interrupted(err, "the download script")
     print(report(counts, out))
     return 0

@@ -81,7 +81,7 @@ def _build_run_config(data: dict) -> RunConfig:
                           f"phase1: write a phase{missing[0]}: section, or number the phases from 1 without a gap")
     first = sections.get(1)
     if isinstance(first, dict) and first.get("init") == "merge":  # (continue, the default, is written back for it)
-        raise ConfigError(f"phase1.init={first['init']}: phase 1 has no earlier phase to build on; it always trains "
+        raise ConfigError("phase1.init=merge: phase 1 has no earlier phase to build on; it always trains "
                           "a fresh adapter on the base. Remove phase1.init (init says how a later phase starts: "
                           "phase2.init=continue, merge or fresh)")
     config = _build(RunConfig, rest, "")
