@@ -65,16 +65,18 @@ def test_a_command_stopped_before_it_writes_says_so_in_one_line_too(tiny_model_d
     assert_stopped_cleanly(done, "SIGTERM", "export", tmp_path, out)
 
 
-def test_export_hf_stopped_mid_write(tiny_model_dir, tmp_path):
+def write_adapter(tiny_model_dir, directory):
     from transformers import AutoModelForCausalLM
 
-    from lora_logic.adapter_io import save_adapters
-    from lora_logic.config import LoraConfig
-    from lora_logic.inject import inject_lora
+    from lora_logic import LoraConfig, inject_lora, save_adapters
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     inject_lora(model, LoraConfig(r=4, alpha=8))
-    save_adapters(model, tmp_path / "adapter", LoraConfig(r=4, alpha=8), str(tiny_model_dir))
+    save_adapters(model, directory, LoraConfig(r=4, alpha=8), str(tiny_model_dir))
+
+
+def test_export_hf_stopped_mid_write(tiny_model_dir, tmp_path):
+    write_adapter(tiny_model_dir, tmp_path / "adapter")
     out = tmp_path / "merged"
     # Called once the weights and tokenizer are in the staging directory, before it is put in place.
     done = run_signalled("finetuning_pipeline.exporters.merged.write_lineage", "SIGTERM", "finetuning_pipeline.export",
@@ -99,3 +101,20 @@ def test_a_download_script_stopped_mid_write(tmp_path):
                          "dataset.scripts.download_text_dataset", "--dataset", source, "--out", out, as_main=False)
     assert_stopped_cleanly(done, "SIGTERM", "the download script", tmp_path, out)
     assert not out.parent.exists()  # made for the output, and taken back with it
+
+
+def test_a_combined_gguf_export_stopped_mid_write_leaves_no_temporary_adapter(tiny_model_dir, tmp_path):
+    """The hard case: two stagings nested, the combined adapter in the system's temporary folder
+    (TMPDIR here) and the GGUF beside --out; a SIGTERM mid-write removes both."""
+    for name in ("a1", "a2"):
+        write_adapter(tiny_model_dir, tmp_path / name)
+    (tmp_path / "tmp").mkdir()
+    out = tmp_path / "combined.gguf"
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNAL_MID_WRITE, "finetuning_pipeline.exporters.gguf_export.encode", "SIGTERM", "yes",
+         "finetuning_pipeline.export", "--format", "gguf", "--base", str(tiny_model_dir), "--adapter",
+         str(tmp_path / "a1"), "--adapter", str(tmp_path / "a2"), "--combine", "linear", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PJRT_DEVICE": "CPU", "TMPDIR": str(tmp_path / "tmp")})
+    assert_stopped_cleanly(done, "SIGTERM", "export", tmp_path, out)
+    assert list((tmp_path / "tmp").iterdir()) == []  # no combined-adapter-* left

@@ -98,9 +98,20 @@ def test_a_quantized_base_trains_as_its_dequantized_weights_do(name, tiny_model_
     assert summary["quantized_base"]["weight_bytes"] <= 0.55 * summary["quantized_base"]["bf16_bytes"]
     assert summary["resume_keys"]["model.quantize"] == fmt
     assert json.loads((ref / "phase1" / "summary.json").read_text())["quantized_base"] is None
+    # lineage.json records the dtype the base was quantized from (#54.3), which tells whether the
+    # base's GGUF in the same format holds the blocks the adapter trained on.
+    lineage = json.loads((out / "phase1" / "adapter" / "lineage.json").read_text())
+    assert (lineage["quantize"], lineage["quantized_from"]) == (fmt, dtype_of(name))
     if name == "bf16_donated":
         assert summary["compiles_after_warmup"] == 0 and summary["host_syncs_per_step"] == 0
         assert summary["step_donated_buffers"] == summary["step_updated_state_tensors"] > 0
+        # The tiny model's files are float32: the run quantized them rounded to bf16 first.
+        capsys.readouterr()
+        assert export.main(["--format", "gguf", "--adapter-only", "--base", str(tiny_model_dir), "--adapter",
+                            str(out / "phase1" / "adapter"), "--out", str(tmp_path / "adapter.gguf")]) == 0
+        assert (f"quantized from its values rounded to bfloat16 (model.dtype); the base's GGUF in --outtype {fmt} is "
+                "quantized from the files' float32 values, so its blocks are close to, not equal to") \
+            in capsys.readouterr().err
     if name == "replicas":
         assert summary["parallel"]["processes"] == 2
     if name == "fsdp":  # each Linear's weight sharded there, its codes and its scales here
