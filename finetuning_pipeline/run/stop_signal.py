@@ -32,7 +32,10 @@ class ProcessSignals:
     complete checkpoint)."""
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        # A plain flag, not a threading.Event: a second signal can interrupt the handler on the same
+        # thread, and Event.set's lock, held by the first, then never comes free (a CI run hung so,
+        # SIGTERM to the launcher and its worker at once). Assignments take no lock.
+        self.stop_requested = False
         self.received: str | None = None
         self._previous: dict = {}
 
@@ -41,7 +44,7 @@ class ProcessSignals:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("stop signal handlers can only be installed on a process's main thread; start the "
                                "replicas with finetuning_pipeline.distributed.launch, which installs them per process")
-        self.event.clear()
+        self.stop_requested = False
         self.received = None
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self.handle)
@@ -52,7 +55,7 @@ class ProcessSignals:
     def request(self, reason: str) -> None:
         """Stop as a signal would (the launcher's watch of its parent: launch.py)."""
         self.received = reason
-        self.event.set()
+        self.stop_requested = True
 
     @property
     def installed(self) -> bool:
@@ -98,7 +101,7 @@ class StopOnSignal:
 
     def requested(self) -> bool:
         """Asked once per step (StopVote)."""
-        return self.signals.event.is_set() or (self.budget is not None and self.budget.exhausted())
+        return self.signals.stop_requested or (self.budget is not None and self.budget.exhausted())
 
     @property
     def received(self) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 
 import pytest
@@ -61,3 +62,52 @@ def test_the_session_budget_leaves_twice_the_slowest_step():
     times = iter([10.0, 30.0, 40.0, 61.0])
     budget = WallClockBudget(100.0, 0.0, clock=lambda: next(times))
     assert [budget.exhausted() for _ in range(4)] == [False, False, False, True]  # 61 + 2 x 21 >= 100
+
+
+def test_a_signal_that_interrupts_the_handler_itself_never_deadlocks():
+    """Python runs a second signal's handler on the same thread, between any two lines of the first
+    one's. With a threading.Event as the flag, a second SIGTERM that came while Event.set held its
+    lock waited on that lock forever (a CI run hung so, the launcher forwarding SIGTERM to a worker
+    the test had signalled too). Here the second handler is run at each line the first one runs,
+    callees included, one line per try, each try bounded in time."""
+    tried: set = set()
+
+    def one_try() -> bool:
+        """One handler interrupted at the first line not tried yet; False when none was left."""
+        signals = ProcessSignals()
+        outer = signals.request.__code__
+        fired = []
+
+        def under_request(frame) -> bool:
+            while frame is not None:
+                if frame.f_code is outer:
+                    return True
+                frame = frame.f_back
+            return False
+
+        def local(frame, event, arg):
+            point = (frame.f_code, frame.f_lineno)
+            if event == "line" and not fired and point not in tried and under_request(frame):
+                tried.add(point)
+                fired.append(point)
+                signals.handle(signal.SIGINT, None)  # the nested handler, as Python would run it here
+            return local
+
+        def run() -> None:
+            sys.settrace(lambda frame, event, arg: local)
+            try:
+                signals.handle(signal.SIGTERM, None)
+            finally:
+                sys.settrace(None)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(5)
+        assert not thread.is_alive(), f"the nested handler hung, interrupting the first at {fired}"
+        assert signals.stop_requested and signals.received in ("SIGTERM", "SIGINT")
+        return bool(fired)
+
+    tries = 0
+    while one_try():
+        tries += 1
+    assert tries >= 2  # every line of request was interrupted once
