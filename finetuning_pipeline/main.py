@@ -40,7 +40,7 @@ from finetuning_pipeline.demo.inputs import DEMO_CONFIG, REPO, anchored_paths, e
 from finetuning_pipeline.distributed.collectives import launch_rank, torchrun_world
 from finetuning_pipeline.distributed.host_agreement import check_hosts_agree
 from finetuning_pipeline.distributed.launch import apply_single_chip, launch_replicas, resolve_launcher
-from finetuning_pipeline.distributed.parallel import start, use_compile_cache
+from finetuning_pipeline.distributed.parallel import use_compile_cache
 from finetuning_pipeline.errors import ConfigError, OutputWriteError, run_command
 from finetuning_pipeline.monitor.console import summary_lines
 from finetuning_pipeline.monitor.metrics_log import plot_losses
@@ -50,10 +50,11 @@ from finetuning_pipeline.run.resume_plan import PhasePlan, check_resumable, plan
 from finetuning_pipeline.run.run_layout import OutputLock, RunLayout
 from finetuning_pipeline.run.stop_signal import StopOnSignal, WallClockBudget
 from finetuning_pipeline.run_config import RunConfig, load_config
+from finetuning_pipeline.runtime import prepare_process, start_runtime
 from finetuning_pipeline.train.phase_loop import run_phase
 from utils.durations import parse_duration
 from utils.stack_dump import dump_stacks_on_signal
-from utils.xla_runtime import choose_device, device_kind
+from utils.xla_runtime import device_kind
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -130,8 +131,7 @@ def run_replica(config: RunConfig, plans: list[PhasePlan], resume_command: str, 
     """Entry point of each replica (one per chip under dp, one per host under fsdp), on the
     main thread of its process or on a launcher's worker thread. Every replica runs the same
     phases and stops after the same one."""
-    parallel, device = start(config.parallel.mode, (config.parallel.mesh.data, config.parallel.mesh.fsdp),
-                             config.parallel.host_timeout_s)
+    runtime, parallel, device = start_runtime(config)
     layout = RunLayout(config.output_dir)
     finished = False
     try:
@@ -140,7 +140,7 @@ def run_replica(config: RunConfig, plans: list[PhasePlan], resume_command: str, 
             for plan in plans:
                 if plan.replace and parallel.master:
                     shutil.rmtree(layout.phase_dir(plan.phase))
-                result = run_one_phase(config, plan, parallel, device, stop, layout)
+                result = run_one_phase(config, plan, parallel, device, stop, layout, runtime)
                 if result.summary is not None:
                     print(summary_lines(result.summary), flush=True)
                 if result.stopped_at_step is not None:
@@ -158,12 +158,12 @@ def run_replica(config: RunConfig, plans: list[PhasePlan], resume_command: str, 
         parallel.collectives.close(clean=finished)
 
 
-def run_one_phase(config: RunConfig, plan: PhasePlan, parallel, device, stop, layout: RunLayout):
+def run_one_phase(config: RunConfig, plan: PhasePlan, parallel, device, stop, layout: RunLayout, runtime):
     """run_phase, with a file-system error named for the user (metrics, TensorBoard, adapter,
     summary, data shards; checkpoints vote on theirs)."""
     try:
         return run_phase(config, plan.phase, parallel=parallel, device=device, resume_from=plan.resume_from,
-                         stop_requested=stop.requested, accepted_changes=plan.accepted_changes)
+                         stop_requested=stop.requested, accepted_changes=plan.accepted_changes, runtime=runtime)
     except OSError as err:
         latest = complete_checkpoints(layout.checkpoints(plan.phase))
         verb = "write" if err.errno in WRITE_ERRNOS else "access"
@@ -182,10 +182,9 @@ def train(argv: list[str] | None) -> int:
     started = time.time()  # a session budget (train.max_wall_time) counts from here
     args = parse_args(argv)
     dump_stacks_on_signal()  # kill -USR1 PID: where each thread is (utils/stack_dump.py)
-    if launch_rank() == 0:
-        choose_device()  # said once, before anything imports torch_xla (torchrun's replicas inherit it)
     config_path, overrides = choose_config(args.config, args.overrides, args.phase)
     config = load_config(config_path, overrides)
+    prepare_process(config.runtime, first_process=launch_rank() == 0)  # before transformers is imported
     phases = selected_phases(args.phase, config)
     pin_model(config)
     check_inputs(config, phases)
@@ -200,7 +199,11 @@ def train(argv: list[str] | None) -> int:
 
 
 def start_replicas(config: RunConfig, args: tuple) -> None:
-    """run_replica on every replica of this host, started as parallel.launcher says (distributed/launch.py)."""
+    """run_replica on every replica of this host, started as parallel.launcher says (distributed/launch.py);
+    the native runtime's one replica in this process."""
+    if config.runtime.backend == "native":
+        run_replica(*args)
+        return
     kind = device_kind()
     if config.model.dtype == "float64" and kind == "TPU":
         raise ConfigError("model.dtype=float64 is for the tests' equality proofs on a CPU (a TPU does not compute "
@@ -242,6 +245,7 @@ def choose_config(given: str | None, overrides: list[str], phase: str = "all") -
     print(f"config: {DEMO_CONFIG} (the embedded default: no --config given and ${CONFIG_ENV} unset)", flush=True)
     anchored = anchored_paths(DEMO_CONFIG, REPO)
     demo = load_config(DEMO_CONFIG, anchored + overrides)
+    prepare_process(demo.runtime, first_process=launch_rank() == 0)  # (building the demo's base imports transformers)
     ensure_demo_inputs(demo, selected_phases(phase, demo))
     return DEMO_CONFIG, anchored + overrides
 

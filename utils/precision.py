@@ -19,13 +19,20 @@ def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
 
 class _KeepFloat64(TorchFunctionMode):
     """Turns the float64 -> fp32 casts that models write for their fp32 islands (transformers'
-    RMSNorm computes in fp32 whatever its input; attention softmaxes in fp32) into no-ops, and
+    RMSNorm computes in fp32 whatever its input; attention softmaxes in fp32) into no-ops, casts
+    of integers to fp32 (the rotary embedding's positions) into casts to float64, and
     computes GELU on the XLA device from its formula: torch_xla 2.9 lowers it with its constants
     (1/sqrt(2), 2/sqrt(pi)) rounded to fp32, 7e-9 off in float64 (Gemma's MLP)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if source is not None and not source.is_floating_point() and not source.is_complex():
+            # Integers made fp32 (positions, for the rotary angles): float64 instead, so that the
+            # angles and their sines are float64, not fp32 values whose sine each runtime's fp32
+            # kernel rounds its own way (XLA:CPU's and ATen's differ by 6e-8).
+            if func is torch.Tensor.float:
+                return source.to(torch.float64)
         if source is not None and source.dtype == torch.float64:
             if func is torch.nn.functional.gelu and source.device.type == "xla":
                 return _gelu(source, *args[1:], **kwargs)

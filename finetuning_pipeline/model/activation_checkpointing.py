@@ -46,9 +46,9 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> int:
 def checkpoint_layer(function, *args):
     """torch_xla's reentrant checkpoint of `function(*args)`, where `function` is what transformers
     passes (`partial(forward, layer, **kwargs)`), with the layer's quantized weights among the
-    inputs its barrier separates."""
-    from torch_xla.utils.checkpoint import checkpoint
-
+    inputs its barrier separates. A layer off XLA (the native runtime) takes PyTorch's own
+    non-reentrant checkpoint, which restores the RNG for the recompute (the model's dropout draws
+    its forward's masks again) and is traced by torch.compile."""
     layer = function.args[0] if isinstance(function, functools.partial) and function.args else None
     packed = packed_buffers(layer) if isinstance(layer, torch.nn.Module) else []
     hidden = next((arg for arg in args if torch.is_tensor(arg) and arg.is_floating_point()), None)
@@ -56,6 +56,10 @@ def checkpoint_layer(function, *args):
         # The recompute runs in the backward, on the autograd engine's thread: the float64 of
         # the step around it (utils/precision.py) is carried into it here.
         function = keeping_float64(function)
+    if hidden is None or hidden.device.type != "xla":
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+    from torch_xla.utils.checkpoint import checkpoint
+
     if not packed:
         return checkpoint(function, *args, use_reentrant=True)
     names = [name for name, _ in packed]

@@ -22,13 +22,17 @@ class CompileGuard:
     """Made when the phase starts (its compile and wall-time figures count from there);
     `resume_at(step)` once the first step is known."""
 
-    def __init__(self, phase: int, warmup_steps: int, policy: str) -> None:
+    def __init__(self, phase: int, warmup_steps: int, policy: str, runtime=None) -> None:
+        """runtime: whose counters and device wait to use (runtime/__init__.py); None: torch_xla's."""
+        self.read_counters = runtime.counters if runtime is not None else read_counters
+        self.wait = runtime.wait if runtime is not None else wait_device_ops
+        self.native = runtime is not None and runtime.name != "xla"
         self.phase = phase
         self.warmup_steps = warmup_steps
         self.warm_after = warmup_steps
         self.policy = policy
         self.started = time.perf_counter()
-        self.at_start = read_counters()
+        self.at_start = self.read_counters()
         self.warm_time: float | None = None
         self.steps_timed = 0
         self.compiles_after_warmup = 0
@@ -46,7 +50,7 @@ class CompileGuard:
 
     def step_started(self) -> None:
         """Call before fetching the step's batches."""
-        self._before = read_counters()
+        self._before = self.read_counters()
         self._wait_started = time.perf_counter()
 
     def data_ready(self) -> None:
@@ -54,36 +58,39 @@ class CompileGuard:
         self._waited = time.perf_counter() - self._wait_started
 
     def step_ended(self, step: int) -> None:
-        """Call after the step's `torch_xla.sync()`; raises RecompileError (policy "error")."""
-        import torch_xla.core.xla_model as xm
-
-        delta = read_counters() - self._before
-        if step == self.first_step and delta.compiles:
+        """Call after the step's boundary (`torch_xla.sync()`); raises RecompileError (policy "error")."""
+        delta = self.read_counters() - self._before
+        if step == self.first_step and delta.compiles and not self.native:
             # The step's graph is compiled at its first run; the largest donation of the graphs
             # compiled then is its own (replica threads of this process compile the same graph).
             self.first_step_donations = max(donations_of_last_graphs(delta.compiles), default=0)
         if step == self.warm_after:
-            xm.wait_device_ops()
+            self.wait()
             self.warm_time = time.perf_counter()
         if step <= self.warm_after:
             return
         self.steps_timed += 1
         self.data_wait += self._waited
-        self.host_syncs_after_warmup += delta.host_syncs
+        if delta.host_syncs is not None:
+            self.host_syncs_after_warmup += delta.host_syncs
+        else:
+            self.host_syncs_after_warmup = None  # not counted by this runtime
         if delta.compiles:
             self.compiles_after_warmup += delta.compiles
-            message = (f"phase {self.phase} step {step}: {delta.compiles} new XLA graph(s) compiled after warm-up "
-                       "(a changing shape or Python scalar); rerun with PT_XLA_DEBUG_LEVEL=2 to see the cause")
+            how = ("rerun with TORCH_LOGS=recompiles to see the cause" if self.native
+                   else "rerun with PT_XLA_DEBUG_LEVEL=2 to see the cause")
+            message = (f"phase {self.phase} step {step}: {delta.compiles} new {'' if self.native else 'XLA '}graph(s) "
+                       f"compiled after warm-up (a changing shape or Python scalar); {how}")
             if self.policy == "error":
                 raise RecompileError(message)
             print(f"warning: {message}", flush=True)
 
     def summary(self, steps_run: int, tokens_per_step: int) -> dict:
         """Throughput and compile figures of this process's run of the phase (after the device
-        finished: call `xm.wait_device_ops()` first)."""
+        finished: call the runtime's wait() first)."""
         seconds = time.perf_counter() - (self.warm_time or self.started)
         timed = self.steps_timed if self.warm_time is not None else steps_run
-        counters = read_counters()
+        counters = self.read_counters()
         return {
             "tokens_per_sec": round(timed * tokens_per_step / seconds, 1) if timed else None,
             "step_time_s": round(seconds / timed, 4) if timed else None,
@@ -92,7 +99,8 @@ class CompileGuard:
             # With the persistent cache warm, "compiles" load executables from disk: fast.
             "compile_seconds": round(counters.compile_seconds - self.at_start.compile_seconds, 2),
             "compiles_after_warmup": self.compiles_after_warmup,
-            "host_syncs_per_step": self.host_syncs_after_warmup / self.steps_timed if self.steps_timed else None,
+            "host_syncs_per_step": (self.host_syncs_after_warmup / self.steps_timed
+                                    if self.steps_timed and self.host_syncs_after_warmup is not None else None),
             # None when the first step compiled nothing here (its graph was cached in this process)
             "step_donated_buffers": self.first_step_donations,
         }
@@ -100,3 +108,9 @@ class CompileGuard:
     def elapsed(self) -> float:
         """Seconds since the phase started."""
         return time.perf_counter() - self.started
+
+
+def wait_device_ops() -> None:
+    import torch_xla.core.xla_model as xm
+
+    xm.wait_device_ops()

@@ -47,9 +47,11 @@ def summary_lines(summary: dict) -> str:
         head += (f", compiles {summary['compiles_total']}; tokens/s and host syncs/step n/a: no step ran after the "
                  "warm-up steps (train.warmup_compiles_steps), which compile and are not timed")
     else:
+        syncs = summary["host_syncs_per_step"]
         head += (f", {summary['tokens_per_sec']:,.0f} tokens/s, compiles {summary['compiles_total']} "
                  f"({summary['compiles_after_warmup']} after warm-up), host syncs/step "
-                 f"{number(summary['host_syncs_per_step'], 'g')}")
+                 + (number(syncs, "g") if syncs is not None or summary.get("runtime", "xla") == "xla"
+                    else "n/a (not counted by the native runtime)"))
     lines = [head]
     for name, each in adapters.items():
         line = f"  {name}: {each['steps']} steps, {evaluation(each)}"

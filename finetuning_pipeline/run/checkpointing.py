@@ -311,8 +311,10 @@ class Checkpointer:
 
     def __init__(
         self, root: Path, *, every: int, keep: int, collectives, base_model: str,
-        lora_config: dict[str, LoraConfig]
+        lora_config: dict[str, LoraConfig], sync
     ) -> None:
+        """sync: the runtime's step boundary, so that what is saved has been computed."""
+        self.sync = sync
         self.root = Path(root)
         self.every = every
         self.keep = keep
@@ -339,10 +341,8 @@ class Checkpointer:
         return found[-1] if found else None
 
     def save(self, step: int, *, model, optimizer, trainer_state: dict) -> None:
-        """Every replica, at the same step (after the step's `torch_xla.sync()`)."""
-        import torch_xla
-
-        torch_xla.sync()
+        """Every replica, at the same step (after the step's boundary)."""
+        self.sync()
         error, rescued = None, None
         parts = {"model": model, "optimizer": optimizer, "trainer_state": trainer_state}
         if self.master:

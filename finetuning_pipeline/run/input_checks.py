@@ -29,7 +29,8 @@ def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | Non
     generation, e.g. v5e: preflight planning a TPU from a CPU) for that TPU with the tested install."""
     from transformers import AutoConfig  # seconds to import: not for `main.py --help`
 
-    missing_runtime = libtpu_problem() if planned_tpu is None and device_kind() == "TPU" else None
+    on_tpu = config.runtime.backend == "xla" and device_kind() == "TPU"
+    missing_runtime = libtpu_problem() if planned_tpu is None and on_tpu else None
     if missing_runtime:
         raise ConfigError(f"PJRT_DEVICE=TPU: {missing_runtime}")
     files = Path(model_dir(config.model.path, config.model.revision))  # a Hub id: its snapshot, pinned by pin_model

@@ -12,6 +12,7 @@ from finetuning_pipeline.run_config.schema import (
                                                    ParallelConfig,
                                                    PhaseConfig,
                                                    RunConfig,
+                                                   RuntimeConfig,
                                                    TpuConfig,
                                                    TrainConfig,
                                                    WandbConfig,
@@ -20,5 +21,5 @@ from finetuning_pipeline.run_config.schema import (
 )
 
 __all__ = ["AdapterConfig", "CheckpointConfig", "ConfigError", "EvalConfig", "LoggingConfig", "ModelConfig",
-           "ParallelConfig", "PhaseConfig", "RunConfig", "TpuConfig", "TrainConfig", "WandbConfig", "XlaConfig",
-           "load_config", "phase_number", "read_config_file"]
+           "ParallelConfig", "PhaseConfig", "RunConfig", "RuntimeConfig", "TpuConfig", "TrainConfig", "WandbConfig",
+           "XlaConfig", "load_config", "phase_number", "read_config_file"]

@@ -23,6 +23,9 @@ WandbMode = Literal["online", "offline", "disabled"]
 ParallelMode = Literal["dp", "fsdp"]
 Launcher = Literal["auto", "tpu", "process"]
 PhaseInit = Literal["continue", "merge", "fresh"]
+Backend = Literal["xla", "native"]
+NativeDevice = Literal["auto", "cpu", "cuda", "tpu"]
+NativeCompile = Literal["auto", "layers", "eager"]
 
 
 @dataclass
@@ -213,6 +216,25 @@ class XlaConfig:
 
 
 @dataclass
+class RuntimeConfig:
+    """Which runtime executes the steps (finetuning_pipeline/runtime/); everything else (data,
+    LoRA, curricula, checkpoints, metrics, export) is the same under both.
+    backend: "xla" (default): torch_xla over PJRT, the TPU's path (PJRT_DEVICE picks the device,
+        the step is captured once and replayed). "native": plain PyTorch on one device (eager,
+        or each decoder layer under torch.compile), the path of a GPU and of TorchTPU; no
+        torch_xla is imported. One process for now (parallel.mode=dp, one replica).
+    device (native only): "auto" (cuda when PyTorch sees a GPU, else cpu), "cpu", "cuda", or
+        "tpu": TorchTPU's `tpu` device (the torch-tpu package; refused where it is not installed).
+    compile (native only): "layers" compiles each decoder layer with torch.compile (its shared
+        LoRA A products kept); "eager" runs without compiling; "auto" (default): layers on an accelerator,
+        off on a CPU (where inductor's compile costs more than it saves on a short run)."""
+
+    backend: Backend = "xla"
+    device: NativeDevice = "auto"
+    compile: NativeCompile = "auto"
+
+
+@dataclass
 class TpuConfig:
     """What `python -m finetuning_pipeline.preflight` plans for (training itself uses whatever
     devices it finds).
@@ -296,6 +318,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     tpu: TpuConfig = field(default_factory=TpuConfig)
     xla: XlaConfig = field(default_factory=XlaConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     # phase1, phase2, ...: the YAML's `phaseN:` sections in order (load.py): the phases it has,
     # and `--phase all` runs them all.
     phases: list[PhaseConfig] = field(default_factory=lambda: [PhaseConfig()])

@@ -105,6 +105,7 @@ def validate(config: RunConfig) -> None:
     for key in ("compile_s_per_layer", "compile_s_fixed", "compile_s_scanned"):
         if not getattr(config.tpu, key) >= 0:
             raise ConfigError(f"tpu.{key} must be >= 0, got {getattr(config.tpu, key)}")
+    validate_runtime(config)
     for number in config.phase_numbers():
         phase = config.phase(number)
         if phase.seq_len is not None and phase.seq_len < 2:
@@ -125,6 +126,35 @@ def validate(config: RunConfig) -> None:
                     f"phase{number}.init={config.phase(number).init} builds on phase {earlier}'s adapter, but phase "
                     f"{earlier} trains several side by side ({', '.join(config.phase(earlier).adapters)}); set "
                     f"phase{number}.init=fresh (or merge one of them into the base with `export` and train on that)")
+
+
+def validate_runtime(config: RunConfig) -> None:
+    """runtime.*: the settings of the other runtime are refused rather than ignored, and what the
+    native runtime does not do yet (many replicas: part 2/2) or cannot do (torch_xla's scan and
+    Pallas kernels) is refused by name."""
+    r = config.runtime
+    if r.backend == "xla":
+        for key, value in (("device", r.device), ("compile", r.compile)):
+            if value != "auto":
+                raise ConfigError(f"runtime.{key}={value} is the native runtime's setting; with runtime.backend=xla "
+                                  "PJRT_DEVICE picks the device and the step is always compiled. Set "
+                                  f"runtime.backend=native, or leave runtime.{key} auto")
+        return
+    p = config.parallel
+    if p.mode != "dp" or p.launcher == "tpu":
+        key = "parallel.mode=fsdp" if p.mode != "dp" else "parallel.launcher=tpu"
+        raise ConfigError(f"{key}: the native runtime trains on one device in one process for now (many devices "
+                          "under torchrun come next); set parallel.mode=dp parallel.launcher=auto, or "
+                          "runtime.backend=xla")
+    if config.train.scan_layers:
+        raise ConfigError("train.scan_layers=true: the layer scan is torch_xla's; the native runtime runs the layer "
+                          "loop (runtime.compile=layers compiles each layer); unset train.scan_layers")
+    if r.compile == "layers" and config.model.dtype == "float64":
+        raise ConfigError("runtime.compile=layers with model.dtype=float64: the float64 proofs run eagerly (a compiled "
+                          "layer does not keep utils/precision.py's float64 throughout); set runtime.compile=eager")
+    if config.model.attention in ("splash", "flash"):
+        raise ConfigError(f"model.attention={config.model.attention}: that Pallas kernel is torch_xla's; the native "
+                          "runtime uses the model's own attention; set model.attention=auto or dense")
 
 
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")

@@ -4,7 +4,9 @@ one per host under fsdp), and its end: the final evaluation, checkpoint, adapter
 Per optimizer step: `grad_accum` micro-batches arrive on the device (torch_xla's ParallelLoader
 prefetches them on a background thread), the `Stepper` puts forwards, backwards, the sums over replicas,
 clipping and the masked AdamW update into one graph (traced at step 1 and replayed after:
-step_capture.py), and `torch_xla.sync()` marks the step boundary. Nothing in a step waits
+step_capture.py), and `torch_xla.sync()` marks the step boundary. That is the XLA runtime's
+way; the native runtime runs the same step with PyTorch as it goes (runtime/native_step.py):
+each runtime's half is the `runtime` object the phase is given (runtime/__init__.py). Nothing in a step waits
 for the device: logging reads the step's results in a step closure on log steps, and the
 stop vote is a host collective on a host flag. Between steps the host waits for the step
 before the one it just dispatched (run_ahead.py), so that a stop is never queued behind more
@@ -31,7 +33,7 @@ from finetuning_pipeline.train.phase_start import Phase, start_phase
 from finetuning_pipeline.train.run_ahead import RunAheadBound
 from lora_logic.adapter_io import save_adapters
 from utils.atomic_io import atomic_write_json
-from utils.xla_runtime import peak_memory_bytes, to_host
+from utils.xla_runtime import to_host
 
 
 @dataclass
@@ -45,15 +47,13 @@ class PhaseResult:
 
 
 def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resume_from: Path | None,
-              stop_requested=lambda: False, accepted_changes: dict | None = None) -> PhaseResult:
+              stop_requested=lambda: False, accepted_changes: dict | None = None, runtime) -> PhaseResult:
     """Train one phase on this replica; the master writes adapter, metrics, checkpoints and summary.
-    accepted_changes: settings changed at this resume (main.py --accept-changes), recorded."""
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-
-    p = start_phase(config, phase, parallel, device, resume_from, stop_requested, accepted_changes)
+    accepted_changes: settings changed at this resume (main.py --accept-changes), recorded.
+    runtime: what executes the steps, torch_xla's or native PyTorch's (runtime/__init__.py)."""
+    p = start_phase(config, phase, parallel, device, resume_from, stop_requested, accepted_changes, runtime=runtime)
     # Closed on every way out (a stop, an error): its threads hold phase data until joined.
-    with contextlib.closing(p.data.device_batches(device)) as batches:
+    with contextlib.closing(runtime.device_batches(p.data, device)) as batches:
         run_ahead = RunAheadBound()
         step = p.start_step
         while step < p.max_steps:
@@ -69,9 +69,9 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
             log_now = (step % config.logging.every == 0 or step == p.max_steps or step == p.start_step + 1
                        or step in p.adapters.values())
             if log_now:
-                xm.add_step_closure(log_step, args=(p.logger, p.monitor, step, results, p.monitor.skipped,
-                                                    p.monitor.worst_bad_run, p.adapters))
-            torch_xla.sync()
+                runtime.after_step(log_step, (p.logger, p.monitor, step, results, p.monitor.skipped,
+                                              p.monitor.worst_bad_run, p.adapters))
+            runtime.step_boundary()
             run_ahead.dispatched(p.stepper.step_count)  # (a tensor this step's graph computed)
             p.guard.step_ended(step)
             p.logger.advance()
@@ -91,9 +91,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
 
 def finish_phase(p: Phase, step: int, last_loss) -> PhaseResult:
     """The final evaluation and checkpoint (every replica); adapter and summary (the master)."""
-    import torch_xla.core.xla_model as xm
-
-    xm.wait_device_ops()
+    p.runtime.wait()
     timing = p.guard.summary(step - p.start_step, p.data.tokens_per_step)
     eval_after = p.evaluate()
     final_state = p.trainer_state()
@@ -147,7 +145,8 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
         **timing,
         "step_updated_state_tensors": p.stepper.updated_state_tensors,
         "step_updated_state_bytes": p.stepper.updated_state_bytes,
-        "device_memory_peak_bytes": peak_memory_bytes(p.device),
+        "device_memory_peak_bytes": p.runtime.peak_memory_bytes(p.device),
+        "runtime": p.runtime.name,
         "wall_time_s": round(p.guard.elapsed(), 2),
         "world_size": p.parallel.world,
         "parallel": {**p.parallel.describe(), "sharded_base_parameters": len(p.sharded)},

@@ -98,6 +98,7 @@ class Phase:
     eval_max_batches: int | None
     parallel: Parallel
     device: object
+    runtime: object  # what executes the steps: runtime/xla.py's or runtime/native.py's (runtime/__init__.py)
     model: torch.nn.Module
     lora_config: dict  # the phase's set of adapters, {name: LoraConfig}
     optimizer: MaskedAdamW
@@ -147,13 +148,12 @@ class Phase:
 
 
 def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resume_from: Path | None,
-                stop_requested, accepted_changes: dict | None = None) -> Phase:
+                stop_requested, accepted_changes: dict | None = None, *, runtime) -> Phase:
     """Model, optimizer, data and the loop's parts, resumed from `resume_from` when given, with
-    the phase's first evaluation done (or taken from the checkpoint)."""
-    import torch_xla
-
+    the phase's first evaluation done (or taken from the checkpoint). runtime: what executes the
+    steps (runtime/__init__.py)."""
     t, layout = config.train, RunLayout(config.output_dir)
-    guard = CompileGuard(phase, t.warmup_compiles_steps, t.recompile_policy)  # counts from here
+    guard = CompileGuard(phase, t.warmup_compiles_steps, t.recompile_policy, runtime)  # counts from here
     merged, continued = config.lineage(phase)
     adapters = list(config.phase(phase).adapters)
     with HOST_BUILD:
@@ -166,9 +166,10 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
         state = load_checkpoint(resume_from, model=model) if resume_from else {}
         quantized = quantized_summary(model)  # before the layers are stacked
         scanned = scan_layers(model, t.scan_layers, activation_checkpointing=config.model.activation_checkpointing,
-                              spmd=parallel.mesh is not None)
+                              spmd=parallel.mesh is not None) if runtime.scans else runtime.layers_note()
     checkpointer = Checkpointer(layout.checkpoints(phase), every=config.checkpoint.every, keep=config.checkpoint.keep,
-                                collectives=parallel.collectives, base_model=config.model.path, lora_config=lora_config)
+                                collectives=parallel.collectives, base_model=config.model.path, lora_config=lora_config,
+                                sync=runtime.step_boundary)
     checkpointer.clean()
     sharded = parallel.place_model(model, device)
     data = PhaseData(config.data_dirs(phase), train=t, eval=config.eval, parallel=parallel)
@@ -197,7 +198,7 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     if adapters:
         lr = [config.adapter_lr(phase, name) for name in adapters]
         max_steps = [config.adapter_max_steps(phase, name) for name in adapters]
-    stepper = Stepper(model, optimizer, t, phase=phase, lr=lr, max_steps=max_steps,
+    stepper = runtime.stepper(model, optimizer, t, phase=phase, lr=lr, max_steps=max_steps,
                       activation_checkpointing=config.model.activation_checkpointing, parallel=parallel,
                       device=device, start_step=start_step, packed=data.packed)
     if monitor.diverged:  # adapters stopped before the checkpoint stay stopped
@@ -209,8 +210,8 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
                          resume_from=resume_from, state=state, run_settings=config.to_dict())
     p = Phase(number=phase, max_steps=config.max_steps(phase), layout=layout, base_model=config.model.path,
               base_revision=config.model.revision, eval_max_batches=config.eval.max_batches, parallel=parallel,
-              device=device, model=model, lora_config=lora_config, optimizer=optimizer, data=data, stepper=stepper,
-              guard=guard, monitor=monitor, checkpointer=checkpointer, logger=logger,
+              device=device, runtime=runtime, model=model, lora_config=lora_config, optimizer=optimizer, data=data,
+              stepper=stepper, guard=guard, monitor=monitor, checkpointer=checkpointer, logger=logger,
               stop=StopVote(parallel.collectives, stop_requested), start_step=start_step,
               resumed=resume_from is not None, eval_before=state.get("eval_before"), sharded=sharded,
               resume_keys=resume_keys(config, phase, data.manifests),
@@ -229,7 +230,7 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
                        + stepper.device_state() + monitor.device_state())
     # A resumed run's checkpoint was copied into parameters and optimizer state: run those
     # copies now, or they would join step 1's graph and make it a graph of its own.
-    torch_xla.sync()
+    runtime.step_boundary()
     return p
 
 

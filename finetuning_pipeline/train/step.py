@@ -1,4 +1,4 @@
-"""One optimizer step on the XLA device: forwards, backwards, gradient averaging, clip, update.
+"""One optimizer step on the device: forwards, backwards, gradient averaging, clip, update.
 
 Everything here stays on the device: no `.item()`, no Python branch on a tensor, and the same
 shapes every step, so after warm-up each step replays one compiled graph.
@@ -40,7 +40,7 @@ def micro_batch_gradients(model, optimizer, batch: dict[str, torch.Tensor], pack
 
 def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, collectives: Collectives | None = None,
                packed: bool = True, loss_chunk: int = 0, seeds: list[int] | None = None,
-               active: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+               active: torch.Tensor | None = None, seed_rng=None) -> dict[str, torch.Tensor]:
     """Accumulate gradients over `micro_batches`, average, clip, step. Returns device tensors:
     loss (mean per label token), tokens (label tokens in the step), grad_norm (before
     clipping) and applied (False when the loss or the gradient norm was not finite: the
@@ -48,14 +48,19 @@ def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, collect
 
     This is the step traced every time (train.capture_step false, and the reference the
     captured step is tested against: trainer.Stepper runs the same parts traced once).
-    seeds: the torch_xla RNG seed of each micro-batch; None leaves the RNG as it is.
+    seeds: the RNG seed of each micro-batch (the model's own dropout), given to seed_rng
+    (default: torch_xla's RNG on the parameters' device); None leaves the RNG as it is.
     active: adapters side by side, which of them step (apply_update)."""
-    import torch_xla.core.xla_model as xm
+    if seeds is not None and seed_rng is None:
+        import torch_xla.core.xla_model as xm
+
+        def seed_rng(seed: int) -> None:
+            xm.set_rng_state(seed, device=optimizer.params[0].device)
 
     sums = None
     for i, batch in enumerate(micro_batches):
         if seeds is not None:
-            xm.set_rng_state(seeds[i], device=optimizer.params[0].device)
+            seed_rng(seeds[i])
         out = micro_batch_gradients(model, optimizer, batch, packed, loss_chunk)
         sums = out if sums is None else [a + b for a, b in zip(sums, out)]
     grad, loss_total, tokens = sums

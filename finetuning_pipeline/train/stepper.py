@@ -70,6 +70,11 @@ class Stepper:
                                      min_lr_ratio=t.min_lr_ratio).to(device)
         self.gradients = self.update = None
         self.capture_note = None
+        self.set_up_execution(t, activation_checkpointing)
+
+    def set_up_execution(self, t: TrainConfig, activation_checkpointing: bool) -> None:
+        """How the step runs on torch_xla: captured once (train.capture_step), or traced every step."""
+        model, optimizer = self.model, self.optimizer
         dropouts = model_dropouts(model.config) if activation_checkpointing else {}
         if t.capture_step and dropouts:
             # torch random numbers in a recomputed layer cannot be replayed (step_capture.lower refuses them)
@@ -82,10 +87,16 @@ class Stepper:
             # the phase's model and optimizer alive after it (until a garbage collection happened
             # to run), while the next phase loads its own.
             self.gradients = CapturedStep(
-                functools.partial(gradient_sums, model, optimizer, packed, self.loss_chunk),
+                functools.partial(gradient_sums, model, optimizer, self.packed, self.loss_chunk),
                 functools.partial(model_state, model), name="gradients")
             self.update = CapturedStep(functools.partial(update_from_sums, optimizer, self.max_grad_norm),
                                        functools.partial(optimizer_state, optimizer), name="update")
+
+    def seed_rng(self, seed: int) -> None:
+        """Seed the RNG the model's own random draws (its dropout) take, before a micro-batch."""
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(seed, device=self.device)
 
     @property
     def updated_state_tensors(self) -> int | None:
@@ -143,7 +154,7 @@ class Stepper:
             self.optimizer.lr, active = self.lr_and_active()
             results = train_step(self.model, self.optimizer, micro_batches, max_grad_norm=self.max_grad_norm,
                                  collectives=self.parallel.collectives, packed=self.packed,
-                                 loss_chunk=self.loss_chunk, seeds=seeds, active=active)
+                                 loss_chunk=self.loss_chunk, seeds=seeds, active=active, seed_rng=self.seed_rng)
         else:
             inputs = (micro_batches, torch.tensor(seeds, dtype=torch.int64).to(self.device))
             if not self.gradients.captured:

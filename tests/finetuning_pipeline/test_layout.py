@@ -71,6 +71,7 @@ MAY_IMPORT = {
     "planning": {"distributed", "model", "run", "run_config"},
     "checks": {"demo", "distributed", "exporters", "model", "planning", "run", "run_config"},
     "train": {"distributed", "model", "monitor", "run", "run_config"},
+    "runtime": {"distributed", "model", "monitor", "run", "run_config", "train"},
 }
 
 

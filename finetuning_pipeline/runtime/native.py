@@ -1,0 +1,89 @@
+"""The native runtime's half of the seam (runtime/__init__.py): plain PyTorch on one device,
+in this process. Nothing here imports torch_xla: a GPU machine or a TorchTPU VM has none.
+
+The step is native_step.py's; the data arrives by a plain copy per micro-batch (non-blocking
+from pinned memory on an accelerator); compiles are dynamo's own counters. Host syncs are not
+counted: on a CPU there is no device to wait for, and on an accelerator PyTorch has no counter
+of them (the summary says n/a rather than a 0 nobody measured).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from finetuning_pipeline.distributed.collectives import Collectives, torchrun_world
+from finetuning_pipeline.distributed.parallel import Parallel
+from finetuning_pipeline.errors import ConfigError
+from finetuning_pipeline.run_config import RuntimeConfig
+from finetuning_pipeline.runtime.native_device import compiles_layers, native_device
+from finetuning_pipeline.runtime.native_step import NativeStepper
+
+
+@dataclass(frozen=True)
+class DynamoCounters:
+    compiles: int  # graphs dynamo compiled (its unique_graphs)
+    compile_seconds: float  # dynamo's own compile time, forward and backward
+    host_syncs: int | None = None  # not counted natively
+    transfers_from_device: int | None = None
+
+    def __sub__(self, other: "DynamoCounters") -> "DynamoCounters":
+        return DynamoCounters(self.compiles - other.compiles, self.compile_seconds - other.compile_seconds)
+
+
+def dynamo_counters() -> DynamoCounters:
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return DynamoCounters(compiles=int(counters["stats"]["unique_graphs"]),
+                          compile_seconds=float(sum(compilation_time_metrics.get("_compile.compile_inner", []))))
+
+
+class NativeRuntime:
+    name = "native"
+    scans = False  # the layer scan is torch_xla's; compile_layers compiles one layer's graph instead
+
+    def __init__(self, device: torch.device, compile_layers: bool) -> None:
+        self.device, self.compile_layers = device, compile_layers
+
+    def layers_note(self) -> str:
+        how = ("each compiled by torch.compile (runtime.compile)" if self.compile_layers
+               else "eagerly (runtime.compile=eager; auto compiles them on an accelerator only)")
+        return f"native runtime on {self.device}: decoder layers run one by one, {how}"
+
+    def stepper(self, *args, **kwargs) -> NativeStepper:
+        return NativeStepper(*args, compile_layers=self.compile_layers, **kwargs)
+
+    def device_batches(self, data, device):
+        accelerator = device.type != "cpu"
+        for batch in data.batches():
+            yield {name: (tensor.pin_memory() if accelerator else tensor).to(device, non_blocking=accelerator)
+                   for name, tensor in batch.items()}
+
+    def step_boundary(self) -> None:
+        pass  # the step's kernels are queued as its Python ran
+
+    def after_step(self, fn, args: tuple) -> None:
+        fn(*args)  # (its reads wait for this step only, on log steps only)
+
+    def wait(self) -> None:
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+
+    def counters(self) -> DynamoCounters:
+        return dynamo_counters()
+
+    def peak_memory_bytes(self, device) -> int | None:
+        if device.type == "cpu":
+            return None
+        return int(torch.accelerator.max_memory_allocated(device)) if hasattr(torch.accelerator,
+                                                                             "max_memory_allocated") else None
+
+
+def start_native(runtime: RuntimeConfig, dtype: str):
+    """(NativeRuntime, Parallel, device): one replica in this process, on runtime.device; dtype: model.dtype."""
+    if torchrun_world() > 1:
+        raise ConfigError("runtime.backend=native trains in one process for now: run plain python, not torchrun "
+                          "(many processes under torchrun come with the native runtime's DDP and FSDP2)")
+    device = native_device(runtime.device)
+    return NativeRuntime(device, compiles_layers(runtime.compile, device, dtype)), Parallel("dp", Collectives()), device

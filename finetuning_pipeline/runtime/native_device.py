@@ -1,0 +1,52 @@
+"""The native runtime's device (runtime.device): a CPU, a CUDA GPU, or TorchTPU's `tpu` device.
+
+TorchTPU (the `torch-tpu` package, imported as `torch_tpu`) is PyTorch's own TPU backend: it
+registers the `tpu` device and needs torch >= 2.11 and <= 2.15 on Python >= 3.11. It is imported
+only when runtime.device=tpu asks for it, so nothing else on the native path depends on it.
+Running the trainer on it is part 2 of the native runtime; here are its name, its refusals and
+the place it plugs in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from finetuning_pipeline.errors import ConfigError
+
+TORCH_TPU_INSTALL = "pip install torch-tpu (with torch >= 2.11 and <= 2.15, Python >= 3.11; no torch_xla)"
+
+
+def native_device(setting: str) -> torch.device:
+    """runtime.device -> the torch device, or a ConfigError naming what is missing."""
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if setting == "cpu":
+        return torch.device("cpu")
+    if setting == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"runtime.device=cuda: PyTorch {torch.__version__} sees no CUDA GPU here "
+                              f"({'a CPU-only build' if torch.version.cuda is None else 'no device or driver'}); "
+                              "set runtime.device=cpu or auto")
+        return torch.device("cuda", torch.cuda.current_device())
+    return tpu_device()
+
+
+def tpu_device() -> torch.device:
+    try:
+        import torch_tpu  # noqa: F401  (registers torch.tpu and the "tpu" device)
+    except ImportError:
+        raise ConfigError(f"runtime.device=tpu: TorchTPU is not installed in this environment (torch "
+                          f"{torch.__version__}); {TORCH_TPU_INSTALL}, or use runtime.backend=xla on a TPU") from None
+    tpu = getattr(torch, "tpu", None)
+    if tpu is None or not tpu.is_available():
+        raise ConfigError("runtime.device=tpu: TorchTPU is installed but finds no TPU on this machine; run on a TPU "
+                          "VM, or set runtime.device=cpu")
+    return torch.device("tpu", tpu.current_device())
+
+
+def compiles_layers(setting: str, device: torch.device, dtype: str = "bfloat16") -> bool:
+    """runtime.compile: auto compiles each decoder layer on an accelerator, not on a CPU (inductor's
+    compile there costs more than a short run saves), nor for a float64 proof (validate.py)."""
+    if setting == "auto":
+        return device.type != "cpu" and dtype != "float64"
+    return setting == "layers"

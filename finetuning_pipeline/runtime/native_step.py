@@ -1,0 +1,50 @@
+"""The native runtime's optimizer step: the same micro-batch gradients, sums and masked AdamW
+update as the XLA runtime's (train/step.py), run by PyTorch as it goes, with each decoder
+layer optionally compiled by torch.compile.
+
+What the XLA runtime does with a captured graph is done here by eager PyTorch: the step's
+kernels are queued as the Python runs, nothing of a step is read on the host, and a log step
+reads its results after the step. Random numbers: LoRA dropout takes its masks from the seed of
+each micro-batch (lora_logic/dropout.py), the model's own dropout from torch's RNG, seeded per
+micro-batch here, and torch.utils.checkpoint restores that RNG when it recomputes a layer, so a
+recomputed layer draws the masks of its forward and a resumed run the uninterrupted one's.
+
+Compiled layers (runtime.compile=layers): each decoder layer's forward is compiled on its own
+(`nn.Module.compile`): the layers share one compiled graph, so a model compiles one layer's
+forward and backward, not its depth, and the LoRA's shared A products (lora_logic/layer.py's
+SharedInput) are traced with the layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from finetuning_pipeline.distributed.parallel import decoder_layers
+from finetuning_pipeline.run_config import TrainConfig
+from finetuning_pipeline.train.stepper import Stepper
+
+
+class NativeStepper(Stepper):
+    """train.stepper.Stepper whose step runs eagerly (train/step.py's train_step), its layers
+    compiled when `compile_layers`."""
+
+    def __init__(self, *args, compile_layers: bool = False, **kwargs) -> None:
+        self.compile_layers = compile_layers
+        super().__init__(*args, **kwargs)
+
+    def set_up_execution(self, t: TrainConfig, activation_checkpointing: bool) -> None:
+        if self.compile_layers:
+            compile_decoder_layers(self.model)
+
+    def seed_rng(self, seed: int) -> None:
+        torch.manual_seed(seed)  # every device's default generator (CPU and CUDA alike)
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> int:
+    """Compile each decoder layer's forward in place (once per model: a layer already compiled is
+    left as it is); returns how many layers are compiled."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        if getattr(layer, "_compiled_call_impl", None) is None:
+            layer.compile(dynamic=False)
+    return len(layers)

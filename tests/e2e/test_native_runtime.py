@@ -1,0 +1,199 @@
+"""The native runtime (runtime.backend=native: plain PyTorch on a CPU here) against the XLA
+runtime, end to end on the tiny model, in float64 so that the two runtimes' different orders of
+summation vanish and what remains is what each computes (tests/tolerances.py): the curriculum's
+two phases, a q8_0 base with recomputed layers, adapters side by side; a native run stopped by
+SIGTERM resumes bitwise; a checkpoint of one runtime resumes in the other; and the native run
+imports no torch_xla."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from tolerances import assert_equal_in_exact_arithmetic
+from trainer_helpers import assert_same_run, metric_records, wait_for_step, write_run_config
+
+from finetuning_pipeline import main
+
+REPO = Path(__file__).resolve().parents[2]
+NATIVE = ["runtime.backend=native", "runtime.device=cpu"]
+# LoRA dropout on, two micro-batches a step: the masks and the accumulation must match too.
+SMALL = {"train": {"max_steps": 6, "grad_accum": 2}, "lora": {"r": 8, "alpha": 16, "dropout": 0.1},
+         "model": {"dtype": "float64"}, "eval": {"every": 3, "max_batches": 1}, "checkpoint": {"every": 3, "keep": 2},
+         "logging": {"every": 1, "progress_bar": False, "tensorboard": False}}
+
+
+def sections_with(**extra) -> dict:
+    merged = {k: dict(v) for k, v in SMALL.items()}
+    for section, values in extra.items():
+        if isinstance(values, dict):
+            merged.setdefault(section, {}).update(values)
+        else:
+            merged[section] = values
+    return merged
+
+
+def adapters_of(out: Path, phase: int) -> dict[str, dict]:
+    """{adapter directory relative to the phase: its tensors}: the one adapter, or each side by side."""
+    root = out / f"phase{phase}"
+    return {str(path.parent.relative_to(root)): load_file(path)
+            for path in sorted(root.glob("**/adapter_model.safetensors")) if "checkpoints" not in path.parts}
+
+
+def assert_runs_equal(ours: Path, theirs: Path, phases: list[int]) -> None:
+    """Every logged train and eval loss (per adapter side by side) and every adapter, within float64's bound."""
+    for phase in phases:
+        for kind in ("train", "eval"):
+            mine, other = metric_records(ours, kind, phase), metric_records(theirs, kind, phase)
+            assert [r["step"] for r in mine] == [r["step"] for r in other] and mine, (phase, kind)
+            values = [[r["loss"]] + [a["loss"] for a in r.get("adapters", {}).values()] for r in mine]
+            expected = [[r["loss"]] + [a["loss"] for a in r.get("adapters", {}).values()] for r in other]
+            assert_equal_in_exact_arithmetic(sum(values, []), sum(expected, []), f"phase {phase} {kind} losses")
+        mine, other = adapters_of(ours, phase), adapters_of(theirs, phase)
+        assert mine.keys() == other.keys() and mine
+        for name, tensors in mine.items():
+            assert tensors.keys() == other[name].keys()
+            for key, tensor in tensors.items():
+                assert_equal_in_exact_arithmetic(tensor, other[name][key], f"phase {phase} {name} {key}")
+
+
+def side_by_side(data) -> dict:
+    return {"phase1": {"data": "", "adapters": {"text": {"data": str(data[1]), "max_steps": 4},
+                                                 "chat": {"data": str(data[2]), "lr": 5e-3}}},
+            "phase2": {"data": str(data[2]), "init": "fresh"}}
+
+
+CASES = {
+    "curriculum": (lambda data: {}, ["all"], [1, 2]),
+    "q8_0_base_recomputed": (lambda data: {"model": {"quantize": "q8_0", "activation_checkpointing": True}},
+                             ["1"], [1]),
+    "side_by_side": (side_by_side, ["1"], [1]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_native_runtime_equals_the_xla_runtime(case, tiny_model_dir, data, tmp_path):
+    extra, phase_arg, phases = CASES[case]
+    sections = sections_with(**extra(data))
+    outs = {}
+    for backend in ("xla", "native"):
+        out = tmp_path / backend
+        config = write_run_config(tmp_path / f"{backend}.yaml", tiny_model_dir, data, out, **sections)
+        assert main.main(["--config", str(config), "--phase", *phase_arg,
+                          *(NATIVE if backend == "native" else [])]) == 0
+        outs[backend] = out
+    assert_runs_equal(outs["native"], outs["xla"], phases)
+    summary = json.loads((outs["native"] / "phase1" / "summary.json").read_text())
+    assert summary["runtime"] == "native" and summary["compiles_after_warmup"] == 0
+    assert json.loads((outs["xla"] / "phase1" / "summary.json").read_text())["runtime"] == "xla"
+
+
+# A meta path finder that refuses torch_xla and records every attempt (a caught ImportError too).
+BLOCK_TORCH_XLA = """
+import runpy, sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch_xla":
+            print(f"IMPORTED torch_xla: {name}", flush=True)
+            raise ImportError(name)
+sys.meta_path.insert(0, Refuse())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def train_process(config: Path, backend: str, *args: str) -> subprocess.Popen:
+    """main.py's phase 1 in a process of its own; on the native runtime, one where importing
+    torch_xla is refused (and every attempt printed)."""
+    env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
+    command = ([sys.executable, "-c", BLOCK_TORCH_XLA] if backend == "native"
+               else [sys.executable]) + ["finetuning_pipeline/main.py", "--config", str(config), "--phase", "1", *args]
+    if backend == "native":
+        command += NATIVE
+    else:
+        env["PJRT_DEVICE"] = "CPU"
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**env, "PYTHONUNBUFFERED": "1"})
+
+
+def stop_after_step(proc: subprocess.Popen, out: Path, step: int) -> int:
+    """SIGTERM once `step` is logged; returns the step the run stopped after (it checkpoints it)."""
+    wait_for_step([proc], out, step, timeout=240, output=lambda: proc.stdout.read())
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "IMPORTED torch_xla" not in output, output
+    stopped = metric_records(out)[-1]["step"]
+    assert stopped < STEPS and f"stopped after step {stopped}" in output, output
+    return stopped
+
+
+STEPS = 10
+
+
+def test_a_native_run_stopped_by_sigterm_resumes_bitwise_and_never_imports_torch_xla(tiny_model_dir, data, tmp_path):
+    """The uninterrupted native run, and one stopped by SIGTERM after step 3 and resumed (each in
+    a process where torch_xla cannot be imported): the same losses and adapter, bitwise."""
+    sections = sections_with(train={"max_steps": STEPS}, checkpoint={"every": 4, "keep": 2})
+    reference = write_run_config(tmp_path / "reference.yaml", tiny_model_dir, data, tmp_path / "reference",
+                                 **sections)
+    proc = train_process(reference, "native")
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "IMPORTED torch_xla" not in output, output
+
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out", **sections)
+    stopped = stop_after_step(train_process(config, "native"), tmp_path / "out", 3)
+    proc = train_process(config, "native")  # --resume auto
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "IMPORTED torch_xla" not in output, output
+    summary = json.loads((tmp_path / "out" / "phase1" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == stopped
+    assert_same_run(tmp_path / "out", tmp_path / "reference")
+
+
+@pytest.mark.parametrize("first,then", [("xla", "native"), ("native", "xla")])
+def test_a_checkpoint_of_one_runtime_resumes_in_the_other(first, then, tiny_model_dir, data, tmp_path):
+    """A checkpoint holds host tensors and each step draws from its own seeds, so a run stopped
+    by SIGTERM under one runtime and resumed under the other equals the uninterrupted run of the
+    first (float64): nothing of the runtime is a resume key."""
+    sections = sections_with(train={"max_steps": STEPS})
+    reference = write_run_config(tmp_path / "reference.yaml", tiny_model_dir, data, tmp_path / "reference",
+                                 **sections)
+    assert main.main(["--config", str(reference), "--phase", "1", *(NATIVE if first == "native" else [])]) == 0
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out", **sections)
+    stopped = stop_after_step(train_process(config, first), tmp_path / "out", 3)
+    assert main.main(["--config", str(config), "--phase", "1", *(NATIVE if then == "native" else [])]) == 0
+    summary = json.loads((tmp_path / "out" / "phase1" / "summary.json").read_text())
+    assert summary["runtime"] == then and summary["resumed_from_step"] == stopped
+    assert_runs_equal(tmp_path / "out", tmp_path / "reference", [1])
+
+
+def test_compiled_layers_train_as_eager_does_and_compile_only_in_warm_up(tiny_model_dir, data, tmp_path):
+    """runtime.compile=layers: each decoder layer under torch.compile (LoRA dropout and the shared
+    A products inside it), in fp32 (float64 proofs run eagerly: a compiled layer does not keep
+    float64 throughout, and the config refuses it). Step 1's loss is one forward of the same
+    weights: within fp32's bound of eager's; the later steps' follow it closely; and after the
+    warm-up step dynamo compiles nothing: evaluations between steps reuse their graphs too."""
+    from tolerances import fp32_forward_bound
+    from transformers import AutoConfig
+
+    sections = sections_with(train={"max_steps": 4}, model={"dtype": "float32"})
+    outs = {}
+    for compiled in ("eager", "layers"):
+        out = tmp_path / compiled
+        config = write_run_config(tmp_path / f"{compiled}.yaml", tiny_model_dir, data, out, **sections)
+        assert main.main(["--config", str(config), "--phase", "1", *NATIVE, f"runtime.compile={compiled}"]) == 0
+        outs[compiled] = out
+    eager, compiled = (metric_records(outs[k]) for k in ("eager", "layers"))
+    assert [r["step"] for r in eager] == [r["step"] for r in compiled] == [1, 2, 3, 4]
+    bound = fp32_forward_bound(eager[0]["loss"], AutoConfig.from_pretrained(tiny_model_dir))
+    assert abs(eager[0]["loss"] - compiled[0]["loss"]) <= bound
+    assert all(abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]) for a, b in zip(eager, compiled))
+    summary = json.loads((outs["layers"] / "phase1" / "summary.json").read_text())
+    assert summary["compiles_total"] >= 1 and summary["compiles_after_warmup"] == 0
+    assert json.loads((outs["eager"] / "phase1" / "summary.json").read_text())["compiles_total"] == 0

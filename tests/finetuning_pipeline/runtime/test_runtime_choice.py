@@ -1,0 +1,53 @@
+"""runtime.*: what the native runtime refuses, by key, before any device is touched; its device
+choice and TorchTPU's refusal where torch_tpu is missing."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetuning_pipeline.run_config import ConfigError, load_config
+from finetuning_pipeline.runtime.native_device import compiles_layers, native_device
+
+DEMO = "finetuning_pipeline/configs/demo.yaml"
+
+
+def test_the_default_runtime_is_xla_and_native_is_an_override():
+    assert load_config(DEMO).runtime.backend == "xla"
+    runtime = load_config(DEMO, ["runtime.backend=native", "runtime.device=cpu", "runtime.compile=layers"]).runtime
+    assert (runtime.backend, runtime.device, runtime.compile) == ("native", "cpu", "layers")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["runtime.device=cuda"], r"runtime.device=cuda is the native runtime's setting; with runtime.backend=xla"),
+    (["runtime.compile=eager"], r"runtime.compile=eager is the native runtime's setting"),
+    (["runtime.backend=native", "parallel.mode=fsdp"], r"parallel.mode=fsdp: the native runtime trains on one device"),
+    (["runtime.backend=native", "parallel.launcher=tpu"], r"parallel.launcher=tpu: the native runtime"),
+    (["runtime.backend=native", "train.scan_layers=true"], r"train.scan_layers=true: the layer scan is torch_xla's"),
+    (["runtime.backend=native", "model.attention=splash"], r"model.attention=splash: that Pallas kernel"),
+    (["runtime.backend=native", "runtime.compile=layers", "model.dtype=float64"],
+     r"runtime.compile=layers with model.dtype=float64: the float64 proofs run eagerly"),
+    (["runtime.backend=jax"], r"runtime.backend must be"),
+])
+def test_what_the_native_runtime_cannot_do_is_refused_by_its_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(DEMO, overrides)
+
+
+def test_the_device_choice_and_tpu_without_torch_tpu(monkeypatch):
+    import sys
+
+    import torch
+
+    assert native_device("cpu") == torch.device("cpu")
+    assert native_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"runtime.device=cuda: PyTorch .* sees no CUDA GPU here"):
+            native_device("cuda")
+    monkeypatch.setitem(sys.modules, "torch_tpu", None)  # an import of it fails, installed or not
+    with pytest.raises(ConfigError, match=r"runtime.device=tpu: TorchTPU is not installed .*pip install torch-tpu"):
+        native_device("tpu")
+    assert compiles_layers("auto", torch.device("cpu")) is False
+    assert compiles_layers("auto", torch.device("cuda")) is True
+    assert compiles_layers("auto", torch.device("cuda"), "float64") is False
+    assert compiles_layers("layers", torch.device("cpu")) is True
+    assert compiles_layers("eager", torch.device("cuda")) is False
