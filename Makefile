@@ -8,6 +8,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LLAMA_CPP := $(VENV)/.llama_cpp
+# The native runtime's second environment: torch in TorchTPU's range, no torch_xla (utils/native_requirements.py).
+VENV_NATIVE := .venv-native
+NATIVE_STAMP := $(VENV_NATIVE)/.installed
+# Its tests: those marked `native` in the files that import no torch_xla.
+NATIVE_TESTS := tests/finetuning_pipeline/runtime tests/lora_logic/test_compile.py tests/e2e/test_native_runtime.py
 # XLA runs on the host CPU unless told otherwise (on a TPU VM: PJRT_DEVICE=TPU make ...).
 PJRT_DEVICE ?= CPU
 export PJRT_DEVICE
@@ -27,12 +32,14 @@ DEMO_ANSWER := Județul Brașov se află în Transilvania.
 PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 
 # phase1, phase2, ... are a pattern rule (below): make skips pattern rules for .PHONY targets.
-.PHONY: help setup llama-cpp test test-fast lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-lora-cost bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load bench-gguf-export bench-stop clean
+.PHONY: help setup setup-native llama-cpp test test-fast test-native lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-lora-cost bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load bench-gguf-export bench-stop clean
 
 help:
 	@echo "make setup       create .venv with the pinned stack (torch 2.9.0 + torch_xla 2.9.0) and test tools"
 	@echo "make test        run the test suite on CPU (PJRT_DEVICE=CPU); sets up .venv first if needed"
 	@echo "make test-fast   the unit tests only (no end-to-end runs: pytest -m 'not slow'), for the inner loop"
+	@echo "make setup-native  .venv-native: torch 2.13.0 (TorchTPU's range), no torch_xla, for the native runtime"
+	@echo "make test-native the native runtime's tests in .venv-native (sets it up first if needed)"
 	@echo "make lint        ruff: imports, unused code, line length (configured in pyproject.toml; CI runs it)"
 	@echo "make demo        the whole curriculum on the tiny model, on XLA:CPU: base model -> prepare ->"
 	@echo "                 phase 1 -> phase 2 -> merged export -> a generated answer -> Q8_0 GGUF -> loss.png"
@@ -81,6 +88,19 @@ $(LLAMA_CPP): $(STAMP) utils/llama_cpp_install.sh
 	touch $@
 
 llama-cpp: $(LLAMA_CPP)
+
+# The native runtime runs without torch_xla, under a torch TorchTPU accepts: a venv of its own,
+# with the project on PYTHONPATH (an editable install would pull in torch_xla and torch 2.9.0).
+$(NATIVE_STAMP): pyproject.toml utils/native_requirements.py
+	$(PYTHON) -m venv $(VENV_NATIVE)
+	$(VENV_NATIVE)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_NATIVE)/bin/python -m pip install --quiet $$($(PYTHON) utils/native_requirements.py)
+	touch $@
+
+setup-native: $(NATIVE_STAMP)
+
+test-native: $(NATIVE_STAMP)
+	PYTHONPATH=$(CURDIR) TPU_LORA_NATIVE_ENV=1 $(VENV_NATIVE)/bin/python -m pytest -m native $(NATIVE_TESTS)
 
 # The tests of GGUF files fail, rather than skip, when llama.cpp is missing here.
 test: $(STAMP) $(LLAMA_CPP)

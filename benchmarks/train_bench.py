@@ -11,7 +11,8 @@ micro-batch per step with no accumulation, fp32:
          the matmuls dominate.
 Each measurement runs in a fresh process (no graph cache shared): ours (the real
 `finetuning_pipeline/main.py`; again with train.capture_step=false, the step traced every
-time, as `traced_every_step`), the peer (transformers.Trainer with optim adamw_torch and a
+time, as `traced_every_step`; and on the native runtime, eager PyTorch on this CPU, as
+`native_runtime`), the peer (transformers.Trainer with optim adamw_torch and a
 peft LoRA of the same rank, targets and scaling, on the same token blocks), a frozen-base
 forward+backward of the same model (the floor a LoRA step cannot beat), and the host's XLA
 matmul throughput (for `mfu_host`). Results: outputs/bench/bench.json and a table on stdout.
@@ -84,8 +85,10 @@ def step_flops_per_token(model_dir: Path, seq_len: int) -> float:
 
 
 # -- the measurements, each run in its own process ---------------------------------------------
-def measure_ours(model_dir: str, data: str, micro_batch: int, steps: int, out_dir: str, capture: int = 1) -> dict:
-    """capture 0: the step traced every time (train.capture_step false), for comparison."""
+def measure_ours(model_dir: str, data: str, micro_batch: int, steps: int, out_dir: str, capture: int = 1,
+                 runtime: str = "xla") -> dict:
+    """capture 0: the step traced every time (train.capture_step false), for comparison;
+    runtime native: the native runtime on this CPU (runtime.backend=native, eager)."""
     import yaml
 
     config = {
@@ -98,6 +101,7 @@ def measure_ours(model_dir: str, data: str, micro_batch: int, steps: int, out_di
         "checkpoint": {"every": 0, "keep": 1},
         "logging": {"every": steps, "progress_bar": False, "tensorboard": False},
         "phase1": {"data": data},
+        "runtime": {"backend": runtime, **({"device": "cpu"} if runtime == "native" else {})},
     }
     path = Path(out_dir) / "bench.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -266,6 +270,7 @@ def bench_shape(name: str, steps: int, peer: bool, root: Path, matmul_rate: floa
     args = (model_dir, data, shape["micro_batch"], steps, root / name / "run")
     ours = in_subprocess("ours", *args)
     traced = in_subprocess("ours", *args[:-1], root / name / "run_traced", 0)
+    native = in_subprocess("ours", *args[:-1], root / name / "run_native", 1, "native")
     frozen = in_subprocess("frozen", *args)
     result = {
         "config": {**shape, "rank": RANK, "alpha": ALPHA, "targets": TARGETS, "optimizer": "AdamW", "lr": LR,
@@ -273,6 +278,7 @@ def bench_shape(name: str, steps: int, peer: bool, root: Path, matmul_rate: floa
         "flops_per_token": flops_per_token,
         **figures(ours, tokens_per_step, flops_per_token, matmul_rate),
         "traced_every_step": figures(traced, tokens_per_step, flops_per_token, matmul_rate),
+        "native_runtime": figures(native, tokens_per_step, flops_per_token, matmul_rate),
         "frozen_base_fwd_bwd_step_s": frozen["step_time_s"],
         "frozen_base_fwd_bwd_compile_s": frozen["compile_seconds"],
         "lora_step_vs_frozen_fwd_bwd": round(ours["step_time_s"] / frozen["step_time_s"], 3),
@@ -330,13 +336,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"host XLA matmul: {matmul_rate / 1e9:.1f} GFLOP/s; wrote {args.out}")
 
 
+def number_or_na(value) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def print_shape(name: str, r: dict) -> None:
     rows = [("ours", r), ("ours, traced", r["traced_every_step"])]
+    rows += [("ours, native", r["native_runtime"])] if "native_runtime" in r else []
     rows += [("HF Trainer + PEFT", r["peer"])] if "peer" in r else []
     for label, f in rows:
         print(f"{name:5} {label:18} {f['tokens_per_sec']:>10,.0f} tok/s  step {f['step_time_s']:.4f} s  "
               f"graphs {f['compiles_total']} ({f['compiles_after_warmup']} after warm-up)  "
-              f"host syncs/step {f['host_syncs_per_step']:.2f}  mfu_host {f['mfu_host']:.3f}")
+              f"host syncs/step {number_or_na(f['host_syncs_per_step'])}  mfu_host {f['mfu_host']:.3f}")
     extra = f"  ratio vs peer {r['ratio_vs_peer']:.2f}x" if "ratio_vs_peer" in r else ""
     print(f"{name:5} LoRA step / frozen fwd+bwd {r['lora_step_vs_frozen_fwd_bwd']:.2f}  compile: ours "
           f"{r['compile_seconds']} s, the frozen fwd+bwd {r['frozen_base_fwd_bwd_compile_s']} s  "

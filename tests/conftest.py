@@ -1,7 +1,9 @@
-"""Shared fixtures: CPU-only XLA, a seed, tiny causal LMs of several architectures."""
+"""Shared fixtures: CPU-only XLA, a seed, tiny causal LMs of several architectures. In the native
+runtime's environment (`make test-native`: no torch_xla) the same fixtures, without XLA."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -24,8 +26,9 @@ from transformers import (
 
 from utils.xla_runtime import init_xla_device
 
-# Before any test runs a backward (see init_xla_device for why).
-init_xla_device()
+# Before any test runs a backward (see init_xla_device for why); not where torch_xla is absent.
+if importlib.util.find_spec("torch_xla") is not None:
+    init_xla_device()
 
 REPO = Path(__file__).resolve().parent.parent  # the repository root
 VOCAB = 128

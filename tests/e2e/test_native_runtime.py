@@ -136,6 +136,7 @@ def stop_after_step(proc: subprocess.Popen, out: Path, step: int) -> int:
 STEPS = 10
 
 
+@pytest.mark.native
 def test_a_native_run_stopped_by_sigterm_resumes_bitwise_and_never_imports_torch_xla(tiny_model_dir, data, tmp_path):
     """The uninterrupted native run, and one stopped by SIGTERM after step 3 and resumed (each in
     a process where torch_xla cannot be imported): the same losses and adapter, bitwise."""
@@ -173,6 +174,7 @@ def test_a_checkpoint_of_one_runtime_resumes_in_the_other(first, then, tiny_mode
     assert_runs_equal(tmp_path / "out", tmp_path / "reference", [1])
 
 
+@pytest.mark.native
 def test_compiled_layers_train_as_eager_does_and_compile_only_in_warm_up(tiny_model_dir, data, tmp_path):
     """runtime.compile=layers: each decoder layer under torch.compile (LoRA dropout and the shared
     A products inside it), in fp32 (float64 proofs run eagerly: a compiled layer does not keep

@@ -16,6 +16,8 @@ from lora_logic.adapters import lora_modules
 from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
 from lora_logic.inject import inject_lora
 
+pytestmark = pytest.mark.native  # (make test-native: under torch 2.13 too)
+
 PRODUCTS = (operator.matmul, torch.matmul)  # the LoRA's A products (the bases' are F.linear, B's in a Function)
 
 

@@ -8,7 +8,23 @@ import pytest
 from finetuning_pipeline.run_config import ConfigError, load_config
 from finetuning_pipeline.runtime.native_device import compiles_layers, native_device
 
+pytestmark = pytest.mark.native
 DEMO = "finetuning_pipeline/configs/demo.yaml"
+
+
+def test_each_environment_is_the_one_it_claims():
+    """`make test` runs in the pinned stack (torch 2.9.0 + torch_xla 2.9.0); `make test-native`
+    (TPU_LORA_NATIVE_ENV=1) in torch within TorchTPU's range (2.11 to 2.15) and no torch_xla."""
+    import importlib.util
+    import os
+
+    import torch
+
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if os.environ.get("TPU_LORA_NATIVE_ENV"):
+        assert (2, 11) <= version <= (2, 15) and importlib.util.find_spec("torch_xla") is None
+    else:
+        assert version == (2, 9) and importlib.util.find_spec("torch_xla") is not None
 
 
 def test_the_default_runtime_is_xla_and_native_is_an_override():
@@ -51,3 +67,17 @@ def test_the_device_choice_and_tpu_without_torch_tpu(monkeypatch):
     assert compiles_layers("auto", torch.device("cuda"), "float64") is False
     assert compiles_layers("layers", torch.device("cpu")) is True
     assert compiles_layers("eager", torch.device("cuda")) is False
+
+
+def test_the_native_environment_takes_the_projects_dependencies_but_torch_xla_and_a_torch_in_torchtpus_range():
+    from conftest import REPO
+
+    from utils.native_requirements import native_requirements
+
+    requirements = native_requirements(REPO / "pyproject.toml")
+    assert not [r for r in requirements if r.startswith(("torch_xla", "torch-xla"))]
+    torch = [r for r in requirements if r.split("==")[0] == "torch"]
+    assert len(torch) == 1
+    version = tuple(int(part) for part in torch[0].split("==")[1].split(".")[:2])
+    assert (2, 11) <= version <= (2, 15)
+    assert "transformers==5.23.0" in requirements and "gguf==0.19.0" in requirements  # the pins, as pyproject's

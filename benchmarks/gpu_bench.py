@@ -1,0 +1,236 @@
+"""The native runtime's training step on a GPU against HF Trainer + PEFT, in one run on one device.
+
+    python -m benchmarks.gpu_bench [--shape mistral-7b] [--batch 4] [--seq-len 1024] [--steps 12]
+                                   [--device cuda] [--compile layers] [--out outputs/bench/gpu_bench.json]
+
+Three measurements, each in a process of its own (a clean allocator for its peak memory), on
+Mistral-7B's shape (finetuning_pipeline/model_configs/Mistral-7B-v0.3, random bf16 weights: the
+speed and memory of a step do not depend on the values), LoRA r 16 (alpha 32) on all 7 targets:
+  ours    the native runtime's real step (runtime/native_step.py's NativeStepper: the micro-batch
+          gradients, our masked AdamW, fp32 LoRA weights under the bf16 base), each decoder layer
+          compiled (--compile layers) or eager;
+  frozen  forward + backward through the frozen base (activation gradients only), compiled alike:
+          the floor a LoRA step cannot beat;
+  peer    transformers.Trainer (adamw_torch, bf16 base) on a peft LoRA of the same rank, targets
+          and scaling, on the same token blocks.
+Steps after the first WARMUP_STEPS (the compiles) are timed, from the end of the last warm-up
+step's work to the end of the last step's (torch.accelerator.synchronize). Targets (issue #52):
+ours >= 1.5x the peer's tokens/s; ours <= 1.10x the frozen step; our peak memory <= 0.75x the
+peer's. `--shape tiny --device cpu` runs the same code on the demo's shape on a CPU (a test does:
+the script runs as written wherever a GPU is at hand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.results import update_results
+
+REPO = Path(__file__).resolve().parent.parent
+SHAPES = {
+    "mistral-7b": REPO / "finetuning_pipeline" / "model_configs" / "Mistral-7B-v0.3" / "config.json",
+    "tiny": {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 4096},
+}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK, ALPHA, LR = 16, 32, 1e-4
+WARMUP_STEPS = 2
+DTYPES = {"cuda": "bfloat16", "cpu": "float32"}  # a CPU's bf16 matmuls are emulated: fp32 there
+
+
+def build_model(shape: str, device: str, dtype):
+    """Random weights of the shape, made on the device (a 7B model never passes through the host)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = SHAPES[shape]
+    config = (AutoConfig.from_pretrained(spec.parent) if isinstance(spec, Path)
+              else AutoConfig.for_model(**spec))
+    config.use_cache = False
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model
+
+
+def token_blocks(vocab: int, batch: int, seq_len: int, steps: int):
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab, (batch, seq_len), generator=generator) for _ in range(steps)]
+
+
+def synchronize(device: str) -> None:
+    import torch
+
+    if device != "cpu":
+        torch.accelerator.synchronize()
+
+
+def timed(device: str, steps: int, run_step) -> dict:
+    """run_step(i) for every step; the steady step time after WARMUP_STEPS, and the peak memory."""
+    import torch
+
+    if device != "cpu":
+        torch.accelerator.reset_peak_memory_stats()
+    start = None
+    for step in range(steps):
+        run_step(step)
+        if step == WARMUP_STEPS - 1:
+            synchronize(device)
+            start = time.perf_counter()
+    synchronize(device)
+    seconds = (time.perf_counter() - start) / (steps - WARMUP_STEPS)
+    peak = int(torch.accelerator.max_memory_allocated()) if device != "cpu" else None
+    return {"step_time_s": round(seconds, 4), "peak_memory_bytes": peak}
+
+
+def measure_ours(shape: str, device: str, batch: int, seq_len: int, steps: int, compile_layers: str) -> dict:
+    import torch
+
+    from finetuning_pipeline.distributed.collectives import Collectives
+    from finetuning_pipeline.distributed.parallel import Parallel
+    from finetuning_pipeline.run_config import TrainConfig
+    from finetuning_pipeline.runtime.native_step import NativeStepper
+    from finetuning_pipeline.train.adamw import MaskedAdamW
+    from lora_logic.adapters import lora_parameters
+    from lora_logic.config import LoraConfig
+    from lora_logic.inject import inject_lora
+
+    model = build_model(shape, device, getattr(torch, DTYPES[device]))
+    inject_lora(model, LoraConfig(r=RANK, alpha=ALPHA, target_modules=TARGETS))
+    model.to(device)
+    model.train()
+    train = TrainConfig(max_steps=steps, micro_batch=batch, lr=LR, warmup_steps=1, loss_chunk_tokens=0)
+    stepper = NativeStepper(model, MaskedAdamW(lora_parameters(model), lr=LR), train, phase=1, lr=LR,
+                            max_steps=steps, activation_checkpointing=False, parallel=Parallel("dp", Collectives()),
+                            device=torch.device(device), start_step=0, packed=False,
+                            compile_layers=compile_layers == "layers")
+    blocks = [{"input_ids": ids.to(device), "labels": ids.to(device)}
+              for ids in token_blocks(model.config.vocab_size, batch, seq_len, steps)]
+    results = {}
+
+    def step(i: int) -> None:
+        results.update(stepper(i, [blocks[i]]))
+
+    figures = timed(device, steps, step)
+    return {**figures, "last_loss": float(results["loss"])}
+
+
+def measure_frozen(shape: str, device: str, batch: int, seq_len: int, steps: int, compile_layers: str) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from finetuning_pipeline.model.attention_masks import attention_masks
+    from finetuning_pipeline.runtime.native_step import compile_decoder_layers
+
+    model = build_model(shape, device, getattr(torch, DTYPES[device]))
+    model.requires_grad_(False)
+    if compile_layers == "layers":
+        compile_decoder_layers(model)
+    blocks = [ids.to(device) for ids in token_blocks(model.config.vocab_size, batch, seq_len, steps)]
+    mask = attention_masks(model.config, seq_len, torch.device(device), model.dtype)  # as our step's forward
+
+    def step(i: int) -> None:
+        embeds = model.get_input_embeddings()(blocks[i]).detach().requires_grad_(True)
+        logits = model(inputs_embeds=embeds, attention_mask=mask).logits
+        F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), blocks[i][:, 1:].flatten()).backward()
+
+    return timed(device, steps, step)
+
+
+def measure_peer(shape: str, device: str, batch: int, seq_len: int, steps: int, compile_layers: str) -> dict:
+    import tempfile
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    model = get_peft_model(build_model(shape, device, getattr(torch, DTYPES[device])),
+                           LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0))
+    blocks = token_blocks(model.config.vocab_size, batch, seq_len, steps)
+    rows = [{"input_ids": row, "labels": row} for block in blocks for row in block]
+    ends: list[float] = []
+
+    class StepEnds(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            synchronize(device) if len(ends) == WARMUP_STEPS - 1 else None
+            ends.append(time.perf_counter())
+
+    if device != "cpu":
+        torch.accelerator.reset_peak_memory_stats()
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(out, per_device_train_batch_size=batch, max_steps=steps, learning_rate=LR,
+                                 optim="adamw_torch", lr_scheduler_type="constant", logging_steps=steps,
+                                 save_strategy="no", report_to=[], dataloader_num_workers=0,
+                                 use_cpu=device == "cpu", disable_tqdm=True)
+        Trainer(model=model, args=args, train_dataset=rows, callbacks=[StepEnds()]).train()
+    synchronize(device)
+    ends[-1] = time.perf_counter()
+    peak = int(torch.accelerator.max_memory_allocated()) if device != "cpu" else None
+    return {"step_time_s": round((ends[-1] - ends[WARMUP_STEPS - 1]) / (steps - WARMUP_STEPS), 4),
+            "peak_memory_bytes": peak}
+
+
+MEASURES = {"ours": measure_ours, "frozen": measure_frozen, "peer": measure_peer}
+
+
+def in_subprocess(kind: str, args: argparse.Namespace) -> dict:
+    command = [sys.executable, "-m", "benchmarks.gpu_bench", "--measure", kind, "--shape", args.shape, "--device",
+               args.device, "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+               "--compile", args.compile]
+    env = {**os.environ, "USE_TORCH_XLA": "0", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="mistral-7b")
+    parser.add_argument("--device", choices=sorted(DTYPES), default="cuda")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--compile", choices=["layers", "eager"], default="layers",
+                        help="each decoder layer under torch.compile (ours and the frozen floor), or eager")
+    parser.add_argument("--no-peer", action="store_true", help="skip HF Trainer + PEFT")
+    parser.add_argument("--out", default="outputs/bench/gpu_bench.json")
+    parser.add_argument("--measure", choices=sorted(MEASURES), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps <= WARMUP_STEPS:
+        parser.error(f"--steps must be more than the {WARMUP_STEPS} warm-up steps")
+    if args.measure:  # a child process: one measurement, printed as JSON
+        print(json.dumps(MEASURES[args.measure](args.shape, args.device, args.batch, args.seq_len, args.steps,
+                                                args.compile)))
+        return {}
+    import torch
+
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    tokens = args.batch * args.seq_len
+    result = {"device": device_name, "torch": torch.__version__, "shape": args.shape, "batch": args.batch,
+              "seq_len": args.seq_len, "steps": args.steps, "compile": args.compile, "dtype": DTYPES[args.device],
+              "rank": RANK, "targets": TARGETS}
+    for kind in ("ours", "frozen") + (() if args.no_peer else ("peer",)):
+        result[kind] = {**in_subprocess(kind, args)}
+        result[kind]["tokens_per_sec"] = round(tokens / result[kind]["step_time_s"], 1)
+    result["lora_step_vs_frozen"] = round(result["ours"]["step_time_s"] / result["frozen"]["step_time_s"], 3)
+    if "peer" in result:
+        result["tokens_per_sec_vs_peer"] = round(result["ours"]["tokens_per_sec"] / result["peer"]["tokens_per_sec"], 3)
+        if result["peer"]["peak_memory_bytes"]:
+            result["peak_memory_vs_peer"] = round(result["ours"]["peak_memory_bytes"]
+                                                  / result["peer"]["peak_memory_bytes"], 3)
+    update_results(Path(args.out), f"{args.shape}_{args.device}", result)
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
