@@ -73,6 +73,9 @@ def format_report(report: dict) -> str:
     lines = [f"preflight: {report['config']} on {p['tpu_type']} ({p['parallel_mode']})"]
     for name, check in report["checks"].items():
         lines.append(f"  {check['status']:>7}  {name}: {check.get('detail', '')}")
+    if report.get("runtime") == "native":
+        lines.append("  runtime: native (plain PyTorch): the rehearsal ran it on this CPU; the plan below is the XLA "
+                     "runtime's on a TPU (its compile and kernel figures are torch_xla's; TorchTPU's are unmeasured)")
     chip = p["chip_figures"]
     lines.append(f"  chip figures: measured by make tpu-check at {chip['checked_at']} ({chip['source']})" if chip
                  else "  chip figures: assumed (tpu.assumed_mfu, tpu.compile_s_*); make tpu-check measures them")
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                                   else f"failed at {result['failed_at']}: {result.get('detail', '')[-500:]}"),
                                **{k: v for k, v in result.items() if k not in ("passed",)}}
     report = {"config": args.config, "overrides": args.overrides, "model_config": str(source), **plan_result,
-              "checks": checks}
+              "checks": checks, "runtime": config.runtime.backend}
     ok = plan_result["fits"] and all(c["status"] != "failed" for c in checks.values())
     report["ok"] = ok
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -79,6 +79,11 @@ def load_and_claim(args: argparse.Namespace, host: PodHost, barrier: HostBarrier
     failure = None
     try:
         config = load_config(args.config, args.overrides)
+        if config.runtime.backend != "xla":
+            raise ConfigError("runtime.backend=native: tpu-check runs the XLA runtime's TPU paths (PJRT, the captured "
+                              "and scanned steps, torch_xla's kernels and collectives); the native runtime's TPU "
+                              "device (TorchTPU) is not checked yet. Leave runtime.backend unset to check this "
+                              "config's XLA run")
         if not any(config.data_dirs(1).values()) and not config.phase(1).seq_len:
             raise ConfigError("phase1.seq_len: the check trains at phase 1's sequence length; set phase1.data (or "
                               "its adapters' data side by side) or phase1.seq_len")

@@ -145,3 +145,15 @@ def test_a_pod_of_two_hosts_checks_as_one_slice_each_host_in_its_own_directory(t
     assert all("host 1: " in bad.output(rank) and "train.grad_accum must be >= 1" in bad.output(rank)
                for rank in (0, 1)), bad.outputs()
     assert (runs / "timed" / "phase1" / "summary.json").is_file() and files(own[1])  # the first check's, kept
+
+
+def test_a_native_runtime_config_is_refused_before_anything_runs(tiny_model_dir, data, tmp_path):
+    """tpu-check checks the XLA runtime's TPU paths; TorchTPU's are not checked yet: said in one
+    line, exit 2, nothing written."""
+    import os
+
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out")
+    proc = tpu_check(config, "runtime.backend=native", env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert proc.returncode == 2, proc.stderr
+    assert "error: runtime.backend=native: tpu-check runs the XLA runtime's TPU paths" in proc.stderr
+    assert not (tmp_path / "out").exists()
