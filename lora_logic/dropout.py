@@ -40,8 +40,9 @@ def _fmix(h: torch.Tensor) -> torch.Tensor:
     return h ^ _shift_right(h, 16)
 
 
-def keep_mask(seed: torch.Tensor, salt: int, shape: torch.Size, p: float) -> torch.Tensor:
-    """Boolean mask of `shape`, True where dropout keeps the element; `seed` an int32 tensor [1]."""
+def keep_mask(seed: torch.Tensor, salt: int | torch.Tensor, shape: torch.Size, p: float) -> torch.Tensor:
+    """Boolean mask of `shape`, True where dropout keeps the element; `seed` an int32 tensor [1];
+    `salt` an int, or an int32 tensor of one (the same mask)."""
     key = _fmix(seed.to(torch.int32).reshape(()) * _GOLDEN + salt)
     index = torch.arange(shape.numel(), dtype=torch.int32, device=seed.device).view(shape)
     bits = _fmix(index * _GOLDEN ^ key) & ((1 << _BITS) - 1)
@@ -59,13 +60,22 @@ class SeededDropout(nn.Module):
         self.p = p
         self.salt = salt
         self.seed: torch.Tensor | None = None
+        self.register_buffer("salt_data", None, persistent=False)  # the salt as data (salt_as_data)
+
+    def salt_as_data(self, device: torch.device) -> None:
+        """Read the salt from an int32 buffer from now on, not from the int: torch.compile then
+        takes it as an input of the layer's graph, which every layer shares, where an int is a
+        constant of the graph and compiles each layer anew (the native runtime's compiled
+        layers). The masks are the same; torch_xla's graphs keep the int as a constant."""
+        self.salt_data = torch.tensor(self.salt, dtype=torch.int32, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
         if self.seed is None:
             return F.dropout(x, self.p, training=True)
-        return x * keep_mask(self.seed, self.salt, x.shape, self.p).to(x.dtype) * (1.0 / (1.0 - self.p))
+        salt = self.salt if self.salt_data is None else self.salt_data
+        return x * keep_mask(self.seed, salt, x.shape, self.p).to(x.dtype) * (1.0 / (1.0 - self.p))
 
     def extra_repr(self) -> str:
         return f"p={self.p}, salt={self.salt}"

@@ -10,9 +10,9 @@ micro-batch here, and torch.utils.checkpoint restores that RNG when it recompute
 recomputed layer draws the masks of its forward and a resumed run the uninterrupted one's.
 
 Compiled layers (runtime.compile=layers): each decoder layer's forward is compiled on its own
-(`nn.Module.compile`): the layers share one compiled graph, so a model compiles one layer's
-forward and backward, not its depth, and the LoRA's shared A products (lora_logic/layer.py's
-SharedInput) are traced with the layer.
+(`nn.Module.compile`): the layers share their compiled graphs, so a model compiles one layer's
+forward and backward, not its depth (tested), and the LoRA's shared A products
+(lora_logic/layer.py's SharedInput) are traced with the layer.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from finetuning_pipeline.distributed.parallel import decoder_layers
 from finetuning_pipeline.run_config import TrainConfig
 from finetuning_pipeline.train.stepper import Stepper
+from lora_logic.dropout import SeededDropout
 
 
 class NativeStepper(Stepper):
@@ -40,11 +41,18 @@ class NativeStepper(Stepper):
         torch.manual_seed(seed)  # every device's default generator (CPU and CUDA alike)
 
 
-def compile_decoder_layers(model: torch.nn.Module) -> int:
+def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
     """Compile each decoder layer's forward in place (once per model: a layer already compiled is
-    left as it is); returns how many layers are compiled."""
+    left as it is); returns how many layers are compiled. The layers share their graphs (one for
+    training, one for evaluation, whatever the depth) as long as nothing per layer is guarded on:
+    the trainer's forward passes use_cache=False, as a KV cache's per-layer state would compile
+    each layer anew until dynamo's cache limit (8) left the rest eager."""
     layers = decoder_layers(model)
     for layer in layers:
         if getattr(layer, "_compiled_call_impl", None) is None:
-            layer.compile(dynamic=False)
+            device = next(layer.parameters()).device
+            for module in layer.modules():
+                if isinstance(module, SeededDropout):
+                    module.salt_as_data(device)  # (a layer's own int would be a constant of its graph)
+            layer.compile(dynamic=False, backend=backend)
     return len(layers)

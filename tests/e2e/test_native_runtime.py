@@ -1,9 +1,11 @@
 """The native runtime (runtime.backend=native: plain PyTorch on a CPU here) against the XLA
 runtime, end to end on the tiny model, in float64 so that the two runtimes' different orders of
 summation vanish and what remains is what each computes (tests/tolerances.py): the curriculum's
-two phases, a q8_0 base with recomputed layers, adapters side by side; a native run stopped by
-SIGTERM resumes bitwise; a checkpoint of one runtime resumes in the other; and the native run
-imports no torch_xla."""
+two phases, a q8_0 base with recomputed layers and the chunked loss, adapters side by side; the
+model's own dropout replayed in recomputed layers; a native run stopped by SIGTERM resumes
+bitwise and imports no torch_xla; a checkpoint of one runtime resumes in the other; compiled
+layers train as eager ones do. Those marked `native` run in `make test-native` too (torch 2.13,
+no torch_xla)."""
 
 from __future__ import annotations
 
@@ -71,8 +73,9 @@ def side_by_side(data) -> dict:
 
 CASES = {
     "curriculum": (lambda data: {}, ["all"], [1, 2]),
-    "q8_0_base_recomputed": (lambda data: {"model": {"quantize": "q8_0", "activation_checkpointing": True}},
-                             ["1"], [1]),
+    # the chunked loss too (4 chunks of 64 tokens a micro-batch)
+    "q8_0_base_recomputed": (lambda data: {"model": {"quantize": "q8_0", "activation_checkpointing": True},
+                                           "train": {"loss_chunk_tokens": 64}}, ["1"], [1]),
     "side_by_side": (side_by_side, ["1"], [1]),
 }
 
@@ -108,6 +111,35 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+def with_attention_dropout(model_dir: Path, root: Path) -> Path:
+    """A copy of the model whose attention draws dropout masks from torch's RNG (attention_dropout 0.1)."""
+    import shutil
+
+    copy = root / "model_with_dropout"
+    shutil.copytree(model_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    return copy
+
+
+@pytest.mark.native
+def test_the_models_own_dropout_is_replayed_when_a_layer_is_recomputed(tiny_model_dir, data, tmp_path):
+    """Attention dropout (torch's RNG, seeded per micro-batch) under activation checkpointing: the
+    recomputed layers draw the masks of their forward, so the run equals the one that keeps its
+    activations (float64); had the recompute drawn new masks, the gradients would differ."""
+    model = with_attention_dropout(tiny_model_dir, tmp_path)
+    outs = {}
+    for recomputed in (True, False):
+        out = tmp_path / f"recomputed_{recomputed}"
+        config = write_run_config(tmp_path / f"{recomputed}.yaml", model, data, out,
+                                  **sections_with(model={"activation_checkpointing": recomputed}))
+        assert main.main(["--config", str(config), "--phase", "1", *NATIVE]) == 0
+        outs[recomputed] = out
+    assert_runs_equal(outs[True], outs[False], [1])
+    eager = metric_records(outs[False])
+    assert eager[-1]["loss"] < eager[0]["loss"]
+
+
 def train_process(config: Path, backend: str, *args: str) -> subprocess.Popen:
     """main.py's phase 1 in a process of its own; on the native runtime, one where importing
     torch_xla is refused (and every attempt printed)."""
@@ -139,15 +171,17 @@ STEPS = 10
 @pytest.mark.native
 def test_a_native_run_stopped_by_sigterm_resumes_bitwise_and_never_imports_torch_xla(tiny_model_dir, data, tmp_path):
     """The uninterrupted native run, and one stopped by SIGTERM after step 3 and resumed (each in
-    a process where torch_xla cannot be imported): the same losses and adapter, bitwise."""
-    sections = sections_with(train={"max_steps": STEPS}, checkpoint={"every": 4, "keep": 2})
-    reference = write_run_config(tmp_path / "reference.yaml", tiny_model_dir, data, tmp_path / "reference",
-                                 **sections)
+    a process where torch_xla cannot be imported): the same losses and adapter, bitwise, with
+    the model's own dropout in recomputed layers and LoRA dropout drawing the same masks."""
+    model = with_attention_dropout(tiny_model_dir, tmp_path)  # (its masks must be drawn again alike)
+    sections = sections_with(train={"max_steps": STEPS}, checkpoint={"every": 4, "keep": 2},
+                             model={"activation_checkpointing": True})
+    reference = write_run_config(tmp_path / "reference.yaml", model, data, tmp_path / "reference", **sections)
     proc = train_process(reference, "native")
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0 and "IMPORTED torch_xla" not in output, output
 
-    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out", **sections)
+    config = write_run_config(tmp_path / "run.yaml", model, data, tmp_path / "out", **sections)
     stopped = stop_after_step(train_process(config, "native"), tmp_path / "out", 3)
     proc = train_process(config, "native")  # --resume auto
     output, _ = proc.communicate(timeout=300)
