@@ -138,9 +138,24 @@ def code_values(fmt: str, codes: torch.Tensor, nf4_code: torch.Tensor | None = N
     packed = codes.reshape(-1, block // 2)
     if fmt == "q4_0":
         return torch.cat([packed & 15, packed >> 4], dim=1).float() - 8
-    # int32 indices: int64 ones would be a weight-sized 8-byte tensor in the step (emulated on a TPU).
-    indices = torch.stack([packed >> 4, packed & 15], dim=2).reshape(-1, block).int()
-    return nf4_code[indices]
+    nibbles = torch.stack([packed >> 4, packed & 15], dim=2).reshape(-1, block)
+    if codes.device.type == "xla":
+        return nf4_selected(nibbles, nf4_code)
+    # int32 indices: int64 ones would be a weight-sized 8-byte tensor (emulated on a TPU).
+    return nf4_code[nibbles.int()]
+
+
+def nf4_selected(nibbles: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """table[nibbles] without a gather (the XLA path): a tree of selects on the nibble's four bits,
+    the low bit first (16 entries -> 8 -> 4 -> 2 -> 1). A lookup is an XLA gather of one table entry
+    per weight value, forward and backward, and a TPU's gathers are slow; selects are elementwise
+    and fuse into the matmul's operand. Each select picks a table entry, so the values are the
+    lookup's, bit for bit. The entries are static slices of the table (no gather either)."""
+    level = [table[i] for i in range(16)]
+    for bit in range(4):
+        high = ((nibbles >> bit) & 1).bool()
+        level = [torch.where(high, level[2 * k + 1], level[2 * k]) for k in range(len(level) // 2)]
+    return level[0]
 
 
 def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32,

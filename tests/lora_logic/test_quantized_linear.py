@@ -136,3 +136,23 @@ def test_adapters_side_by_side_over_a_quantized_base_each_give_their_rows_what_a
         alone.add_adapter(name, config)
         alone.load_state_dict(together.state_dict(), strict=False)
         assert_equal_in_exact_arithmetic(y[2 * k:2 * k + 2], alone(x[2 * k:2 * k + 2]), f"adapter {name}'s rows")
+
+
+def test_on_the_xla_device_nf4_codes_become_values_by_selects_not_a_per_value_gather():
+    """Issue #53.4: each of the 256 bytes (two nibbles) gives the table's values bit for bit, and
+    the graph that dequantizes holds no gather (the lookup was one gather entry per weight value)."""
+    from lora_logic.quantize import QuantizedWeight, dequantize, nf4_code_tensor
+
+    codes = torch.arange(256, dtype=torch.uint8).reshape(8, 32)  # 8 rows of one 64-value block
+    scales = torch.rand(8, 1, generator=torch.Generator().manual_seed(0)) + 0.5
+    weight = QuantizedWeight("nf4", (8, 64), codes, scales)
+    on_host = dequantize(weight, nf4_code=nf4_code_tensor())
+    device = torch_xla.device()
+    on_xla = dequantize(QuantizedWeight("nf4", (8, 64), codes.to(device), scales.to(device)),
+                        nf4_code=nf4_code_tensor(device))
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([on_xla])
+    assert " gather(" not in hlo and "select(" in hlo
+    assert torch.equal(on_xla.cpu(), on_host)
+    # the control: the host path's lookup, traced on the device, is the gather this replaces
+    lookup = nf4_code_tensor(device)[codes.to(device).int() & 15]
+    assert " gather(" in torch_xla._XLAC._get_xla_tensors_hlo([lookup])
