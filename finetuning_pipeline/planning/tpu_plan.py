@@ -5,7 +5,8 @@ HBM per device (a chip, or a v3 TensorCore), each term an estimate with its assu
 - weights: every base parameter in `model.dtype`; under fsdp, matrices are split over all
   devices, and two decoder layers' worth are whole at once (the all-gathered layer in use
   and the next one, prefetched). With `model.quantize`, the decoder Linears hold their codes
-  and scales (QUANTIZED_BYTES per parameter) and two decoder layers' Linears are dequantized
+  and scales as the TPU lays them out (quantized_linear_bytes: each 2-D array padded to whole
+  tiles of 128 lanes, which an nf4 scale row of 64 doubles) and two decoder layers' Linears are dequantized
   into `model.dtype` at once (the graph keeps no dequantized weight from the forward to the
   backward: docs/quantized-base.md; how many XLA on a TPU holds at once is assumed);
 - LoRA and optimizer: fp32 master weights, gradients and AdamW's two moments (16 bytes per
@@ -45,9 +46,28 @@ from finetuning_pipeline.planning.tpu_chips import GIB, Slice
 HEADROOM = 0.10
 LOGIT_BYTES_PER_ENTRY = 2 + 4 + 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-# Bytes per weight of a quantized Linear: codes plus one scale per block (lora_logic/quantize.py):
+# A quantized Linear's arrays (lora_logic/quantize.py): codes [out, in / values per byte] of
+# uint8 or int8 and scales [out, in / block]: (values per code byte, block, bytes per scale).
 # q8_0 and q4_0 an fp16 scale per 32 values, nf4 an fp32 scale per 64.
-QUANTIZED_BYTES = {"q8_0": 1 + 2 / 32, "q4_0": 0.5 + 2 / 32, "nf4": 0.5 + 4 / 64}
+QUANTIZED_LAYOUT = {"q8_0": (1, 32, 2), "q4_0": (2, 32, 2), "nf4": (2, 64, 4)}
+# The TPU's tiled layout of a 2-D array in HBM (XLA's TPU tiling): the minor dimension padded to
+# whole 128-lane tiles, the second-minor to whole tiles of 8 rows of 4-byte values (16 of 2-byte,
+# 32 of 1-byte). What it pads is HBM the quantization does not save.
+TILE_LANES = 128
+TILE_ROWS = {4: 8, 2: 16, 1: 32}
+
+
+def tiled_bytes(rows: int, columns: int, itemsize: int) -> int:
+    """The bytes of a [rows, columns] array of `itemsize`-byte values in the TPU's tiled layout."""
+    tile_rows = TILE_ROWS[itemsize]
+    return (-(-rows // tile_rows) * tile_rows) * (-(-columns // TILE_LANES) * TILE_LANES) * itemsize
+
+
+def quantized_linear_bytes(in_features: int, out_features: int, fmt: str) -> int:
+    """The HBM a quantized Linear's codes and scales take on a TPU, tile padding included."""
+    per_byte, block, scale_bytes = QUANTIZED_LAYOUT[fmt]
+    return (tiled_bytes(out_features, in_features // per_byte, 1)
+            + tiled_bytes(out_features, in_features // block, scale_bytes))
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -103,6 +123,10 @@ class ModelShape:
     @property
     def layer_linear_params(self) -> int:
         return sum(a * b for a, b in self.projections().values())
+
+    def layer_quantized_bytes(self, fmt: str) -> int:
+        """A decoder layer's Linears quantized in `fmt`, as a TPU lays them out (quantized_linear_bytes)."""
+        return sum(quantized_linear_bytes(a, b, fmt) for a, b in self.projections().values())
 
     @property
     def matmul_params(self) -> int:
@@ -239,13 +263,15 @@ def weight_bytes(shape: ModelShape, inputs: PlanInputs, devices: int) -> float:
     """The base's bytes per device (see the module docstring)."""
     act_bytes = DTYPE_BYTES[inputs.dtype]
     linear_params = shape.layers * shape.layer_linear_params
-    per_linear = QUANTIZED_BYTES.get(inputs.quantize, act_bytes)
-    stored = linear_params * per_linear + (shape.total_params - linear_params) * act_bytes
+    quantized = inputs.quantize in QUANTIZED_LAYOUT
+    layer_linears = (shape.layer_quantized_bytes(inputs.quantize) if quantized
+                     else shape.layer_linear_params * act_bytes)
+    stored = shape.layers * layer_linears + (shape.total_params - linear_params) * act_bytes
     shards = (devices if inputs.fsdp_axis == -1 else inputs.fsdp_axis) if inputs.mode == "fsdp" else 1
     whole_at_once = 0.0  # layers all-gathered (fsdp) or dequantized (quantize) for their matmuls
     if shards > 1:
-        whole_at_once += 2 * (shape.layer_linear_params * per_linear + 2 * shape.hidden * act_bytes)
-    if inputs.quantize in QUANTIZED_BYTES:
+        whole_at_once += 2 * (layer_linears + 2 * shape.hidden * act_bytes)
+    if quantized:
         whole_at_once += 2 * shape.layer_linear_params * act_bytes
     return stored / shards + whole_at_once
 

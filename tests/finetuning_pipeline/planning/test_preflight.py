@@ -214,11 +214,13 @@ def test_adapters_side_by_side_are_planned_against_the_same_adapters_one_after_a
 MISTRAL_ON_ONE_CHIP = CONFIGS / "mistral7b_v5e1_q8.yaml"
 
 
+# nf4 above q4_0 (the same bytes a weight, nominally): its scale rows of 64 fp32 values (4096 / 64)
+# are padded to 128 lanes on a TPU, 0.28 GiB more (issue #53.5).
 @pytest.mark.parametrize("quantize, weights_gib, fits", [("none", 13.5, False), ("q8_0", 8.2, True),
-                                                           ("q4_0", 5.0, True), ("nf4", 5.0, True)])
+                                                           ("q4_0", 5.0, True), ("nf4", 5.28, True)])
 def test_mistral_7b_fits_one_v5e_chip_with_a_quantized_base(tmp_path, quantize, weights_gib, fits):
     """The shipped one-chip config: in bf16 the weights alone take 13.5 of 14.9 GiB; quantized,
-    the decoder's Linears hold codes and scales and two layers' dequantized copies."""
+    the decoder's Linears hold codes and scales (as the TPU pads them) and two layers' dequantized copies."""
     code, report = run_preflight(tmp_path, MISTRAL_ON_ONE_CHIP, f"model.quantize={quantize}")
     phase = report["phases"]["phase1"]
     assert report["fits"] is fits and code == (0 if fits else 1)
@@ -256,4 +258,5 @@ def test_gemma_2_9b_at_2k_fits_one_v5e_chip_only_in_4_bits(tmp_path):
     assert code == 1 and report["fits"] is False
     assert {"model.quantize": "q4_0"} in [s["overrides"] for s in report["phases"]["phase1"]["to_fit"]]
     code, report = run_preflight(tmp_path / "q4", config, "model.quantize=q4_0")
-    assert code == 0 and report["hbm_per_chip_gib"] == pytest.approx(12.9, abs=0.05)
+    # (12.9 before the plan counted the TPU's tile padding: 3584 / 32 = 112 scales a row take 128 lanes)
+    assert code == 0 and report["hbm_per_chip_gib"] == pytest.approx(12.97, abs=0.02)
