@@ -143,3 +143,66 @@ def resumes_bitwise_and_not_under_another_format(out, tmp_path, tiny_model_dir, 
     ours, theirs = adapter_tensors(resumed), adapter_tensors(out)
     for key in theirs:
         assert torch.equal(ours[key], theirs[key]), key
+
+
+def loop_state_shapes(dump) -> set[str]:
+    """The 2-D float arrays every XLA While loop carries, in the optimized HLO of every graph the
+    run compiled (XLA_FLAGS --xla_dump_to): what a loop holds for its whole run."""
+    import re
+
+    shapes = set()
+    for path in dump.glob("*after_optimizations.txt"):
+        for state in re.findall(r"= \(([^)]*)\) while\(", path.read_text()):
+            shapes.update(re.findall(r"(?:f32|bf16|f16)\[\d+,\d+\]", state))
+    return shapes
+
+
+def dequantized_shapes(model_dir, fmt: str) -> set[str]:
+    """Every shape a decoder Linear's dequantized weight takes: [out, in], transposed, and its
+    blocks' layout [out * in / block, block], in any float type."""
+    from transformers import AutoConfig
+
+    from finetuning_pipeline.planning.tpu_plan import ModelShape
+    from lora_logic.quantize import BLOCK
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.num_hidden_layers = 1  # (the shape needs no parameter count: projections only)
+    shape = ModelShape(layers=1, hidden=config.hidden_size, intermediate=config.intermediate_size,
+                       heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+                       head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                       vocab=config.vocab_size, total_params=0)
+    found = set()
+    for in_features, out_features in shape.projections().values():
+        for dims in ((out_features, in_features), (in_features, out_features),
+                     (out_features * in_features // BLOCK[fmt], BLOCK[fmt])):
+            found.update(f"{kind}[{dims[0]},{dims[1]}]" for kind in ("f32", "bf16", "f16"))
+    return found
+
+
+@pytest.mark.parametrize("fmt, sections", [
+    ("q8_0", {"train": {"scan_layers": False}}),
+    ("q4_0", {"train": {"scan_layers": False}, "model": {"activation_checkpointing": True}}),
+    ("nf4", {"train": {"scan_layers": False}}),
+    ("q8_0", {"train": {"scan_layers": True}}),
+], ids=["q8_0", "q4_0-checkpointed", "nf4", "q8_0-scanned"])
+def test_no_loop_of_the_step_carries_a_dequantized_weight(fmt, sections, tiny_model_dir, data, tmp_path):
+    """Issue #53.1: the micro-batch loop (grad_accum 2) once carried every decoder Linear's
+    dequantized weight, which XLA's loop-invariant code motion had moved out of it (it reads only
+    codes and scales): the memory the quantization saves, kept for the whole step. The optimized
+    HLO of the trainer's own step, compiled by the real command: no loop holds one (the control:
+    the LoRA's A products, [r, in], are there)."""
+    import os
+
+    dump = tmp_path / "hlo"
+    merged = {"model": {"quantize": fmt}, "train": {"max_steps": 2, "grad_accum": 2},
+              "eval": {"every": 0, "max_batches": 1}, "checkpoint": {"every": 0, "keep": 1}}
+    for section, values in sections.items():
+        merged[section] = {**merged.get(section, {}), **values}
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out", **merged)
+    done = train_in_fresh_process(config, "--phase", "1", env={
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    carried = loop_state_shapes(dump)
+    assert carried, "no While loop found in the step's HLO"
+    assert any(shape.startswith("f32[") and ",64]" in shape for shape in carried)  # the control: LoRA's A
+    assert not carried & dequantized_shapes(tiny_model_dir, fmt)
