@@ -87,3 +87,14 @@ def assert_equal_in_exact_arithmetic(ours, theirs, what: str, bound: float = FLO
             test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
             f.write(json.dumps({"test": test, "what": what, "difference": difference, "bound": bound}) + "\n")
     assert difference <= bound, f"{what}: differs by {difference:.3g}, beyond its bound {bound:.3g} (tolerances.py)"
+
+
+def assert_within_bf16_rounding(losses: list[float], fp32_records: list[dict], what: str = "loss") -> None:
+    """Each step's bf16 loss within bf16_loss_bound of the fp32 run's, and not equal to all of
+    them (equal: the run was not in another precision)."""
+    gaps = []
+    for step, (loss, theirs) in enumerate(zip(losses, fp32_records, strict=True), start=1):
+        bound = bf16_loss_bound(theirs["loss"], theirs["label_tokens"], step)
+        assert_equal_in_exact_arithmetic(loss, theirs["loss"], f"{what} at step {step}", bound)
+        gaps.append(abs(loss - theirs["loss"]))
+    assert max(gaps) > 0, what

@@ -26,7 +26,6 @@ class DynamoCounters:
     compiles: int  # graphs dynamo compiled (its unique_graphs)
     compile_seconds: float  # dynamo's own compile time, forward and backward
     host_syncs: int | None = None  # not counted natively
-    transfers_from_device: int | None = None
 
     def __sub__(self, other: "DynamoCounters") -> "DynamoCounters":
         return DynamoCounters(self.compiles - other.compiles, self.compile_seconds - other.compile_seconds)

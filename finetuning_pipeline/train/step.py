@@ -48,15 +48,9 @@ def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, collect
 
     This is the step traced every time (train.capture_step false, and the reference the
     captured step is tested against: trainer.Stepper runs the same parts traced once).
-    seeds: the RNG seed of each micro-batch (the model's own dropout), given to seed_rng
-    (default: torch_xla's RNG on the parameters' device); None leaves the RNG as it is.
+    seeds, seed_rng: seed_rng(seeds[i]) seeds the RNG the model's own dropout draws from before
+    micro-batch i (the runtime's: Stepper.seed_rng); None leaves the RNG as it is.
     active: adapters side by side, which of them step (apply_update)."""
-    if seeds is not None and seed_rng is None:
-        import torch_xla.core.xla_model as xm
-
-        def seed_rng(seed: int) -> None:
-            xm.set_rng_state(seed, device=optimizer.params[0].device)
-
     sums = None
     for i, batch in enumerate(micro_batches):
         if seeds is not None:

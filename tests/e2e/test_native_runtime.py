@@ -17,8 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
-from tolerances import assert_equal_in_exact_arithmetic
+from tolerances import assert_equal_in_exact_arithmetic, assert_within_bf16_rounding
 from trainer_helpers import assert_same_run, metric_records, wait_for_step, write_run_config
 
 from finetuning_pipeline import main
@@ -210,15 +211,16 @@ def test_a_checkpoint_of_one_runtime_resumes_in_the_other(first, then, tiny_mode
 
 @pytest.mark.native
 def test_compiled_layers_train_as_eager_does_and_compile_only_in_warm_up(tiny_model_dir, data, tmp_path):
-    """runtime.compile=layers: each decoder layer under torch.compile (LoRA dropout and the shared
-    A products inside it), in fp32 (float64 proofs run eagerly: a compiled layer does not keep
-    float64 throughout, and the config refuses it). Step 1's loss is one forward of the same
-    weights: within fp32's bound of eager's; the later steps' follow it closely; and after the
-    warm-up step dynamo compiles nothing: evaluations between steps reuse their graphs too."""
+    """runtime.compile=layers: each decoder layer under torch.compile (LoRA dropout, the shared A
+    products and a q8_0 base's dequantizing matmul inside it), in fp32 (float64 proofs run
+    eagerly: a compiled layer does not keep float64 throughout, and the config refuses it).
+    Step 1's loss is one forward of the same weights: within fp32's bound of eager's; the later
+    steps' follow it closely; and after the warm-up step dynamo compiles nothing: evaluations
+    between steps reuse their graphs too."""
     from tolerances import fp32_forward_bound
     from transformers import AutoConfig
 
-    sections = sections_with(train={"max_steps": 4}, model={"dtype": "float32"})
+    sections = sections_with(train={"max_steps": 4}, model={"dtype": "float32", "quantize": "q8_0"})
     outs = {}
     for compiled in ("eager", "layers"):
         out = tmp_path / compiled
@@ -233,3 +235,23 @@ def test_compiled_layers_train_as_eager_does_and_compile_only_in_warm_up(tiny_mo
     summary = json.loads((outs["layers"] / "phase1" / "summary.json").read_text())
     assert summary["compiles_total"] >= 1 and summary["compiles_after_warmup"] == 0
     assert json.loads((outs["eager"] / "phase1" / "summary.json").read_text())["compiles_total"] == 0
+
+
+@pytest.mark.native
+def test_a_bf16_base_trains_within_bf16s_rounding_of_fp32(tiny_model_dir, data, tmp_path):
+    """The native runtime on a bf16 base (what a GPU or TorchTPU runs), fp32 LoRA weights and
+    optimizer under it: each step's loss within bf16's bound of the fp32 run's, and the adapter
+    saved in fp32."""
+    from trainer_helpers import adapter_tensors
+
+    outs = {}
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / dtype
+        config = write_run_config(tmp_path / f"{dtype}.yaml", tiny_model_dir, data, out,
+                                  **sections_with(model={"dtype": dtype}, train={"max_steps": 8}))
+        assert main.main(["--config", str(config), "--phase", "1", *NATIVE]) == 0
+        outs[dtype] = out
+    bf16, fp32 = metric_records(outs["bfloat16"]), metric_records(outs["float32"])
+    assert [r["step"] for r in bf16] == [r["step"] for r in fp32] == list(range(1, 9))
+    assert_within_bf16_rounding([r["loss"] for r in bf16], fp32)
+    assert {t.dtype for t in adapter_tensors(outs["bfloat16"]).values()} == {torch.float32}

@@ -22,7 +22,7 @@ import pytest
 import torch
 from model_families import FAMILIES
 from safetensors.torch import load_file
-from tolerances import assert_equal_in_exact_arithmetic, bf16_loss_bound
+from tolerances import assert_equal_in_exact_arithmetic, assert_within_bf16_rounding, bf16_loss_bound
 from trainer_helpers import adapter_tensors, metric_records, train_in_fresh_process, train_losses, write_run_config
 
 from finetuning_pipeline import main
@@ -64,17 +64,6 @@ def assert_tpu_path_run(out, reference) -> None:
     assert [r["step"] for r in ours] == [r["step"] for r in theirs] == list(range(1, 9))
     assert_within_bf16_rounding([r["loss"] for r in ours], theirs)
     assert ours[-1]["loss"] < ours[0]["loss"]
-
-
-def assert_within_bf16_rounding(losses: list[float], fp32_records: list[dict], what: str = "loss") -> None:
-    """Each step's bf16 loss within bf16_loss_bound of the fp32 run's, and not equal to all of
-    them (equal: the run was not in another precision)."""
-    gaps = []
-    for step, (loss, theirs) in enumerate(zip(losses, fp32_records, strict=True), start=1):
-        bound = bf16_loss_bound(theirs["loss"], theirs["label_tokens"], step)
-        assert_equal_in_exact_arithmetic(loss, theirs["loss"], f"{what} at step {step}", bound)
-        gaps.append(abs(loss - theirs["loss"]))
-    assert max(gaps) > 0, what
 
 
 def family_model_dir(tiny_model_dir, root, family: str):
