@@ -3,7 +3,10 @@
 After `train.warmup_compiles_steps` steps every step must replay a compiled graph: a new
 compile is a bug (a shape or a Python scalar that changes) that would cost minutes of TPU time
 per occurrence, so by default it stops the run. The same per-step counter reads give the
-host syncs per step (0 is the target: the host never waits for the device inside a step).
+host syncs per step (0 is the target: the host never waits for the device inside a step). A
+runtime whose count is not free (native: the profiler's) counts one step instead, the first after
+the warm-up (which compiles, and compiling runs ops of its own), and starts the clock after it:
+`counting_host_syncs(step)` goes around the stepper.
 
 The clock starts once the warm-up steps have *run* (`xm.wait_device_ops`): the host runs a
 step ahead of the device (run_ahead.py), so only the time to the end of the last step's
@@ -12,6 +15,7 @@ execution measures the steps.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from finetuning_pipeline.errors import RecompileError
@@ -27,6 +31,9 @@ class CompileGuard:
         self.read_counters = runtime.counters if runtime is not None else read_counters
         self.wait = runtime.wait if runtime is not None else wait_device_ops
         self.native = runtime is not None and runtime.name != "xla"
+        self.runtime = runtime
+        self.syncs_each_step = runtime is None or runtime.counts_host_syncs_each_step
+        self.sync_count = None  # the counted step's (runtimes that count one step)
         self.phase = phase
         self.warmup_steps = warmup_steps
         self.warm_after = warmup_steps
@@ -48,6 +55,20 @@ class CompileGuard:
         self.warm_after = start_step + self.warmup_steps
         self.first_step = start_step + 1
 
+    def counting_host_syncs(self, step: int):
+        """Around the stepper's call for `step` (1-based: the step it takes), on every runtime.
+        (Not the whole of step_started..step_ended: a log step's reads of its results, which the
+        XLA runtime's closures make by transfers, would count natively.)"""
+        if self.syncs_each_step or step != self.warm_after + 1:
+            return contextlib.nullcontext()
+        self.sync_count = self.runtime.counting_host_syncs()
+        return self.sync_count
+
+    def clock_after(self) -> int:
+        """The step after which the clock starts: the last warm-up step (XLA), or the step after it,
+        whose host syncs a runtime that counts one step counts (native)."""
+        return self.warm_after + (0 if self.syncs_each_step else 1)
+
     def step_started(self) -> None:
         """Call before fetching the step's batches."""
         self._before = self.read_counters()
@@ -64,18 +85,15 @@ class CompileGuard:
             # The step's graph is compiled at its first run; the largest donation of the graphs
             # compiled then is its own (replica threads of this process compile the same graph).
             self.first_step_donations = max(donations_of_last_graphs(delta.compiles), default=0)
-        if step == self.warm_after:
+        if step == self.clock_after():
             self.wait()
             self.warm_time = time.perf_counter()
-        if step <= self.warm_after:
-            return
-        self.steps_timed += 1
-        self.data_wait += self._waited
-        if delta.host_syncs is not None:
-            self.host_syncs_after_warmup += delta.host_syncs
-        else:
-            self.host_syncs_after_warmup = None  # not counted by this runtime
-        if delta.compiles:
+        if step > self.clock_after():
+            self.steps_timed += 1
+            self.data_wait += self._waited
+            if self.syncs_each_step:
+                self.host_syncs_after_warmup += delta.host_syncs
+        if step > self.warm_after and delta.compiles:
             self.compiles_after_warmup += delta.compiles
             how = ("rerun with TORCH_LOGS=recompiles to see the cause" if self.native
                    else "rerun with PT_XLA_DEBUG_LEVEL=2 to see the cause")
@@ -88,8 +106,10 @@ class CompileGuard:
     def summary(self, steps_run: int, tokens_per_step: int) -> dict:
         """Throughput and compile figures of this process's run of the phase (after the device
         finished: call the runtime's wait() first)."""
-        seconds = time.perf_counter() - (self.warm_time or self.started)
-        timed = self.steps_timed if self.warm_time is not None else steps_run
+        if self.clock_after() < self.first_step:  # no untimed step: the clock runs from the start
+            seconds, timed = time.perf_counter() - self.started, steps_run
+        else:
+            seconds, timed = time.perf_counter() - (self.warm_time or self.started), self.steps_timed
         counters = self.read_counters()
         return {
             "tokens_per_sec": round(timed * tokens_per_step / seconds, 1) if timed else None,
@@ -99,11 +119,15 @@ class CompileGuard:
             # With the persistent cache warm, "compiles" load executables from disk: fast.
             "compile_seconds": round(counters.compile_seconds - self.at_start.compile_seconds, 2),
             "compiles_after_warmup": self.compiles_after_warmup,
-            "host_syncs_per_step": (self.host_syncs_after_warmup / self.steps_timed
-                                    if self.steps_timed and self.host_syncs_after_warmup is not None else None),
+            "host_syncs_per_step": self.host_syncs_per_step(),
             # None when the first step compiled nothing here (its graph was cached in this process)
             "step_donated_buffers": self.first_step_donations,
         }
+
+    def host_syncs_per_step(self) -> float | None:
+        if not self.syncs_each_step:
+            return self.sync_count.value if self.sync_count is not None else None
+        return self.host_syncs_after_warmup / self.steps_timed if self.steps_timed else None
 
     def elapsed(self) -> float:
         """Seconds since the phase started."""

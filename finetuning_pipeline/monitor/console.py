@@ -46,12 +46,11 @@ def summary_lines(summary: dict) -> str:
     elif summary["tokens_per_sec"] is None:  # every step this run took was a warm-up step: nothing timed
         head += (f", compiles {summary['compiles_total']}; tokens/s and host syncs/step n/a: no step ran after the "
                  "warm-up steps (train.warmup_compiles_steps), which compile and are not timed")
+        if summary.get("runtime", "xla") != "xla":
+            head += ", nor after the step after them, whose host syncs the native runtime counts"
     else:
-        syncs = summary["host_syncs_per_step"]
         head += (f", {summary['tokens_per_sec']:,.0f} tokens/s, compiles {summary['compiles_total']} "
-                 f"({summary['compiles_after_warmup']} after warm-up), host syncs/step "
-                 + (number(syncs, "g") if syncs is not None or summary.get("runtime", "xla") == "xla"
-                    else "n/a (not counted by the native runtime)"))
+                 f"({summary['compiles_after_warmup']} after warm-up), host syncs/step {host_syncs(summary)}")
     lines = [head]
     for name, each in adapters.items():
         line = f"  {name}: {each['steps']} steps, {evaluation(each)}"
@@ -68,6 +67,14 @@ def evaluation(result: dict) -> str:
     return (f"eval loss {number(result['eval_loss_before'], '.4f')} -> {number(result['eval_loss_after'], '.4f')} "
             f"(perplexity {number(result['perplexity_before'], '.1f')} -> "
             f"{number(result['perplexity_after'], '.1f')})")
+
+
+def host_syncs(summary: dict) -> str:
+    syncs = summary["host_syncs_per_step"]
+    if summary.get("runtime", "xla") == "xla":
+        return number(syncs, "g")  # torch_xla's counter, every timed step
+    # native: the profiler's count of one step (runtime/native_syncs.py)
+    return "n/a (the profiler recorded nothing)" if syncs is None else f"{syncs:g} (one step counted)"
 
 
 def number(value, spec: str) -> str:

@@ -14,7 +14,10 @@ given (`runtime`), made by `start_runtime` with the replica's Parallel and devic
                                        natively the step's kernels are already queued, nothing to do
     runtime.after_step(fn, args)       fn(*args) once the step's results exist (XLA: a step closure)
     runtime.wait()                     until the device has finished what was queued
-    runtime.counters()                 compiles, compile seconds, host syncs so far (CompileGuard)
+    runtime.counters()                 compiles, compile seconds (XLA: and host syncs) so far (CompileGuard)
+    runtime.counting_host_syncs()      native: a context counting the host syncs of what runs in it, which
+                                       CompileGuard puts around one step (counts_host_syncs_each_step:
+                                       False); XLA's counters count every step's (True)
     runtime.peak_memory_bytes(dev)     the device's peak memory, or None where it reports none
     runtime.scans                      whether the decoder layers may be scanned (torch_xla's scan);
                                        runtime.layers_note() says how they run where they are not

@@ -2,9 +2,8 @@
 in this process. Nothing here imports torch_xla: a GPU machine or a TorchTPU VM has none.
 
 The step is native_step.py's; the data arrives by a plain copy per micro-batch (non-blocking
-from pinned memory on an accelerator); compiles are dynamo's own counters. Host syncs are not
-counted: on a CPU there is no device to wait for, and on an accelerator PyTorch has no counter
-of them (the summary says n/a rather than a 0 nobody measured).
+from pinned memory on an accelerator); compiles are dynamo's own counters; host syncs are
+counted on one step by PyTorch's profiler (native_syncs.py: PyTorch keeps no counter of them).
 """
 
 from __future__ import annotations
@@ -19,13 +18,13 @@ from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.run_config import RuntimeConfig
 from finetuning_pipeline.runtime.native_device import compiles_layers, native_device
 from finetuning_pipeline.runtime.native_step import NativeStepper
+from finetuning_pipeline.runtime.native_syncs import HostSyncCount
 
 
 @dataclass(frozen=True)
 class DynamoCounters:
     compiles: int  # graphs dynamo compiled (its unique_graphs)
     compile_seconds: float  # dynamo's own compile time, forward and backward
-    host_syncs: int | None = None  # not counted natively
 
     def __sub__(self, other: "DynamoCounters") -> "DynamoCounters":
         return DynamoCounters(self.compiles - other.compiles, self.compile_seconds - other.compile_seconds)
@@ -41,6 +40,7 @@ def dynamo_counters() -> DynamoCounters:
 class NativeRuntime:
     name = "native"
     scans = False  # the layer scan is torch_xla's; compile_layers compiles one layer's graph instead
+    counts_host_syncs_each_step = False  # the profiler counts one step (CompileGuard picks it)
 
     def __init__(self, device: torch.device, compile_layers: bool) -> None:
         self.device, self.compile_layers = device, compile_layers
@@ -71,6 +71,9 @@ class NativeRuntime:
 
     def counters(self) -> DynamoCounters:
         return dynamo_counters()
+
+    def counting_host_syncs(self) -> HostSyncCount:
+        return HostSyncCount()
 
     def peak_memory_bytes(self, device) -> int | None:
         if device.type == "cpu":

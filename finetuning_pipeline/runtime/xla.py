@@ -14,6 +14,7 @@ from utils.xla_runtime import peak_memory_bytes
 class XlaRuntime:
     name = "xla"
     scans = True
+    counts_host_syncs_each_step = True  # torch_xla's counter, read around every step
 
     def stepper(self, *args, **kwargs) -> Stepper:
         return Stepper(*args, **kwargs)

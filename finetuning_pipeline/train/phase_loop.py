@@ -62,7 +62,8 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
             # already traced for this step (the LR) into a graph of its own.
             micro_batches = [next(batches) for _ in range(config.train.grad_accum)]
             p.guard.data_ready()
-            results = p.stepper(step, micro_batches)
+            with p.guard.counting_host_syncs(step + 1):
+                results = p.stepper(step, micro_batches)
             p.monitor.update(results["applied"], results.get("skipped"))
             step += 1
             # (and each adapter's last step side by side: its summary's last training loss)

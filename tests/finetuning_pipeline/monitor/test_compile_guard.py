@@ -100,3 +100,65 @@ def test_the_buffers_donated_by_the_first_steps_graph_are_reported(counters):
     resumed.resume_at(4)
     run_steps(resumed, counters, 5, {5: 0, 6: 0})  # the step's graph already compiled in this process
     assert resumed.summary(steps_run=2, tokens_per_step=128)["step_donated_buffers"] is None
+
+
+class StepSyncs:
+    """A count of one step's host syncs, as runtime/native_syncs.py's HostSyncCount gives it."""
+
+    def __init__(self, syncs: int) -> None:
+        self.syncs, self.value = syncs, None
+
+    def __enter__(self) -> "StepSyncs":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.value = self.syncs
+
+
+class OneStepCountingRuntime:
+    """A runtime whose host syncs are counted on one step (native's profiler): a count made
+    during step k gives the syncs the test says step k makes."""
+
+    name = "native"
+    counts_host_syncs_each_step = False
+
+    def __init__(self, counters, syncs_per_step: dict[int, int]) -> None:
+        self.counters, self.syncs_per_step = counters, syncs_per_step
+        self.step, self.counted_steps = 0, []
+
+    def wait(self) -> None:
+        pass
+
+    def counting_host_syncs(self) -> StepSyncs:
+        self.counted_steps.append(self.step)
+        return StepSyncs(self.syncs_per_step.get(self.step, 0))
+
+
+def run_counted_steps(guard, runtime, first: int, steps: int) -> None:
+    for step in range(first, first + steps):
+        guard.step_started()
+        guard.data_ready()
+        runtime.step = step
+        with guard.counting_host_syncs(step):
+            pass
+        guard.step_ended(step)
+
+
+@pytest.mark.parametrize("warmup,resumed_at", [(1, 0), (3, 0), (0, 0), (2, 10)])
+def test_a_runtime_that_counts_one_step_counts_the_first_after_warm_up_and_times_the_rest(counters, warmup,
+                                                                                         resumed_at):
+    """Native: the warm-up steps compile (and compiling runs ops of its own), so the first step
+    after them is counted, untimed (the profiler's cost stays out of tokens/s); the summary gives
+    that step's syncs, whatever the steps after it make; a graph compiled in it is refused."""
+    counted = resumed_at + warmup + 1
+    runtime = OneStepCountingRuntime(counters, {counted - 1: 7, counted: 2, counted + 1: 5})
+    guard = compile_guard.CompileGuard(phase=1, warmup_steps=warmup, policy="error", runtime=runtime)
+    guard.resume_at(resumed_at)
+    run_counted_steps(guard, runtime, resumed_at + 1, warmup + 3)
+    assert runtime.counted_steps == [counted]
+    summary = guard.summary(steps_run=warmup + 3, tokens_per_step=1)
+    assert summary["host_syncs_per_step"] == 2 and guard.steps_timed == 2
+    guard = compile_guard.CompileGuard(phase=1, warmup_steps=warmup, policy="error", runtime=runtime)
+    guard.resume_at(resumed_at)
+    with pytest.raises(RecompileError, match=f"step {counted}:"):
+        run_steps(guard, counters, resumed_at + 1, {step: 1 for step in range(resumed_at + 1, counted + 1)})

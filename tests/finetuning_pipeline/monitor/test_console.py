@@ -34,6 +34,12 @@ def test_a_phase_summary_line():
         "(0 after warm-up), host syncs/step 0")
 
 
+def test_the_native_runtime_says_its_host_syncs_were_counted_on_one_step():
+    assert summary_lines(summary(runtime="native")).endswith("host syncs/step 0 (one step counted)")
+    assert summary_lines(summary(runtime="native", host_syncs_per_step=None)).endswith(
+        "host syncs/step n/a (the profiler recorded nothing)")
+
+
 def test_a_resume_that_took_no_step_says_so_not_zero_tokens_per_second():
     line = summary_lines(summary(resumed_from_step=10, tokens_per_sec=None, host_syncs_per_step=None))
     assert line == ("phase 1: 10 steps, eval loss 2.0000 -> 1.5000 (perplexity 7.4 -> 4.5) (every step was taken "

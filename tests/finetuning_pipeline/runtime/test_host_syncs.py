@@ -1,0 +1,59 @@
+"""The native runtime's count of host syncs (runtime/native_syncs.py): the ops that make the host
+wait for the device's values are counted, others are not, and counting runs a compiled layer as
+it runs uncounted (dynamo neither skips it nor compiles it again)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from finetuning_pipeline.runtime.native_syncs import HostSyncCount
+
+pytestmark = pytest.mark.native
+
+
+def test_item_bool_and_a_boolean_mask_are_counted_and_nothing_else():
+    x = torch.randn(4, 8)
+    with HostSyncCount() as quiet:
+        y = (x @ x.T).softmax(-1).sum(0)
+        torch.where(y > 0, y, -y).cumsum(0)
+    assert quiet.value == 0
+    with HostSyncCount() as syncing:
+        y.sum().item()  # _local_scalar_dense
+        if bool(y.max() > 0):  # _local_scalar_dense
+            x[x > 0].sum()  # nonzero: the output's shape is the mask's count
+    assert syncing.value == 3
+
+
+def test_a_compiled_module_runs_compiled_inside_the_count_and_compiles_once():
+    from torch._dynamo.utils import counters
+
+    calls = []
+
+    def backend(graph, inputs):  # dynamo's graph, counted each time it runs
+        def run(*args):
+            calls.append(1)
+            return graph.forward(*args)
+        return run
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.b(torch.nn.functional.gelu(self.a(x)))
+
+    torch._dynamo.reset()
+    counters.clear()
+    block = Block()
+    block.compile(backend=backend, dynamic=False)
+    x = torch.randn(2, 8)
+    block(x).sum().backward()
+    graphs, ran = counters["stats"]["unique_graphs"], len(calls)
+    with HostSyncCount() as count:
+        loss = block(x).sum()
+        loss.backward()
+        loss.item()
+    assert count.value == 1
+    assert len(calls) == ran + 1 and counters["stats"]["unique_graphs"] == graphs == 1
