@@ -9,14 +9,17 @@ Two kinds of traffic:
   `xm.rendezvous`/`xm.mesh_reduce` all-gather on the device and sync the graph first:
   `xla_model.xla_rendezvous`, a host sync per vote.) A peer that dies closes its sockets, so a
   vote fails at once on the others instead of hanging.
-- Device sums (gradients, loss and token counts, eval sums), in one of three ways:
+- Device sums (gradients, loss and token counts, eval sums), in one of four ways:
   "none"      nothing to reduce: one process, or one SPMD program whose mesh spans every chip
               (the partitioner inserts the reductions);
   "xla"       `xm.all_reduce` inside the step's graph (one process per TPU chip);
   "host"      through gloo via host memory: processes started by `torchrun` on a CPU, where
               XLA:CPU has no cross-process collectives (pytorch/xla#5342). This costs a sync
               and a transfer per step: it exists so the multi-process control flow runs on a
-              CPU exactly as on a pod, not for speed.
+              CPU exactly as on a pod, not for speed;
+  "torch"     the native runtime's processes: torch.distributed's default process group, on
+              the device's own backend (gloo on a CPU, NCCL on CUDA); its gradients are summed
+              by DistributedDataParallel (runtime/native_ddp.py), the rest here.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 from finetuning_pipeline.errors import ReplicaLost
 from utils.precision import at_least_fp32
 
-DEVICE_REDUCTIONS = ("none", "xla", "host")
+DEVICE_REDUCTIONS = ("none", "xla", "host", "torch")
 
 
 def torchrun_world() -> int:
@@ -144,6 +147,10 @@ class Collectives:
                 self.barrier()
         finally:
             self.group.shutdown()
+            if self.device_reduction == "torch":
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
             self.group = self._stores = None
 
     # -- device sums --------------------------------------------------------------------------
@@ -158,13 +165,17 @@ class Collectives:
             xm.all_reduce(xm.REDUCE_SUM, tensors)  # a list is reduced in place, in one collective
             return tensors
         import torch.distributed as dist
-        import torch_xla
 
         flat = torch.cat([at_least_fp32(t.reshape(-1)) for t in tensors])
-        torch_xla.sync()  # materialise before the transfer; one graph, the same every step
-        host = flat.cpu()
-        self._all_reduce(host, dist.ReduceOp.SUM)
-        flat = host.to(tensors[0].device)
+        if self.device_reduction == "torch":  # on the device, no host round trip
+            self._wait(lambda: dist.all_reduce(flat, dist.ReduceOp.SUM, async_op=True))
+        else:
+            import torch_xla
+
+            torch_xla.sync()  # materialise before the transfer; one graph, the same every step
+            host = flat.cpu()
+            self._all_reduce(host, dist.ReduceOp.SUM)
+            flat = host.to(tensors[0].device)
         out, offset = [], 0
         for t in tensors:
             out.append(flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype))

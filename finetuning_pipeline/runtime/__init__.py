@@ -50,7 +50,7 @@ def start_runtime(config: RunConfig):
     if config.runtime.backend == "native":
         from finetuning_pipeline.runtime.native import start_native
 
-        return start_native(config.runtime, config.model.dtype)
+        return start_native(config)
     from finetuning_pipeline.runtime.xla import start_xla
 
     return start_xla(config.parallel)

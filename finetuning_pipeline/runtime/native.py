@@ -1,5 +1,6 @@
-"""The native runtime's half of the seam (runtime/__init__.py): plain PyTorch on one device,
-in this process. Nothing here imports torch_xla: a GPU machine or a TorchTPU VM has none.
+"""The native runtime's half of the seam (runtime/__init__.py): plain PyTorch on one device in
+this process, or, under torchrun, one process of several (parallel.mode=dp: native_ddp.py).
+Nothing here imports torch_xla: a GPU machine or a TorchTPU VM has none.
 
 The step is native_step.py's; the data arrives by a plain copy per micro-batch (non-blocking
 from pinned memory on an accelerator); compiles are dynamo's own counters; host syncs are
@@ -8,14 +9,16 @@ counted on one step by PyTorch's profiler (native_syncs.py: PyTorch keeps no cou
 
 from __future__ import annotations
 
+import datetime
+import os
 from dataclasses import dataclass
 
 import torch
 
-from finetuning_pipeline.distributed.collectives import Collectives, torchrun_world
+from finetuning_pipeline.distributed.collectives import Collectives, launch_rank, replica_group, torchrun_world
 from finetuning_pipeline.distributed.parallel import Parallel
 from finetuning_pipeline.errors import ConfigError
-from finetuning_pipeline.run_config import RuntimeConfig
+from finetuning_pipeline.run_config import RunConfig
 from finetuning_pipeline.runtime.native_device import compiles_layers, native_device
 from finetuning_pipeline.runtime.native_step import NativeStepper
 from finetuning_pipeline.runtime.native_syncs import HostSyncCount
@@ -82,10 +85,33 @@ class NativeRuntime:
                                                                              "max_memory_allocated") else None
 
 
-def start_native(runtime: RuntimeConfig, dtype: str):
-    """(NativeRuntime, Parallel, device): one replica in this process, on runtime.device; dtype: model.dtype."""
-    if torchrun_world() > 1:
-        raise ConfigError("runtime.backend=native trains in one process for now: run plain python, not torchrun "
-                          "(many processes under torchrun come with the native runtime's DDP and FSDP2)")
+def start_native(config: RunConfig):
+    """(NativeRuntime, Parallel, device): one replica in this process, on runtime.device; under
+    torchrun one of its processes (parallel.mode=dp), in torch.distributed's default group."""
+    runtime = config.runtime
+    world = torchrun_world()
+    if world > 1 and runtime.device in ("auto", "cuda") and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # a GPU per process
     device = native_device(runtime.device)
-    return NativeRuntime(device, compiles_layers(runtime.compile, device, dtype)), Parallel("dp", Collectives()), device
+    collectives = Collectives()
+    if world > 1:
+        collectives = join_processes(device, config.parallel.host_timeout_s)
+    return (NativeRuntime(device, compiles_layers(runtime.compile, device, config.model.dtype)),
+            Parallel("dp", collectives), device)
+
+
+def join_processes(device: torch.device, timeout_s: float) -> Collectives:
+    """This process among torchrun's: a gloo group for the replicas' host decisions (collectives.py)
+    and torch.distributed's default group on the device's backend for its sums, both over the one
+    store torchrun's rendezvous gives."""
+    import torch.distributed as dist
+
+    backends = {"cpu": "gloo", "cuda": "nccl"}
+    if device.type not in backends:
+        raise ConfigError(f"runtime.device={device.type}: many processes on the native runtime run on a CPU (gloo) "
+                          "or CUDA GPUs (NCCL) for now; run one process, or runtime.backend=xla")
+    rank, world = launch_rank(), torchrun_world()
+    group, stores = replica_group("env://", rank, world, timeout_s)
+    dist.init_process_group(backends[device.type], store=dist.PrefixStore("tpu-lora/device", stores[1]), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    return Collectives(rank, world, "torch", group, stores)

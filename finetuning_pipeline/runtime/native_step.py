@@ -1,6 +1,7 @@
 """The native runtime's optimizer step: the same micro-batch gradients, sums and masked AdamW
 update as the XLA runtime's (train/step.py), run by PyTorch as it goes, with each decoder
-layer optionally compiled by torch.compile.
+layer optionally compiled by torch.compile, and under torchrun the gradients summed by
+DistributedDataParallel (native_ddp.py).
 
 What the XLA runtime does with a captured graph is done here by eager PyTorch: the step's
 kernels are queued as the Python runs, nothing of a step is read on the host, and a log step
@@ -21,6 +22,7 @@ import torch
 
 from finetuning_pipeline.distributed.parallel import decoder_layers
 from finetuning_pipeline.run_config import TrainConfig
+from finetuning_pipeline.runtime.native_ddp import data_parallel_step, replicate
 from finetuning_pipeline.train.stepper import Stepper
 from lora_logic.dropout import SeededDropout
 
@@ -36,6 +38,16 @@ class NativeStepper(Stepper):
     def set_up_execution(self, t: TrainConfig, activation_checkpointing: bool) -> None:
         if self.compile_layers:
             compile_decoder_layers(self.model)
+        self.ddp = None
+        if self.parallel.world > 1:  # processes under torchrun: DDP sums the gradients (native_ddp.py)
+            self.ddp = replicate(self.model, self.packed, self.loss_chunk, self.optimizer.group_count, self.device)
+
+    def run_step(self, micro_batches: list[dict], seeds: list[int], active: torch.Tensor | None) -> dict:
+        if self.ddp is None:
+            return super().run_step(micro_batches, seeds, active)
+        return data_parallel_step(self.ddp, self.optimizer, micro_batches, collectives=self.parallel.collectives,
+                                  max_grad_norm=self.max_grad_norm, seeds=seeds, seed_rng=self.seed_rng,
+                                  active=active)
 
     def seed_rng(self, seed: int) -> None:
         torch.manual_seed(seed)  # every device's default generator (CPU and CUDA alike)

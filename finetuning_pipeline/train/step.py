@@ -26,16 +26,25 @@ def micro_batch_gradients(model, optimizer, batch: dict[str, torch.Tensor], pack
     batch["lora_seed"] (int32 [1], optional): the seed of its LoRA dropout masks (lora_logic/dropout.py).
     A model of K adapters side by side: loss sum and label tokens per adapter, [K]; the gradient
     of their total is each adapter's own, as its rows reach only its weights."""
-    set_dropout_seed(model, batch.get("lora_seed"))
-    with float64_throughout(model.dtype):  # (the backward too: a checkpointed layer's forward runs again in it)
-        # The optimizer's groups are the model's adapters (one per adapter side by side): known, not
-        # looked up in the model's modules at every trace.
-        loss_sum, count = causal_lm_loss_sum(model, batch, packed, loss_chunk, groups=optimizer.group_count)
-        loss_sum.sum().backward()  # (a checkpointed layer recomputes its forward here, with the same masks)
-    set_dropout_seed(model, None)
+    # The optimizer's groups are the model's adapters (one per adapter side by side): known, not
+    # looked up in the model's modules at every trace.
+    loss_sum, count = micro_batch_backward(
+        model, batch, lambda b: causal_lm_loss_sum(model, b, packed, loss_chunk, groups=optimizer.group_count))
     grad = optimizer.flat_grad()
     optimizer.zero_grad()
-    return [grad, loss_sum.detach(), count]
+    return [grad, loss_sum, count]
+
+
+def micro_batch_backward(model, batch: dict[str, torch.Tensor], loss_sums) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of one micro-batch's loss sum, its gradients added to the `.grad`s: (loss sum,
+    label tokens). loss_sums(batch): causal_lm_loss_sum of the model, or what computes it through a
+    wrapper (the native runtime's DistributedDataParallel)."""
+    set_dropout_seed(model, batch.get("lora_seed"))
+    with float64_throughout(model.dtype):  # (the backward too: a checkpointed layer's forward runs again in it)
+        loss_sum, count = loss_sums(batch)
+        loss_sum.sum().backward()  # (a checkpointed layer recomputes its forward here, with the same masks)
+    set_dropout_seed(model, None)
+    return loss_sum.detach(), count
 
 
 def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, collectives: Collectives | None = None,

@@ -152,9 +152,7 @@ class Stepper:
                          for batch, seed in zip(micro_batches, seeds)]
         if self.gradients is None:
             self.optimizer.lr, active = self.lr_and_active()
-            results = train_step(self.model, self.optimizer, micro_batches, max_grad_norm=self.max_grad_norm,
-                                 collectives=self.parallel.collectives, packed=self.packed,
-                                 loss_chunk=self.loss_chunk, seeds=seeds, active=active, seed_rng=self.seed_rng)
+            results = self.run_step(micro_batches, seeds, active)
         else:
             inputs = (micro_batches, torch.tensor(seeds, dtype=torch.int64).to(self.device))
             if not self.gradients.captured:
@@ -172,6 +170,12 @@ class Stepper:
         self.label_tokens = self.label_tokens + results["tokens"]
         self.step_count = self.step_count + 1
         return {**results, "lr": self.optimizer.lr}
+
+    def run_step(self, micro_batches: list[dict], seeds: list[int], active: torch.Tensor | None) -> dict:
+        """The step as it goes (not captured): step.train_step, the runtime's RNG seeded per micro-batch."""
+        return train_step(self.model, self.optimizer, micro_batches, max_grad_norm=self.max_grad_norm,
+                          collectives=self.parallel.collectives, packed=self.packed, loss_chunk=self.loss_chunk,
+                          seeds=seeds, active=active, seed_rng=self.seed_rng)
 
     def _capture(self, inputs: tuple[list[dict], torch.Tensor]) -> None:
         """Both traces, before anything of the first step is pending (see CapturedStep.capture):

@@ -18,60 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from tolerances import assert_equal_in_exact_arithmetic, assert_within_bf16_rounding
+from native_helpers import NATIVE, assert_runs_equal, sections_with, side_by_side
+from tolerances import assert_within_bf16_rounding
 from trainer_helpers import assert_same_run, metric_records, wait_for_step, write_run_config
 
 from finetuning_pipeline import main
 
 REPO = Path(__file__).resolve().parents[2]
-NATIVE = ["runtime.backend=native", "runtime.device=cpu"]
-# LoRA dropout on, two micro-batches a step: the masks and the accumulation must match too.
-SMALL = {"train": {"max_steps": 6, "grad_accum": 2}, "lora": {"r": 8, "alpha": 16, "dropout": 0.1},
-         "model": {"dtype": "float64"}, "eval": {"every": 3, "max_batches": 1}, "checkpoint": {"every": 3, "keep": 2},
-         "logging": {"every": 1, "progress_bar": False, "tensorboard": False}}
-
-
-def sections_with(**extra) -> dict:
-    merged = {k: dict(v) for k, v in SMALL.items()}
-    for section, values in extra.items():
-        if isinstance(values, dict):
-            merged.setdefault(section, {}).update(values)
-        else:
-            merged[section] = values
-    return merged
-
-
-def adapters_of(out: Path, phase: int) -> dict[str, dict]:
-    """{adapter directory relative to the phase: its tensors}: the one adapter, or each side by side."""
-    root = out / f"phase{phase}"
-    return {str(path.parent.relative_to(root)): load_file(path)
-            for path in sorted(root.glob("**/adapter_model.safetensors")) if "checkpoints" not in path.parts}
-
-
-def assert_runs_equal(ours: Path, theirs: Path, phases: list[int]) -> None:
-    """Every logged train and eval loss (per adapter side by side) and every adapter, within float64's bound."""
-    for phase in phases:
-        for kind in ("train", "eval"):
-            mine, other = metric_records(ours, kind, phase), metric_records(theirs, kind, phase)
-            assert [r["step"] for r in mine] == [r["step"] for r in other] and mine, (phase, kind)
-            values = [[r["loss"]] + [a["loss"] for a in r.get("adapters", {}).values()] for r in mine]
-            expected = [[r["loss"]] + [a["loss"] for a in r.get("adapters", {}).values()] for r in other]
-            assert_equal_in_exact_arithmetic(sum(values, []), sum(expected, []), f"phase {phase} {kind} losses")
-        mine, other = adapters_of(ours, phase), adapters_of(theirs, phase)
-        assert mine.keys() == other.keys() and mine
-        for name, tensors in mine.items():
-            assert tensors.keys() == other[name].keys()
-            for key, tensor in tensors.items():
-                assert_equal_in_exact_arithmetic(tensor, other[name][key], f"phase {phase} {name} {key}")
-
-
-def side_by_side(data) -> dict:
-    return {"phase1": {"data": "", "adapters": {"text": {"data": str(data[1]), "max_steps": 4},
-                                                 "chat": {"data": str(data[2]), "lr": 5e-3}}},
-            "phase2": {"data": str(data[2]), "init": "fresh"}}
-
-
 CASES = {
     "curriculum": (lambda data: {}, ["all"], [1, 2]),
     # the chunked loss too (4 chunks of 64 tokens a micro-batch)
@@ -95,6 +48,7 @@ def test_the_native_runtime_equals_the_xla_runtime(case, tiny_model_dir, data, t
     assert_runs_equal(outs["native"], outs["xla"], phases)
     summary = json.loads((outs["native"] / "phase1" / "summary.json").read_text())
     assert summary["runtime"] == "native" and summary["compiles_after_warmup"] == 0
+    assert summary["host_syncs_per_step"] == 0  # counted by the profiler on step 2
     assert json.loads((outs["xla"] / "phase1" / "summary.json").read_text())["runtime"] == "xla"
 
 
@@ -234,6 +188,7 @@ def test_compiled_layers_train_as_eager_does_and_compile_only_in_warm_up(tiny_mo
     assert all(abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]) for a, b in zip(eager, compiled))
     summary = json.loads((outs["layers"] / "phase1" / "summary.json").read_text())
     assert summary["compiles_total"] >= 1 and summary["compiles_after_warmup"] == 0
+    assert summary["host_syncs_per_step"] == 0  # step 2's (step 1's compiles make some of their own)
     assert json.loads((outs["eager"] / "phase1" / "summary.json").read_text())["compiles_total"] == 0
 
 

@@ -1,0 +1,100 @@
+"""parallel.mode=dp on the native runtime: processes started by torchrun, each a replica whose
+LoRA gradients DistributedDataParallel sums (runtime/native_ddp.py) and whose loss sums and host
+decisions go through torch.distributed (gloo on a CPU), equal in float64 to one process with the
+same global batch of 8 sequences (micro-batch 4, 2 or 1, two micro-batches a step): 2 processes
+over both demo phases, 4 over phase 1, 2 with adapters side by side and 2 on a q8_0 base with
+recomputed layers and the chunked loss. LoRA dropout is off: its masks depend on the replica."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+import torch
+from native_helpers import NATIVE, assert_runs_equal, sections_with, side_by_side
+from replica_helpers import (
+    HANG,
+    STEPS,
+    checkpoint_steps,
+    config_for,
+    out_of,
+    run_replicas,
+    stop_lines,
+    torchrun,
+    wait_for_replicas,
+)
+from trainer_helpers import adapter_tensors, assert_same_run, train_losses, write_run_config
+
+from finetuning_pipeline import main
+
+pytestmark = pytest.mark.native
+
+CASES = {  # name: (processes, --phase, the sections that differ)
+    "curriculum_2": (2, "all", lambda data: {}),
+    "phase1_4": (4, "1", lambda data: {}),
+    "side_by_side_2": (2, "1", side_by_side),
+    "q8_0_recomputed_2": (2, "1", lambda data: {"model": {"dtype": "float64", "quantize": "q8_0",
+                                                          "activation_checkpointing": True}}),
+}
+
+
+def config(root, tiny_model_dir, data, name: str, micro_batch: int, extra: dict):
+    train = {"micro_batch": micro_batch, **({"loss_chunk_tokens": 64} if "model" in extra else {})}
+    sections = sections_with(**{**extra, "train": train, "lora": {"dropout": 0.0}})
+    return write_run_config(root / f"{name}.yaml", tiny_model_dir, data, root / name, **sections)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_processes_under_torchrun_equal_one_process(case, tiny_model_dir, data, tmp_path):
+    processes, phases, extra = CASES[case]
+    one = config(tmp_path, tiny_model_dir, data, "one", 4, extra(data))
+    assert main.main(["--config", str(one), "--phase", phases, *NATIVE]) == 0
+    several = config(tmp_path, tiny_model_dir, data, "several", 4 // processes, extra(data))
+    torchrun(processes, several, "--phase", phases, *NATIVE)
+    assert_runs_equal(tmp_path / "several", tmp_path / "one", [1, 2] if phases == "all" else [1])
+
+
+# -- stops and failures: torchrun's processes, one Popen each (replica_helpers.run_replicas) ------
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, data, tmp_path_factory):
+    """An uninterrupted run of phase 1 on two native processes (LoRA dropout on: a resumed run
+    draws every replica's masks again)."""
+    config = config_for(tmp_path_factory.mktemp("reference"), tiny_model_dir, data, model={"dtype": "float64"})
+    replicas = run_replicas(2, config, config.parent / "logs", *NATIVE)
+    assert replicas.wait(HANG) == [0, 0], replicas.outputs()
+    return out_of(config)
+
+
+def test_sigterm_to_one_process_stops_them_all_with_one_checkpoint_and_the_run_resumes_bitwise(
+        tiny_model_dir, data, reference, tmp_path):
+    config = config_for(tmp_path, tiny_model_dir, data, model={"dtype": "float64"}, checkpoint={"every": 0})
+    replicas = run_replicas(2, config, tmp_path / "logs", *NATIVE)
+    wait_for_replicas(replicas, out_of(config), 3)
+    replicas.procs[1].send_signal(signal.SIGTERM)  # not the master
+    assert replicas.wait(HANG) == [0, 0], replicas.outputs()
+    stopped = checkpoint_steps(out_of(config))
+    assert len(stopped) == 1 and stop_lines(replicas) == [stopped[0]] * 2 and stopped[0] < STEPS
+    resumed = run_replicas(2, config, tmp_path / "logs-resumed", *NATIVE)
+    assert resumed.wait(HANG) == [0, 0], resumed.outputs()
+    ours, theirs = adapter_tensors(out_of(config)), adapter_tensors(reference)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in theirs)
+    assert dict(train_losses(out_of(config)))[STEPS] == dict(train_losses(reference))[STEPS]
+
+
+def test_a_killed_process_stops_the_other_in_bounded_time_naming_it_and_the_run_resumes(tiny_model_dir, data, reference,
+                                                                             tmp_path):
+    config = config_for(tmp_path, tiny_model_dir, data, model={"dtype": "float64"})
+    replicas = run_replicas(2, config, tmp_path / "logs", *NATIVE)
+    wait_for_replicas(replicas, out_of(config), 9)
+    started = time.time()
+    replicas.procs[1].kill()  # SIGKILL: no handler runs
+    codes = replicas.wait(60)
+    assert codes[0] != 0 and time.time() - started < 60, replicas.outputs()
+    assert "error: replica 0: another replica stopped answering" in replicas.output(0), replicas.output(0)
+    checkpoints = checkpoint_steps(out_of(config))
+    resumed = run_replicas(2, config, tmp_path / "logs-resumed", *NATIVE)
+    assert resumed.wait(HANG) == [0, 0], resumed.outputs()
+    assert json.loads((out_of(config) / "phase1" / "summary.json").read_text())["resumed_from_step"] == checkpoints[-1]
+    assert_same_run(out_of(config), reference)
