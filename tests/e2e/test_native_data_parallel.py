@@ -3,7 +3,11 @@ LoRA gradients DistributedDataParallel sums (runtime/native_ddp.py) and whose lo
 decisions go through torch.distributed (gloo on a CPU), equal in float64 to one process with the
 same global batch of 8 sequences (micro-batch 4, 2 or 1, two micro-batches a step): 2 processes
 over both demo phases, 4 over phase 1, 2 with adapters side by side and 2 on a q8_0 base with
-recomputed layers and the chunked loss. LoRA dropout is off: its masks depend on the replica."""
+recomputed layers and the chunked loss. LoRA dropout is off: its masks depend on the replica.
+Then what the XLA runtime's processes are held to: a SIGTERM to one stops all with one
+checkpoint and the run resumes bitwise; a killed one stops the other, naming it; a checkpoint
+resumes on fewer processes with the same global batch; processes that disagree on the plan stop
+before their first step."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from replica_helpers import (
     torchrun,
     wait_for_replicas,
 )
+from tolerances import assert_equal_in_exact_arithmetic
 from trainer_helpers import adapter_tensors, assert_same_run, train_losses, write_run_config
 
 from finetuning_pipeline import main
@@ -98,3 +103,34 @@ def test_a_killed_process_stops_the_other_in_bounded_time_naming_it_and_the_run_
     assert resumed.wait(HANG) == [0, 0], resumed.outputs()
     assert json.loads((out_of(config) / "phase1" / "summary.json").read_text())["resumed_from_step"] == checkpoints[-1]
     assert_same_run(out_of(config), reference)
+
+
+def test_a_checkpoint_of_two_processes_resumes_on_one_with_the_same_global_batch(tiny_model_dir, data, tmp_path,
+                                                                                 capsys):
+    """A spot VM that comes back smaller: the two processes' step-3 checkpoint, resumed by one
+    process with micro-batch 4, continues their run; another global batch is refused by name."""
+    two = config(tmp_path, tiny_model_dir, data, "two", 2, {})
+    torchrun(2, two, "--phase", "1", *NATIVE)
+    one = config(tmp_path, tiny_model_dir, data, "one", 4, {})
+    checkpoint = tmp_path / "two" / "phase1" / "checkpoints" / "step_00000003"
+    args = ["--config", str(one), "--phase", "1", "--resume", str(checkpoint), *NATIVE]
+    assert main.main(args) == 0
+    summary = json.loads((tmp_path / "one" / "phase1" / "summary.json").read_text())
+    assert summary["resumed_on_other_chips"] == {"saved_on": 2, "resumed_on": 1}
+    resumed, original = dict(train_losses(tmp_path / "one")), dict(train_losses(tmp_path / "two"))
+    assert sorted(resumed) == [4, 5, 6]
+    assert_equal_in_exact_arithmetic([resumed[s] for s in (4, 5, 6)], [original[s] for s in (4, 5, 6)],
+                                     "losses resumed on one process")
+    capsys.readouterr()
+    assert main.main([*args, f"output_dir={tmp_path / 'other'}", "train.micro_batch=2"]) == 2
+    assert "global batch of 8 sequences, this run has 4" in capsys.readouterr().err
+
+
+def test_processes_that_disagree_on_the_plan_all_stop_before_the_first_step(tiny_model_dir, data, tmp_path):
+    config = config_for(tmp_path, tiny_model_dir, data, model={"dtype": "float64"})
+    replicas = run_replicas(2, config, tmp_path / "logs", *NATIVE, rank_args=lambda rank: ["--phase", "all"] * rank)
+    assert replicas.wait(HANG) == [2, 2], replicas.outputs()
+    for rank in (0, 1):
+        assert "the replicas do not agree on what to run (replica 0 on" in replicas.output(rank)
+        assert "replica 1 on" in replicas.output(rank) and "phase 2 from step 0" in replicas.output(rank)
+    assert not (out_of(config) / "phase1" / "metrics.jsonl").exists()
