@@ -20,8 +20,8 @@ finetuning_pipeline/main.py ...` (they talk through gloo on the loopback: collec
 Everything that can be checked without a device (config, paths, data manifests against the
 tokenizer, sequence length against the model, resume settings) is checked first.
 `runtime.backend=native` trains on plain PyTorch instead (one device in this process: a CPU, a
-GPU, TorchTPU's `tpu`; or N processes under `torchrun --nproc-per-node N`, DDP summing their
-gradients), with no torch_xla imported (finetuning_pipeline/runtime/).
+GPU, TorchTPU's `tpu`; or N processes under `torchrun --nproc-per-node N`: DDP under
+parallel.mode=dp, FSDP2 under fsdp), with no torch_xla imported (finetuning_pipeline/runtime/).
 """
 
 from __future__ import annotations

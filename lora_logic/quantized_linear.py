@@ -2,7 +2,8 @@
 (lora_logic/quantize.py) and dequantized just before its matmul, as QLoRA and qwix do.
 
 The codes and scales are the module's buffers, so they move with the model, are stacked by the
-layer scan and sharded by fsdp like any weight, and the weight in the compute dtype exists only
+layer scan and sharded by fsdp like any weight (FSDP2, which shards parameters, holds them as
+parameters: hold_codes_as), and the weight in the compute dtype exists only
 inside the step, where XLA fuses the dequantization into its consumer. The matmul's backward
 dequantizes again rather than keep the forward's dequantized weight (what `F.linear`'s autograd
 would save, layer after layer, until the backward: the memory quantization saves, given back),
@@ -33,6 +34,7 @@ class QuantizedLinear(nn.Module):
         self.compute_dtype = compute_dtype
         self.register_buffer("codes", q.codes)
         self.register_buffer("scales", q.scales)
+        self.codes_dtype = q.codes.dtype  # (codes held as another dtype's bits read back as this: hold_codes_as)
         if q.format == "nf4":  # the code values on the device, not a constant sent at every step
             self.register_buffer("nf4_code", nf4_code_tensor(q.codes.device), persistent=False)
         self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
@@ -45,9 +47,24 @@ class QuantizedLinear(nn.Module):
         bias = linear.bias.to(dtype) if linear.bias is not None else None
         return cls(quantize(linear.weight, fmt, dtype), bias, dtype)
 
+    def hold_codes_as(self, dtype: torch.dtype) -> bool:
+        """Hold codes and scales as frozen parameters, the codes' bits as `dtype`'s: what a sharder
+        that holds floating-point parameters only (FSDP2) can shard and gather, bit for bit. False
+        (nothing changed) when the codes' last dimension does not fill whole elements of `dtype`."""
+        codes, scales = self.codes, self.scales
+        if codes.shape[-1] * codes.element_size() % torch.empty((), dtype=dtype).element_size():
+            return False
+        del self.codes, self.scales  # (the buffers)
+        self.codes = nn.Parameter(codes.view(dtype), requires_grad=False)
+        self.scales = nn.Parameter(scales, requires_grad=False)
+        return True
+
+    def _codes(self) -> torch.Tensor:
+        return self.codes if self.codes.dtype == self.codes_dtype else self.codes.view(self.codes_dtype)
+
     @property
     def quantized(self) -> QuantizedWeight:
-        return QuantizedWeight(self.format, (self.out_features, self.in_features), self.codes, self.scales)
+        return QuantizedWeight(self.format, (self.out_features, self.in_features), self._codes(), self.scales)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight in the compute dtype: code value x scale in fp32, cast once."""
@@ -55,7 +72,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layout = (self.format, (self.out_features, self.in_features), self.compute_dtype)
-        return _QuantizedMatmul.apply(x, self.codes, self.scales, getattr(self, "nf4_code", None), self.bias, layout)
+        return _QuantizedMatmul.apply(x, self._codes(), self.scales, getattr(self, "nf4_code", None), self.bias, layout)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -1,5 +1,5 @@
 """Shared by the native runtime's end-to-end tests (tests/e2e/test_native_runtime.py,
-test_native_data_parallel.py): their overrides, run sections, and the float64 comparison of two
+test_native_processes.py): their overrides, run sections, and the float64 comparison of two
 runs' losses and adapters."""
 
 from __future__ import annotations

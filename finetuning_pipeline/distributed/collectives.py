@@ -18,8 +18,8 @@ Two kinds of traffic:
               and a transfer per step: it exists so the multi-process control flow runs on a
               CPU exactly as on a pod, not for speed;
   "torch"     the native runtime's processes: torch.distributed's default process group, on
-              the device's own backend (gloo on a CPU, NCCL on CUDA); its gradients are summed
-              by DistributedDataParallel (runtime/native_ddp.py), the rest here.
+              the device's own backend (gloo on a CPU, NCCL on CUDA); under dp the gradients
+              are summed by DistributedDataParallel (runtime/native_ddp.py), the rest here.
 """
 
 from __future__ import annotations

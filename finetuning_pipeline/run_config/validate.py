@@ -130,8 +130,7 @@ def validate(config: RunConfig) -> None:
 
 def validate_runtime(config: RunConfig) -> None:
     """runtime.*: the settings of the other runtime are refused rather than ignored, and what the
-    native runtime does not do yet (FSDP2) or cannot do (torch_xla's launcher, scan and Pallas
-    kernels) is refused by name."""
+    native runtime cannot do (torch_xla's launcher, scan and Pallas kernels) is refused by name."""
     r = config.runtime
     if r.backend == "xla":
         for key, value in (("device", r.device), ("compile", r.compile)):
@@ -141,10 +140,6 @@ def validate_runtime(config: RunConfig) -> None:
                                   f"runtime.backend=native, or leave runtime.{key} auto")
         return
     p = config.parallel
-    if p.mode != "dp":
-        raise ConfigError("parallel.mode=fsdp: the native runtime's many processes are data parallel for now "
-                          "(parallel.mode=dp under torchrun, DDP; FSDP2 comes next); set parallel.mode=dp, or "
-                          "runtime.backend=xla")
     if p.launcher == "tpu":
         raise ConfigError("parallel.launcher=tpu is torch_xla's launcher; the native runtime's processes are started "
                           "by torchrun (torchrun --nproc-per-node N finetuning_pipeline/main.py ...); set "

@@ -1,5 +1,6 @@
 """The native runtime's half of the seam (runtime/__init__.py): plain PyTorch on one device in
-this process, or, under torchrun, one process of several (parallel.mode=dp: native_ddp.py).
+this process, or, under torchrun, one process of several (parallel.mode=dp: native_ddp.py;
+fsdp: native_fsdp.py).
 Nothing here imports torch_xla: a GPU machine or a TorchTPU VM has none.
 
 The step is native_step.py's; the data arrives by a plain copy per micro-batch (non-blocking
@@ -20,6 +21,7 @@ from finetuning_pipeline.distributed.parallel import Parallel
 from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.run_config import RunConfig
 from finetuning_pipeline.runtime.native_device import compiles_layers, native_device
+from finetuning_pipeline.runtime.native_fsdp import NativeFsdp, device_mesh
 from finetuning_pipeline.runtime.native_step import NativeStepper
 from finetuning_pipeline.runtime.native_syncs import HostSyncCount
 
@@ -87,17 +89,20 @@ class NativeRuntime:
 
 def start_native(config: RunConfig):
     """(NativeRuntime, Parallel, device): one replica in this process, on runtime.device; under
-    torchrun one of its processes (parallel.mode=dp), in torch.distributed's default group."""
-    runtime = config.runtime
+    torchrun one of its processes, in torch.distributed's default group: parallel.mode=dp (DDP:
+    native_ddp.py) or fsdp (FSDP2 over parallel.mesh: native_fsdp.py)."""
+    runtime, p = config.runtime, config.parallel
     world = torchrun_world()
     if world > 1 and runtime.device in ("auto", "cuda") and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # a GPU per process
     device = native_device(runtime.device)
-    collectives = Collectives()
-    if world > 1:
-        collectives = join_processes(device, config.parallel.host_timeout_s)
-    return (NativeRuntime(device, compiles_layers(runtime.compile, device, config.model.dtype)),
-            Parallel("dp", collectives), device)
+    native = NativeRuntime(device, compiles_layers(runtime.compile, device, config.model.dtype))
+    if world == 1:
+        return native, Parallel(p.mode), device  # (fsdp over one process: nothing to shard)
+    collectives = join_processes(device, p.host_timeout_s)
+    if p.mode == "dp":
+        return native, Parallel("dp", collectives), device
+    return native, NativeFsdp("fsdp", collectives, mesh=device_mesh(device, world, p.mesh.data, p.mesh.fsdp)), device
 
 
 def join_processes(device: torch.device, timeout_s: float) -> Collectives:

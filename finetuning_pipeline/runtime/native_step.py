@@ -39,7 +39,7 @@ class NativeStepper(Stepper):
         if self.compile_layers:
             compile_decoder_layers(self.model)
         self.ddp = None
-        if self.parallel.world > 1:  # processes under torchrun: DDP sums the gradients (native_ddp.py)
+        if self.parallel.world > 1 and self.parallel.mode == "dp":  # DDP sums the gradients (native_ddp.py)
             self.ddp = replicate(self.model, self.packed, self.loss_chunk, self.optimizer.group_count, self.device)
 
     def run_step(self, micro_batches: list[dict], seeds: list[int], active: torch.Tensor | None) -> dict:

@@ -162,3 +162,27 @@ def test_on_the_xla_device_nf4_codes_become_values_by_selects_not_a_per_value_ga
     # the control: the host path's lookup, traced on the device, is the gather this replaces
     lookup = nf4_code_tensor(device)[codes.to(device).int() & 15]
     assert " gather(" in torch_xla._XLAC._get_xla_tensors_hlo([lookup])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_codes_held_as_float16_bits_compute_bitwise_what_they_did(fmt):
+    """hold_codes_as (FSDP2 shards floating-point parameters only): the codes' bits kept whole, every
+    bit pattern an int8 or uint8 can take included (some are float16 NaNs), and the LoRA over the
+    layer computes bitwise what it did; a last dimension that fills no whole float16 is left alone."""
+    quantized, _ = pair(fmt)
+    base = quantized.base_layer
+    with torch.no_grad():  # every byte value, so that NaN patterns go through too
+        base.codes.view(-1)[:256] = torch.arange(256, dtype=torch.uint8).view(base.codes.dtype)
+    codes, x = base.codes.clone(), torch.randn(3, 64)
+    before = forward_backward(quantized, x)
+    quantized.zero_grad()
+    assert base.hold_codes_as(torch.float16)
+    assert isinstance(base.codes, nn.Parameter) and base.codes.dtype == torch.float16 and "codes" not in dict(
+        base.named_buffers()) and not base.codes.requires_grad and not base.scales.requires_grad
+    assert torch.equal(base.codes.view(codes.dtype), codes)
+    after = forward_backward(quantized, x)
+    for key in before:
+        assert torch.equal(after[key], before[key]), key
+    odd = QuantizedLinear.from_linear(nn.Linear(32, 8), "q8_0")
+    odd.codes = odd.codes[..., :1].contiguous()  # one byte a row
+    assert not odd.hold_codes_as(torch.float16) and "codes" in dict(odd.named_buffers())

@@ -36,7 +36,6 @@ def test_the_default_runtime_is_xla_and_native_is_an_override():
 @pytest.mark.parametrize("overrides, message", [
     (["runtime.device=cuda"], r"runtime.device=cuda is the native runtime's setting; with runtime.backend=xla"),
     (["runtime.compile=eager"], r"runtime.compile=eager is the native runtime's setting"),
-    (["runtime.backend=native", "parallel.mode=fsdp"], r"parallel.mode=fsdp: the native runtime.s many processes"),
     (["runtime.backend=native", "parallel.launcher=tpu"], r"parallel.launcher=tpu is torch_xla.s launcher"),
     (["runtime.backend=native", "train.scan_layers=true"], r"train.scan_layers=true: the layer scan is torch_xla's"),
     (["runtime.backend=native", "model.attention=splash"], r"model.attention=splash: that Pallas kernel"),

@@ -1,9 +1,12 @@
-"""parallel.mode=dp on the native runtime: processes started by torchrun, each a replica whose
-LoRA gradients DistributedDataParallel sums (runtime/native_ddp.py) and whose loss sums and host
-decisions go through torch.distributed (gloo on a CPU), equal in float64 to one process with the
-same global batch of 8 sequences (micro-batch 4, 2 or 1, two micro-batches a step): 2 processes
-over both demo phases, 4 over phase 1, 2 with adapters side by side and 2 on a q8_0 base with
-recomputed layers and the chunked loss. LoRA dropout is off: its masks depend on the replica.
+"""The native runtime's processes started by torchrun: parallel.mode=dp, each a replica whose
+LoRA gradients DistributedDataParallel sums (runtime/native_ddp.py), and parallel.mode=fsdp,
+each holding a shard of every decoder layer's frozen weights (FSDP2: runtime/native_fsdp.py);
+their loss sums and host decisions go through torch.distributed (gloo on a CPU). Each equals in
+float64 one process with the same global batch of 8 sequences (micro-batch 4, 2 or 1, two
+micro-batches a step): dp over 2 processes and both demo phases, 4 processes, adapters side by
+side, a q8_0 base with recomputed layers and the chunked loss; fsdp over 2 processes and both
+phases, 1x4 and 2x2 meshes, adapters side by side with recomputed layers, a q8_0 base. LoRA
+dropout is off: its masks depend on the replica.
 Then what the XLA runtime's processes are held to: a SIGTERM to one stops all with one
 checkpoint and the run resumes bitwise; a killed one stops the other, naming it; a checkpoint
 resumes on fewer processes with the same global batch; processes that disagree on the plan stop
@@ -36,17 +39,28 @@ from finetuning_pipeline import main
 
 pytestmark = pytest.mark.native
 
+FSDP = {"parallel": {"mode": "fsdp"}}
 CASES = {  # name: (processes, --phase, the sections that differ)
-    "curriculum_2": (2, "all", lambda data: {}),
-    "phase1_4": (4, "1", lambda data: {}),
-    "side_by_side_2": (2, "1", side_by_side),
-    "q8_0_recomputed_2": (2, "1", lambda data: {"model": {"dtype": "float64", "quantize": "q8_0",
-                                                          "activation_checkpointing": True}}),
+    "dp_curriculum_2": (2, "all", lambda data: {}),
+    "dp_4": (4, "1", lambda data: {}),
+    "dp_side_by_side_2": (2, "1", side_by_side),
+    "dp_q8_0_recomputed_2": (2, "1", lambda data: {"model": {"dtype": "float64", "quantize": "q8_0",
+                                                             "activation_checkpointing": True}}),
+    "fsdp_curriculum_2": (2, "all", lambda data: FSDP),
+    "fsdp_1x4": (4, "1", lambda data: FSDP),
+    "fsdp_2x2": (4, "1", lambda data: {"parallel": {"mode": "fsdp", "mesh": {"data": 2, "fsdp": 2}}}),
+    "fsdp_side_by_side_2_recomputed": (2, "1", lambda data: {**side_by_side(data), **FSDP, "model": {
+        "dtype": "float64", "activation_checkpointing": True}}),
+    "fsdp_q8_0_2": (2, "1", lambda data: {**FSDP, "model": {"dtype": "float64", "quantize": "q8_0"}}),
+    "fsdp_nf4_recomputed_1x4": (4, "1", lambda data: {**FSDP, "model": {"dtype": "float64", "quantize": "nf4",
+                                                                         "activation_checkpointing": True}}),
 }
 
 
 def config(root, tiny_model_dir, data, name: str, micro_batch: int, extra: dict):
     train = {"micro_batch": micro_batch, **({"loss_chunk_tokens": 64} if "model" in extra else {})}
+    if name == "one":  # one process: dp (fsdp over one process shards nothing)
+        extra = {k: v for k, v in extra.items() if k != "parallel"}
     sections = sections_with(**{**extra, "train": train, "lora": {"dropout": 0.0}})
     return write_run_config(root / f"{name}.yaml", tiny_model_dir, data, root / name, **sections)
 
@@ -59,6 +73,15 @@ def test_processes_under_torchrun_equal_one_process(case, tiny_model_dir, data, 
     several = config(tmp_path, tiny_model_dir, data, "several", 4 // processes, extra(data))
     torchrun(processes, several, "--phase", phases, *NATIVE)
     assert_runs_equal(tmp_path / "several", tmp_path / "one", [1, 2] if phases == "all" else [1])
+    summary = json.loads((tmp_path / "several" / "phase1" / "summary.json").read_text())
+    assert summary["parallel"]["processes"] == processes and summary["global_batch"] == 8
+    if case.startswith("fsdp"):  # every decoder layer's frozen weights: 7 matrices and 2 norms
+        layers = json.loads((tiny_model_dir / "config.json").read_text())["num_hidden_layers"]
+        # (a quantized base's: 7 codes and 7 scales held as FSDP2's parameters, and the 2 norms)
+        quantized = "q8_0" in case or "nf4" in case
+        assert summary["parallel"]["sharded_base_parameters"] == (16 if quantized else 9) * layers
+        assert summary["parallel"]["mesh"] == ({"data": 2, "fsdp": 2} if case == "fsdp_2x2"
+                                               else {"data": 1, "fsdp": processes})
 
 
 # -- stops and failures: torchrun's processes, one Popen each (replica_helpers.run_replicas) ------
