@@ -18,9 +18,8 @@ import torch
 
 from finetuning_pipeline.distributed.collectives import Collectives, launch_rank, replica_group, torchrun_world
 from finetuning_pipeline.distributed.parallel import Parallel
-from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.run_config import RunConfig
-from finetuning_pipeline.runtime.native_device import compiles_layers, native_device
+from finetuning_pipeline.runtime.native_device import PROCESS_GROUP_BACKENDS, compiles_layers, native_device
 from finetuning_pipeline.runtime.native_fsdp import NativeFsdp, device_mesh
 from finetuning_pipeline.runtime.native_step import NativeStepper
 from finetuning_pipeline.runtime.native_syncs import HostSyncCount
@@ -107,16 +106,13 @@ def start_native(config: RunConfig):
 
 def join_processes(device: torch.device, timeout_s: float) -> Collectives:
     """This process among torchrun's: a gloo group for the replicas' host decisions (collectives.py)
-    and torch.distributed's default group on the device's backend for its sums, both over the one
-    store torchrun's rendezvous gives."""
+    and torch.distributed's default group on the device's backend (gloo, NCCL, TorchTPU's
+    tpu_dist) for its sums, both over the one store torchrun's rendezvous gives."""
     import torch.distributed as dist
 
-    backends = {"cpu": "gloo", "cuda": "nccl"}
-    if device.type not in backends:
-        raise ConfigError(f"runtime.device={device.type}: many processes on the native runtime run on a CPU (gloo) "
-                          "or CUDA GPUs (NCCL) for now; run one process, or runtime.backend=xla")
     rank, world = launch_rank(), torchrun_world()
     group, stores = replica_group("env://", rank, world, timeout_s)
-    dist.init_process_group(backends[device.type], store=dist.PrefixStore("tpu-lora/device", stores[1]), rank=rank,
+    dist.init_process_group(PROCESS_GROUP_BACKENDS[device.type], store=dist.PrefixStore("tpu-lora/device", stores[1]),
+                            rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     return Collectives(rank, world, "torch", group, stores)

@@ -3,8 +3,7 @@
 TorchTPU (the `torch-tpu` package, imported as `torch_tpu`) is PyTorch's own TPU backend: it
 registers the `tpu` device and needs torch >= 2.11 and <= 2.15 on Python >= 3.11. It is imported
 only when runtime.device=tpu asks for it, so nothing else on the native path depends on it.
-Running the trainer on it is part 2 of the native runtime; here are its name, its refusals and
-the place it plugs in.
+What this module knows of it comes from its package (torch_tpu 0.2.0): no TPU has run it here.
 """
 
 from __future__ import annotations
@@ -14,6 +13,11 @@ import torch
 from finetuning_pipeline.errors import ConfigError
 
 TORCH_TPU_INSTALL = "pip install torch-tpu (with torch >= 2.11 and <= 2.15, Python >= 3.11; no torch_xla)"
+# Each device's torch.distributed backend, and the torch.compile backend its layers compile with.
+# TorchTPU's (torch_tpu 0.2.0, read from its package: _loader.py registers the process group
+# backend "tpu_dist", _internal/compile registers the dynamo backend "tpu") are not run here.
+PROCESS_GROUP_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "tpu": "tpu_dist"}
+COMPILE_BACKENDS = {"cpu": "inductor", "cuda": "inductor", "tpu": "tpu"}
 
 
 def native_device(setting: str) -> torch.device:

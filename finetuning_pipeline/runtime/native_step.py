@@ -23,6 +23,7 @@ import torch
 from finetuning_pipeline.distributed.parallel import decoder_layers
 from finetuning_pipeline.run_config import TrainConfig
 from finetuning_pipeline.runtime.native_ddp import data_parallel_step, replicate
+from finetuning_pipeline.runtime.native_device import COMPILE_BACKENDS
 from finetuning_pipeline.train.stepper import Stepper
 from lora_logic.dropout import SeededDropout
 
@@ -37,7 +38,7 @@ class NativeStepper(Stepper):
 
     def set_up_execution(self, t: TrainConfig, activation_checkpointing: bool) -> None:
         if self.compile_layers:
-            compile_decoder_layers(self.model)
+            compile_decoder_layers(self.model, COMPILE_BACKENDS[self.device.type])
         self.ddp = None
         if self.parallel.world > 1 and self.parallel.mode == "dp":  # DDP sums the gradients (native_ddp.py)
             self.ddp = replicate(self.model, self.packed, self.loss_chunk, self.optimizer.group_count, self.device)

@@ -14,6 +14,7 @@ import tomllib
 from conftest import REPO
 
 from utils import tpu_install
+from utils.native_requirements import native_requirements
 
 
 def test_torch_xla_pins_jax_for_its_kernels_and_libtpu_for_the_chips():
@@ -88,3 +89,33 @@ def test_the_tpu_images_own_python_cannot_take_the_tpu_extra(tmp_path):
     proc = resolve_tpu_extra(tmp_path, "3.10")
     assert proc.returncode != 0 and "jax" in proc.stderr
     assert tuple(map(int, vm_python().split("."))) >= (3, 11)
+
+
+def resolve_native_tpu_vm(tmp_path, python_version: str) -> subprocess.CompletedProcess:
+    """pip's resolution (--dry-run) of what `cloud-clone-public.sh --runtime native` installs on a
+    TPU VM (utils/native_requirements.py --tpu-vm), for an interpreter of `python_version`."""
+    requirements = native_requirements(REPO / "pyproject.toml", tpu_vm=True)
+    return subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                           "--python-version", python_version, "--only-binary=:all:",
+                           "--report", str(tmp_path / "report.json"), *requirements],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_the_native_runtimes_tpu_vm_install_resolves_to_torchtpu_and_its_libtpu_without_torch_xla(tmp_path):
+    """For the VM's venv Python: torch-tpu 0.2.0 with torch 2.13.0 (its range: 2.11 to 2.15) and a
+    libtpu it accepts (>= 0.0.50); nothing of torch_xla or jax."""
+    proc = resolve_native_tpu_vm(tmp_path, vm_python())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resolved = {item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]["version"]
+                for item in json.loads((tmp_path / "report.json").read_text())["install"]}
+    assert resolved["torch-tpu"] == "0.2.0" and resolved["torch"].split("+")[0] == "2.13.0"  # (+cpu: a CPU build)
+    assert tuple(map(int, resolved["libtpu"].split(".")[:3])) >= (0, 0, 50)
+    assert not {"torch-xla", "jax", "jaxlib"} & set(resolved)
+
+
+@pytest.mark.slow
+def test_the_tpu_images_own_python_cannot_take_torchtpu(tmp_path):
+    """Python 3.10, the TPU images' python3: torch-tpu needs 3.11 or newer, which the venv has."""
+    proc = resolve_native_tpu_vm(tmp_path, "3.10")
+    assert proc.returncode != 0 and "torch-tpu" in proc.stderr

@@ -16,12 +16,13 @@ from conftest import REPO
 UTILS = REPO / "utils" / "tpu_vm"
 SCRIPTS = sorted(UTILS.glob("*.sh"))
 
-# Records its name (.venv/bin/NAME inside a venv) and arguments as one JSON line, then behaves
+# Records its name (.venv/bin/NAME or .venv-native/bin/NAME inside a venv) and arguments as one JSON line, then behaves
 # as FAKE_<NAME>_* say; `python -m uv venv DIR` and `python -m venv DIR` make DIR/bin/python, a fake too.
 FAKE = """#!/usr/bin/env python3
 import json, os, shutil, sys
 name = os.path.basename(sys.argv[0])
-label = ".venv/bin/" + name if ".venv/bin/" in sys.argv[0] else name
+venv = next((v for v in (".venv/bin/", ".venv-native/bin/") if v in sys.argv[0]), "")
+label = venv + name
 with open(os.environ["FAKE_CALLS"], "a") as f:
     f.write(json.dumps([label] + sys.argv[1:]) + "\\n")
 args = sys.argv[1:]
@@ -218,6 +219,34 @@ def test_clone_installs_the_pinned_stack_in_a_python_3_11_venv_and_checks_the_tp
     proc, _ = fakes("cloud-clone-public.sh", "--repo", "https://example.com/r.git", "--dir", str(repo),
                     FAKE_TPU_STATUS="1")
     assert proc.returncode == 2 and "no TPU device is visible to torch_xla" in proc.stderr
+
+
+def test_clone_for_the_native_runtime_installs_torchtpu_without_torch_xla_beside_the_xla_install(fakes, tmp_path):
+    """--runtime native: .venv-native (Python 3.11: TorchTPU needs it) with torch 2.13's CPU build,
+    the requirement set of utils/native_requirements.py --tpu-vm (test_tpu_install resolves it),
+    the project without its dependencies (they name torch_xla), and TorchTPU's own device check."""
+    repo = tmp_path / "r"
+    proc, calls = fakes("cloud-clone-public.sh", "--repo", "https://example.com/r.git", "--dir", str(repo),
+                        "--runtime", "native")
+    assert proc.returncode == 0, proc.stderr
+    venv, python = repo / ".venv-native", ".venv-native/bin/python"
+    assert calls[3] == ["python", "-m", "uv", "venv", "--seed", "--python", "3.11", str(venv)]
+    assert calls[4] == [python, "-m", "pip", "install", "torch==2.13.0", "--index-url",
+                        "https://download.pytorch.org/whl/cpu"]
+    requirements = str(venv / "requirements-tpu-vm.txt")
+    assert calls[5] == [python, f"{repo}/utils/native_requirements.py", "--tpu-vm", "--output", requirements]
+    assert calls[6] == [python, "-m", "pip", "install", "-r", requirements]
+    assert calls[7] == [python, "-m", "pip", "install", "--no-deps", "-e", str(repo)]
+    assert calls[8][:2] == [python, "-c"] and "import torch, torch_tpu" in calls[8][2] and len(calls) == 9
+    assert not [c for c in calls if any("torch_xla" in a or "[tpu]" in a for a in c)]
+    assert (venv / ".tpu").is_file() and not (repo / ".venv").exists()
+    assert "runtime.backend=native runtime.device=tpu" in proc.stdout
+
+    proc, _ = fakes("cloud-clone-public.sh", "--repo", "https://example.com/r.git", "--dir", str(repo),
+                    "--runtime", "native", FAKE_TPU_STATUS="1")
+    assert proc.returncode == 2 and "no TPU device is visible to TorchTPU" in proc.stderr
+    proc, calls = fakes("cloud-clone-public.sh", "--repo", "https://example.com/r.git", "--runtime", "jax")
+    assert proc.returncode == 2 and "--runtime must be xla or native (got jax)" in proc.stderr and calls == []
 
 
 def test_a_venv_the_install_did_not_make_is_left_alone(fakes, tmp_path):

@@ -89,6 +89,40 @@ install_stack() {
   run touch "$venv/.tpu" "$venv/.installed"
 }
 
+# install_native_stack DIR: the native runtime's install (runtime.backend=native runtime.device=tpu),
+# beside the XLA one: DIR/.venv-native with Python $VENV_PYTHON (TorchTPU needs 3.11 or newer),
+# the CPU build of torch $NATIVE_TORCH_VERSION (TorchTPU's range: 2.11 to 2.15), then what
+# utils/native_requirements.py --tpu-vm lists (torch-tpu, which brings its libtpu, and the
+# project's dependencies but torch_xla), then the project itself without its dependencies (they
+# name torch_xla). Marked and stamped as install_stack's venv is; one this script did not make is
+# left alone.
+NATIVE_TORCH_VERSION=2.13.0
+install_native_stack() {
+  local dir=$1 python=${PYTHON:-python3} venv=$1/.venv-native
+  if [[ -e "$venv" && ! -e "$venv/.tpu" ]]; then
+    die "$venv exists and is not this script's TPU install; move it away (or delete it) and run again"
+  fi
+  run "$python" -m pip install --user --upgrade "uv==$UV_VERSION"
+  if [[ ! -e "$venv/.tpu" ]]; then
+    run "$python" -m uv venv --seed --python "$VENV_PYTHON" "$venv"
+  fi
+  run "$venv/bin/python" -m pip install "torch==$NATIVE_TORCH_VERSION" --index-url "$TORCH_CPU_INDEX"
+  run "$venv/bin/python" "$dir/utils/native_requirements.py" --tpu-vm --output "$venv/requirements-tpu-vm.txt"
+  run "$venv/bin/python" -m pip install -r "$venv/requirements-tpu-vm.txt"
+  run "$venv/bin/python" -m pip install --no-deps -e "$dir"
+  run touch "$venv/.tpu" "$venv/.installed"
+}
+
+# verify_native_tpu DIR: TorchTPU sees the TPU chips in DIR's native venv.
+verify_native_tpu() {
+  local python=$1/.venv-native/bin/python
+  run "$python" -c '
+import torch, torch_tpu
+count = torch.tpu.device_count() if torch.tpu.is_available() else 0
+print(f"TorchTPU sees {count} TPU device(s) (torch {torch.__version__})")
+raise SystemExit(0 if count > 0 else 1)' || die "no TPU device is visible to TorchTPU (is this a TPU VM? is another process holding the TPU?)"
+}
+
 # verify_tpu DIR: the TPU chips are visible to torch_xla in DIR's venv (fails with a clear message if not).
 verify_tpu() {
   local python=$1/.venv/bin/python
