@@ -7,8 +7,8 @@ micro-batches a step): dp over 2 processes and both demo phases, 4 processes, ad
 side, a q8_0 base with recomputed layers and the chunked loss; fsdp over 2 processes and both
 phases, 1x4 and 2x2 meshes, adapters side by side with recomputed layers, a q8_0 base. LoRA
 dropout is off: its masks depend on the replica.
-Then what the XLA runtime's processes are held to: a SIGTERM to one stops all with one
-checkpoint and the run resumes bitwise; a killed one stops the other, naming it; a checkpoint
+Then what the XLA runtime's processes are held to: a SIGTERM to one or to all (dp and fsdp)
+stops all with one checkpoint and the run resumes bitwise; a killed one stops the other, naming it; a checkpoint
 resumes on fewer processes with the same global batch; processes that disagree on the plan stop
 before their first step."""
 
@@ -85,22 +85,39 @@ def test_processes_under_torchrun_equal_one_process(case, tiny_model_dir, data, 
 
 
 # -- stops and failures: torchrun's processes, one Popen each (replica_helpers.run_replicas) ------
-@pytest.fixture(scope="module")
+REFERENCES: dict[str, object] = {}
+
+
+def reference_run(mode: str, tiny_model_dir, data, tmp_path_factory):
+    """An uninterrupted run of phase 1 on two native processes under parallel.mode (LoRA dropout on:
+    a resumed run draws every replica's masks again), once per test session and mode."""
+    if mode not in REFERENCES:
+        config = config_for(tmp_path_factory.mktemp(f"reference-{mode}"), tiny_model_dir, data,
+                            model={"dtype": "float64"}, parallel={"mode": mode})
+        replicas = run_replicas(2, config, config.parent / "logs", *NATIVE)
+        assert replicas.wait(HANG) == [0, 0], replicas.outputs()
+        REFERENCES[mode] = out_of(config)
+    return REFERENCES[mode]
+
+
+@pytest.fixture
 def reference(tiny_model_dir, data, tmp_path_factory):
-    """An uninterrupted run of phase 1 on two native processes (LoRA dropout on: a resumed run
-    draws every replica's masks again)."""
-    config = config_for(tmp_path_factory.mktemp("reference"), tiny_model_dir, data, model={"dtype": "float64"})
-    replicas = run_replicas(2, config, config.parent / "logs", *NATIVE)
-    assert replicas.wait(HANG) == [0, 0], replicas.outputs()
-    return out_of(config)
+    return reference_run("dp", tiny_model_dir, data, tmp_path_factory)
 
 
-def test_sigterm_to_one_process_stops_them_all_with_one_checkpoint_and_the_run_resumes_bitwise(
-        tiny_model_dir, data, reference, tmp_path):
-    config = config_for(tmp_path, tiny_model_dir, data, model={"dtype": "float64"}, checkpoint={"every": 0})
+@pytest.mark.parametrize("mode,signalled", [("dp", [1]), ("dp", [0, 1]), ("fsdp", [0, 1])])
+def test_sigterm_stops_every_process_with_one_checkpoint_and_the_run_resumes_bitwise(
+        mode, signalled, tiny_model_dir, data, tmp_path_factory, tmp_path):
+    """SIGTERM to one process (not the master), or to every one (a preempted VM, torchrun passing
+    it on): all stop at one step with one checkpoint, exit 0; resumed, the run ends bitwise as
+    the uninterrupted one did."""
+    reference = reference_run(mode, tiny_model_dir, data, tmp_path_factory)
+    config = config_for(tmp_path, tiny_model_dir, data, model={"dtype": "float64"}, checkpoint={"every": 0},
+                        parallel={"mode": mode})
     replicas = run_replicas(2, config, tmp_path / "logs", *NATIVE)
     wait_for_replicas(replicas, out_of(config), 3)
-    replicas.procs[1].send_signal(signal.SIGTERM)  # not the master
+    for rank in signalled:
+        replicas.procs[rank].send_signal(signal.SIGTERM)
     assert replicas.wait(HANG) == [0, 0], replicas.outputs()
     stopped = checkpoint_steps(out_of(config))
     assert len(stopped) == 1 and stop_lines(replicas) == [stopped[0]] * 2 and stopped[0] < STEPS
