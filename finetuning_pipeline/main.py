@@ -51,7 +51,7 @@ from finetuning_pipeline.run.checkpointing import complete_checkpoints
 from finetuning_pipeline.run.input_checks import check_inputs, pin_model
 from finetuning_pipeline.run.resume_plan import PhasePlan, check_resumable, plan_phases
 from finetuning_pipeline.run.run_layout import OutputLock, RunLayout
-from finetuning_pipeline.run.stop_signal import StopOnSignal, WallClockBudget
+from finetuning_pipeline.run.stop_signal import StopOnSignal, WallClockBudget, on_a_thread_leaving_signals_here
 from finetuning_pipeline.run_config import RunConfig, load_config
 from finetuning_pipeline.runtime import prepare_process, start_runtime
 from finetuning_pipeline.train.phase_loop import run_phase
@@ -203,9 +203,10 @@ def train(argv: list[str] | None) -> int:
 
 def start_replicas(config: RunConfig, args: tuple) -> None:
     """run_replica on every replica of this host, started as parallel.launcher says (distributed/launch.py);
-    the native runtime's one replica in this process."""
+    the native runtime's one replica in this process, on a thread that leaves the stop signals to
+    the main thread."""
     if config.runtime.backend == "native":
-        run_replica(*args)
+        on_a_thread_leaving_signals_here(run_replica, *args)
         return
     kind = device_kind()
     if config.model.dtype == "float64" and kind == "TPU":

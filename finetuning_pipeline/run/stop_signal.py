@@ -9,8 +9,9 @@ worker stops the whole run the same way instead of leaving the others waiting fo
 Python runs signal handlers on a process's main thread only, and only the main thread can
 install them. A TPU host runs its replicas on worker threads (launch.py, as torch_xla.launch
 does), so the handlers are installed per process, by whoever owns its main thread: the
-launcher in each worker process before it starts the replica threads, or `StopOnSignal` when
-the replica itself runs on the main thread (one process, torchrun, fsdp). Every replica of the
+launcher in each worker process before it starts the replica threads, `StopOnSignal` when the
+replica itself runs on the main thread (the XLA runtime's one process, torchrun, fsdp), or
+`on_a_thread_leaving_signals_here` for the native runtime's process. Every replica of the
 process reads the same flag.
 """
 
@@ -85,6 +86,33 @@ def threads_started_here_leave_signals_to_this_one():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def on_a_thread_leaving_signals_here(fn, *args) -> None:
+    """fn(*args) on a worker thread whose threads, and theirs (gloo's, autograd's, a GPU's), block
+    the stop signals, while this main thread catches them (PROCESS_SIGNALS) and waits: how a
+    process that is one replica (the native runtime's, alone or one of torchrun's) keeps a
+    signal that reaches one of its C++ threads from interrupting that thread's system call (see
+    threads_started_here_leave_signals_to_this_one). What fn raises is raised here."""
+    PROCESS_SIGNALS.install()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as err:
+            failure.append(err)
+
+    try:
+        with threads_started_here_leave_signals_to_this_one():
+            thread = threading.Thread(target=run, name="replica")
+            thread.start()
+        while thread.is_alive():
+            thread.join(0.5)  # (short waits: a signal's handler runs between them)
+    finally:
+        PROCESS_SIGNALS.restore()
+    if failure:
+        raise failure[0]
 
 
 class StopOnSignal:

@@ -15,6 +15,7 @@ before their first step."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 
@@ -33,7 +34,14 @@ from replica_helpers import (
     wait_for_replicas,
 )
 from tolerances import assert_equal_in_exact_arithmetic
-from trainer_helpers import adapter_tensors, assert_same_run, train_losses, write_run_config
+from trainer_helpers import (
+    adapter_tensors,
+    assert_same_run,
+    thread_kill,
+    thread_signals,
+    train_losses,
+    write_run_config,
+)
 
 from finetuning_pipeline import main
 
@@ -174,3 +182,32 @@ def test_processes_that_disagree_on_the_plan_all_stop_before_the_first_step(tiny
         assert "the replicas do not agree on what to run (replica 0 on" in replicas.output(rank)
         assert "replica 1 on" in replicas.output(rank) and "phase 2 from step 0" in replicas.output(rank)
     assert not (out_of(config) / "phase1" / "metrics.jsonl").exists()
+
+
+def test_a_processs_other_threads_leave_the_stop_signals_to_its_main_thread(tiny_model_dir, data, tmp_path):
+    """The native process runs its replica on a thread started with the stop signals blocked
+    (run/stop_signal.py), so gloo's, autograd's and every other thread it starts block them too:
+    SIGTERM sent to each of them for 1.5 s stays pending there and does nothing, and the one sent
+    to the process reaches its main thread, which stops both processes with a checkpoint."""
+    config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 0}, lora={"dropout": 0.0},
+                        train={"max_steps": 400})
+    replicas = run_replicas(2, config, tmp_path / "logs", *NATIVE)
+    seen = wait_for_replicas(replicas, out_of(config), 3)
+    pid = replicas.procs[1].pid
+    threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task") if int(tid) != pid]
+    assert len(threads) >= 2  # the replica's thread and gloo's at least
+    stop_signals = {signal.SIGTERM, signal.SIGINT}
+    assert not thread_signals(pid, pid, "SigBlk") & stop_signals
+    for tid in threads:
+        blocked = thread_signals(pid, tid, "SigBlk")
+        assert blocked is None or blocked >= stop_signals, tid  # (None: the thread has ended)
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        for tid in threads:
+            thread_kill(pid, tid, signal.SIGTERM)
+        time.sleep(0.002)
+    assert [p.poll() for p in replicas.procs] == [None, None], replicas.outputs()
+    replicas.procs[1].send_signal(signal.SIGTERM)
+    assert replicas.wait(HANG) == [0, 0], replicas.outputs()
+    stopped = checkpoint_steps(out_of(config))
+    assert len(stopped) == 1 and seen <= stopped[0] < 400 and stop_lines(replicas) == [stopped[0]] * 2
