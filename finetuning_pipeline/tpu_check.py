@@ -9,7 +9,8 @@ turned off, and prints one line per check: kernel vs dense attention, captured v
 scanned vs looped layers, bf16 vs fp32, the replicas' sums vs one chip, no recompile and no host
 sync, buffer donation, HBM in use vs the plan, compile seconds and MFU (checks/device_check.py).
 A failed line names the setting that avoids it. On a CPU it runs what a CPU can and says what it
-skipped.
+skipped. With runtime.backend=native it checks the native runtime's TPU paths instead (TorchTPU:
+checks/native_check.py).
 
 On a pod, run the same command on every host at once (`gcloud ... ssh --worker=all`): each of
 the check's runs is a run of the whole slice, as the real run is, and host 0 writes the report
@@ -34,6 +35,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from finetuning_pipeline.checks.device_check import device_check, format_report, write_report
+from finetuning_pipeline.checks.native_check import native_check
 from finetuning_pipeline.checks.pod_hosts import HostBarrier, PodCheckError, PodHost, pod_host
 from finetuning_pipeline.planning.phase_plan import layers_scanned, load_architecture, seq_len_of
 from finetuning_pipeline.run.run_layout import RunLayout
@@ -79,11 +81,9 @@ def load_and_claim(args: argparse.Namespace, host: PodHost, barrier: HostBarrier
     failure = None
     try:
         config = load_config(args.config, args.overrides)
-        if config.runtime.backend != "xla":
-            raise ConfigError("runtime.backend=native: tpu-check runs the XLA runtime's TPU paths (PJRT, the captured "
-                              "and scanned steps, torch_xla's kernels and collectives); the native runtime's TPU "
-                              "device (TorchTPU) is not checked yet. Leave runtime.backend unset to check this "
-                              "config's XLA run")
+        if config.runtime.backend == "native" and host.hosts > 1:
+            raise ConfigError("runtime.backend=native: the native runtime's check runs on one host (TorchTPU's "
+                              "launch across a pod's hosts is not done yet); run it on one host of the slice")
         if not any(config.data_dirs(1).values()) and not config.phase(1).seq_len:
             raise ConfigError("phase1.seq_len: the check trains at phase 1's sequence length; set phase1.data (or "
                               "its adapters' data side by side) or phase1.seq_len")
@@ -123,8 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         barrier = HostBarrier(host)
         config, model_config, seq_len, layout, scanned = load_and_claim(args, host, barrier)
-        report = device_check(config, model_config, layout.tpu_check_runs, device=device, seq_len=seq_len,
-                              scanned=scanned, host=host, barrier=barrier)
+        if config.runtime.backend == "native":
+            report = native_check(config, model_config, layout.tpu_check_runs, on_tpu=device == "TPU",
+                                  seq_len=seq_len)
+        else:
+            report = device_check(config, model_config, layout.tpu_check_runs, device=device, seq_len=seq_len,
+                                  scanned=scanned, host=host, barrier=barrier)
     except CheckRefused as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

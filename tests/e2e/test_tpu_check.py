@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import yaml
 from conftest import REPO
 from trainer_helpers import write_run_config
@@ -147,13 +148,25 @@ def test_a_pod_of_two_hosts_checks_as_one_slice_each_host_in_its_own_directory(t
     assert (runs / "timed" / "phase1" / "summary.json").is_file() and files(own[1])  # the first check's, kept
 
 
-def test_a_native_runtime_config_is_refused_before_anything_runs(tiny_model_dir, data, tmp_path):
-    """tpu-check checks the XLA runtime's TPU paths; TorchTPU's are not checked yet: said in one
-    line, exit 2, nothing written."""
+@pytest.mark.native
+def test_the_native_runtimes_check_runs_what_a_cpu_can_and_says_what_needs_a_tpu(tiny_model_dir, data, tmp_path):
+    """runtime.backend=native: the native runtime's TPU paths (checks/native_check.py) on the CPU's
+    device: compiled layers (inductor here, TorchTPU's tpu backend on a TPU) against eager, bf16
+    against fp32 and a q8_0 base against its dequantized weights pass, no recompile or host sync;
+    TorchTPU, its processes and HBM say they need a TPU."""
     import os
 
-    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out")
-    proc = tpu_check(config, "runtime.backend=native", env={**os.environ, "PJRT_DEVICE": "CPU"})
-    assert proc.returncode == 2, proc.stderr
-    assert "error: runtime.backend=native: tpu-check runs the XLA runtime's TPU paths" in proc.stderr
-    assert not (tmp_path / "out").exists()
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out",
+                              model={"dtype": "bfloat16", "quantize": "q8_0"})
+    done = tpu_check(config, "runtime.backend=native", env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "tpu_check.json").read_text())
+    status = {c["name"]: c["status"] for c in report["checks"]}
+    assert status == {"TorchTPU": "skipped", "compiled layers": "passed", "bf16": "passed", "quantized base": "passed",
+                      "recompiles": "passed", "processes": "skipped", "HBM": "skipped"}, done.stdout
+    assert "skipped  TorchTPU: needs a TPU (TorchTPU's tpu device)" in done.stdout
+    assert "passed  quantized base: 6 steps, largest loss gap 0.00e+00" in done.stdout
+    runs = tmp_path / "out" / "tpu_check" / "runs"
+    compiled = json.loads((runs / "compiled_layers" / "phase1" / "summary.json").read_text())
+    assert compiled["runtime"] == "native" and compiled["compiles_total"] >= 1  # (layers compiled by inductor)
+    assert report["ok"] is True and report["runtime"] == "native"

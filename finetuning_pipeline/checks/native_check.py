@@ -1,0 +1,142 @@
+"""`make tpu-check ... runtime.backend=native`: the native runtime's TPU paths (TorchTPU), tried
+on a 2-layer copy of the run's model as the XLA runtime's are (device_check.py), one line each.
+
+The copy trains phase 1 for CHECK_STEPS steps through main.py in one process on the run's
+runtime.device ("as configured": on a TPU VM, TorchTPU's `tpu` device, its layers compiled by
+its `tpu` backend), then once per path with that one setting changed, the losses of each pair
+compared within the dtype's tolerance:
+
+  TorchTPU        the as-configured run ran on the `tpu` device
+  compiled layers runtime.compile=layers (torch.compile per decoder layer) vs eager
+  bf16            model.dtype=bfloat16 vs float32
+  quantized base  model.quantize as configured vs the same model holding its dequantized weights
+  recompiles      no graph compiled after warm-up, no host sync in the step counted
+  processes       several processes of the slice (TorchTPU's launch of a host's chips): not yet
+  HBM             TorchTPU's memory statistics against the plan: not yet
+
+On a CPU the same runs take the CPU's device (compiled layers by inductor), and what needs a TPU
+says "skipped: needs a TPU".
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import yaml
+
+from finetuning_pipeline.checks.device_check import (
+    CHECK_LAYERS,
+    CHECK_STEPS,
+    Check,
+    check_data,
+    check_model_config,
+    compare,
+    write_check_model,
+)
+from finetuning_pipeline.checks.rehearsal import run_trainer, small_run
+from finetuning_pipeline.model.loading import DTYPES
+from finetuning_pipeline.model.quantized_base import write_dequantized_copy
+from finetuning_pipeline.run_config import RunConfig
+
+NEEDS_A_TPU = "needs a TPU (TorchTPU's tpu device)"
+
+
+def native_variants(config: RunConfig, compiled: bool, dequantized: Path | None) -> tuple[list, list]:
+    """([(check, overrides, avoid)], skipped lines): the runs to compare with "as configured";
+    compiled: whether its decoder layers were compiled."""
+    runs, skipped = [], []
+    if config.model.dtype == "float64":
+        skipped.append(Check("compiled layers", "skipped", "model.dtype=float64 runs eagerly"))
+    else:
+        other = "eager" if compiled else "layers"
+        runs.append(("compiled layers", {"runtime.compile": other},
+                     "runtime.compile=eager" if compiled else "leave runtime.compile eager"))
+    if config.model.dtype == "bfloat16":
+        runs.append(("bf16", {"model.dtype": "float32"}, "model.dtype=float32"))
+    else:
+        skipped.append(Check("bf16", "skipped", f"model.dtype={config.model.dtype}"))
+    if dequantized is not None:
+        runs.append(("quantized base", {"model.path": str(dequantized), "model.quantize": "none"},
+                     "model.quantize=none"))
+    else:
+        skipped.append(Check("quantized base", "skipped", "model.quantize=none"))
+    return runs, skipped
+
+
+def native_check(config: RunConfig, model_config, root: Path, *, on_tpu: bool, seq_len: int) -> dict:
+    """The checks in `root` (output_dir/tpu_check, claimed and cleared); returns the report."""
+    from transformers import AutoTokenizer
+
+    checked_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    report = {"device": "TPU" if on_tpu else "CPU", "runtime": "native", "tpu_type": config.tpu.type,
+              "checked_at": checked_at, "measured": {}, "hosts": 1}
+    own = root / "host0"
+    own.mkdir(parents=True)
+    log = own / "tpu_check.log"
+    data, tokenizer_dir, data_note = check_data(config, own, seq_len if on_tpu else min(seq_len, 128))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    small = check_model_config(model_config, len(tokenizer), full_width=on_tpu)
+    architecture = write_check_model(small, tokenizer, own / "model", config.train.seed)
+    dequantized = None
+    if config.model.quantize != "none":
+        dequantized = write_dequantized_copy(own / "model", config.model.quantize, DTYPES[config.model.dtype],
+                                             own / "model_dequantized")
+    report.update(data=data_note, log=str(log),
+                  model=f"{architecture}, {CHECK_LAYERS} layers, hidden {small.hidden_size}")
+
+    def train(name: str, overrides: dict) -> tuple[Path, str | None]:
+        out = root / "runs" / name
+        run = small_run(config, model_path=own / "model", output_dir=out, data={1: data}, steps=CHECK_STEPS,
+                        on_cpu=not on_tpu)
+        run["runtime"].update(backend="native", device="tpu" if on_tpu else "cpu")
+        run["parallel"].update(mode="dp", launcher="auto")  # one process: the slice's processes are a line of their own
+        run["train"]["recompile_policy"] = "warn"  # a recompile is one of the check's lines
+        run["checkpoint"].update(every=0, keep=1)
+        if not on_tpu:
+            run["train"]["micro_batch"] = 1
+        for key, value in overrides.items():
+            section, field = key.split(".")
+            run[section][field] = value
+        path = own / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(run))
+        proc = run_trainer(path, ["--phase", "1", "--resume", "never", "--force"], "dp", log,
+                           "TPU" if on_tpu else "CPU")
+        return out, None if proc.returncode == 0 else (proc.stdout + proc.stderr)[-1500:]
+
+    reference, failure = train("as_configured", {})
+    if failure:
+        return {**report, "checks": [asdict(Check("as configured", "failed", f"the run failed: {failure}"))],
+                "ok": False}
+    summary = json.loads((reference / "phase1" / "summary.json").read_text())
+    runs, checks = native_variants(config, "compiled by torch.compile" in layers_note(log), dequantized)
+    checks.insert(0, Check("TorchTPU", "passed", "the run trained on TorchTPU's tpu device") if on_tpu
+                  else Check("TorchTPU", "skipped", NEEDS_A_TPU))
+    for name, overrides, avoid in runs:
+        out, failure = train(name.replace(" ", "_"), overrides)
+        changed = " ".join(f"{k}={v}" for k, v in overrides.items())
+        if failure:
+            checks.append(Check(name, "failed", f"the run with {changed} failed (as configured it ran): "
+                                f"{failure[-300:]}", avoid))
+        else:
+            dtype = "bfloat16" if "bfloat16" in (config.model.dtype, overrides.get("model.dtype")) else \
+                config.model.dtype
+            checks.append(compare(name, reference, out, dtype, avoid))
+    recompiles, syncs = summary["compiles_after_warmup"], summary["host_syncs_per_step"]
+    checks.append(Check("recompiles", "passed" if recompiles == 0 and syncs == 0 else "failed",
+                        f"{recompiles} graphs compiled after warm-up, {syncs} host syncs in the step counted",
+                        "find the cause with TORCH_LOGS=recompiles (train.recompile_policy=warn lets a run go on)"))
+    checks.append(Check("processes", "skipped", "TorchTPU's launch of a host's chips is not done yet (DDP and FSDP2 "
+                        "under torchrun are tested on a CPU)" if on_tpu else NEEDS_A_TPU))
+    checks.append(Check("HBM", "skipped", "TorchTPU's memory statistics are not read yet" if on_tpu else NEEDS_A_TPU))
+    report.update(checks=[asdict(c) for c in checks], ok=all(c.status != "failed" for c in checks))
+    return report
+
+
+def layers_note(log: Path) -> str:
+    """How the first run in `log` (as configured) ran its decoder layers: its phase line says
+    (the runtime's layers_note)."""
+    lines = [line for line in log.read_text().splitlines() if "native runtime on" in line]
+    return lines[0] if lines else ""
