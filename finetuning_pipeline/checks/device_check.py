@@ -337,6 +337,36 @@ def compile_split(summary: dict, one_layer: dict | None, planned: dict, figures:
                  f"1: {fixed:.2f} s + {per_layer:.2f} s a layer ({assumed})")
 
 
+@dataclass
+class CheckCopy:
+    """The check's data and 2-layer model, written in a host's directory (check_copy)."""
+
+    data: Path
+    data_note: str
+    tokenizer: object
+    model_config: object  # the copy's
+    description: str
+    dequantized: Path | None  # the copy holding its dequantized weights, under model.quantize
+
+
+def check_copy(config: RunConfig, model_config, own: Path, seq_len: int, on_tpu: bool) -> CheckCopy:
+    """The data (check_data) and the 2-layer copy of the configured model in own/model (and its
+    dequantized twin in own/model_dequantized under model.quantize); on a CPU narrowed, at a
+    sequence length of at most 128."""
+    from transformers import AutoTokenizer
+
+    data, tokenizer_dir, data_note = check_data(config, own, seq_len if on_tpu else min(seq_len, 128))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    small = check_model_config(model_config, len(tokenizer), full_width=on_tpu)
+    architecture = write_check_model(small, tokenizer, own / "model", config.train.seed)
+    dequantized = None
+    if config.model.quantize != "none":
+        dequantized = write_dequantized_copy(own / "model", config.model.quantize, DTYPES[config.model.dtype],
+                                             own / "model_dequantized")
+    return CheckCopy(data, data_note, tokenizer, small,
+                     f"{architecture}, {CHECK_LAYERS} layers, hidden {small.hidden_size}", dequantized)
+
+
 def write_check_model(model_config, tokenizer, out: Path, seed: int) -> str:
     """A check model with the tokenizer, initialised from `seed`: the same bytes every time, and
     on every host of a pod. Returns the model's class name."""
@@ -401,7 +431,6 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
     before every host has set up, or any once one host could not (the `barrier`). scanned: whether
     the full-depth run scans its decoder layers (planning.layers_scanned), which the check's
     2-layer copy then does too: the path the run takes, and its compile_s_scanned measured."""
-    from transformers import AutoTokenizer
 
     on_tpu = device == "TPU"
     checked_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -420,20 +449,13 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
     log = own / "tpu_check.log"
     try:
         own.mkdir(parents=True)
-        data, tokenizer_dir, data_note = check_data(config, own, seq_len if on_tpu else min(seq_len, 128))
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        small = check_model_config(model_config, len(tokenizer), full_width=on_tpu)
-        architecture = write_check_model(small, tokenizer, own / "model", config.train.seed)
-        dequantized = None
-        if config.model.quantize != "none":
-            dequantized = write_dequantized_copy(own / "model", config.model.quantize, DTYPES[config.model.dtype],
-                                                 own / "model_dequantized")
+        made = check_copy(config, model_config, own, seq_len, on_tpu)
+        data, tokenizer, small, dequantized = made.data, made.tokenizer, made.model_config, made.dequantized
     except BaseException as err:
         barrier.ready("set-up", f"{type(err).__name__}: {err}")  # the other hosts stop now, not at a timeout
         raise
     others = barrier.ready("set-up")
-    report.update(data=data_note, log=str(log),
-                  model=f"{architecture}, {CHECK_LAYERS} layers, hidden {small.hidden_size}")
+    report.update(data=made.data_note, log=str(log), model=made.description)
     if others:
         return {**report, "checks": [asdict(Check("set-up", "failed", "; ".join(others)))], "ok": False}
     started_runs: list[str] = []

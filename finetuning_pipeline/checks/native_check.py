@@ -27,18 +27,8 @@ from pathlib import Path
 
 import yaml
 
-from finetuning_pipeline.checks.device_check import (
-    CHECK_LAYERS,
-    CHECK_STEPS,
-    Check,
-    check_data,
-    check_model_config,
-    compare,
-    write_check_model,
-)
+from finetuning_pipeline.checks.device_check import CHECK_STEPS, Check, check_copy, compare
 from finetuning_pipeline.checks.rehearsal import run_trainer, small_run
-from finetuning_pipeline.model.loading import DTYPES
-from finetuning_pipeline.model.quantized_base import write_dequantized_copy
 from finetuning_pipeline.run_config import RunConfig
 
 NEEDS_A_TPU = "needs a TPU (TorchTPU's tpu device)"
@@ -68,24 +58,15 @@ def native_variants(config: RunConfig, compiled: bool, dequantized: Path | None)
 
 def native_check(config: RunConfig, model_config, root: Path, *, on_tpu: bool, seq_len: int) -> dict:
     """The checks in `root` (output_dir/tpu_check, claimed and cleared); returns the report."""
-    from transformers import AutoTokenizer
-
     checked_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     report = {"device": "TPU" if on_tpu else "CPU", "runtime": "native", "tpu_type": config.tpu.type,
               "checked_at": checked_at, "measured": {}, "hosts": 1}
     own = root / "host0"
     own.mkdir(parents=True)
     log = own / "tpu_check.log"
-    data, tokenizer_dir, data_note = check_data(config, own, seq_len if on_tpu else min(seq_len, 128))
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    small = check_model_config(model_config, len(tokenizer), full_width=on_tpu)
-    architecture = write_check_model(small, tokenizer, own / "model", config.train.seed)
-    dequantized = None
-    if config.model.quantize != "none":
-        dequantized = write_dequantized_copy(own / "model", config.model.quantize, DTYPES[config.model.dtype],
-                                             own / "model_dequantized")
-    report.update(data=data_note, log=str(log),
-                  model=f"{architecture}, {CHECK_LAYERS} layers, hidden {small.hidden_size}")
+    made = check_copy(config, model_config, own, seq_len, on_tpu)
+    data, dequantized = made.data, made.dequantized
+    report.update(data=made.data_note, log=str(log), model=made.description)
 
     def train(name: str, overrides: dict) -> tuple[Path, str | None]:
         out = root / "runs" / name
