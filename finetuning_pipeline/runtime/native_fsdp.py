@@ -44,19 +44,20 @@ class NativeFsdp(Parallel):
     """Parallel for FSDP2: its mesh is torch's DeviceMesh, and placing the model shards it."""
 
     def place_model(self, model: torch.nn.Module, device) -> list[str]:
-        """Move the model to the device and shard each decoder layer's frozen weights; returns
-        their names. (Moved whole first: FSDP2 shards what is on the device; the trainer loads
-        the base on the host, so a process holds it once, briefly, as under dp.)"""
+        """Shard each decoder layer's frozen weights onto the device, then move the rest of the
+        model there; returns the names of what FSDP2 holds. The base arrives on the host: FSDP2
+        moves a layer to the device and shards it there, layer after layer, so a device never
+        holds more than one whole layer beside its shards."""
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import DTensor
 
-        model.to(device)
         for layer in decoder_layers(model):
             for module in layer.modules():
                 if isinstance(module, QuantizedLinear):  # its codes and scales shard as its weight would
                     module.hold_codes_as(torch.float16)
             fully_shard(layer, mesh=self.mesh, ignored_params={p for p in layer.parameters() if p.requires_grad})
-        return [name for name, p in model.named_parameters() if isinstance(p, DTensor)]  # (what FSDP2 now holds)
+        model.to(device)  # the LoRA weights, embeddings, final norm and LM head (a sharded weight is there already)
+        return [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
 
     def replicate(self, tensors: list[torch.Tensor]) -> None:
         pass  # (XLA's sharding marks: the LoRA state is whole on every process here)
