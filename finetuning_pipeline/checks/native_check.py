@@ -27,30 +27,30 @@ from pathlib import Path
 
 import yaml
 
-from finetuning_pipeline.checks.device_check import CHECK_STEPS, Check, check_copy, compare
+from finetuning_pipeline.checks.device_check import CHECK_STEPS, Check, Variant, check_copy, compare
 from finetuning_pipeline.checks.rehearsal import run_trainer, small_run
 from finetuning_pipeline.run_config import RunConfig
 
 NEEDS_A_TPU = "needs a TPU (TorchTPU's tpu device)"
 
 
-def native_variants(config: RunConfig, compiled: bool, dequantized: Path | None) -> tuple[list, list]:
-    """([(check, overrides, avoid)], skipped lines): the runs to compare with "as configured";
-    compiled: whether its decoder layers were compiled."""
+def native_variants(config: RunConfig, compiled: bool, dequantized: Path | None) -> tuple[list[Variant], list[Check]]:
+    """(the runs to compare with "as configured", skipped lines); compiled: whether its decoder
+    layers were compiled."""
     runs, skipped = [], []
     if config.model.dtype == "float64":
         skipped.append(Check("compiled layers", "skipped", "model.dtype=float64 runs eagerly"))
     else:
         other = "eager" if compiled else "layers"
-        runs.append(("compiled layers", {"runtime.compile": other},
-                     "runtime.compile=eager" if compiled else "leave runtime.compile eager"))
+        runs.append(Variant("compiled layers", {"runtime.compile": other},
+                            "runtime.compile=eager" if compiled else "leave runtime.compile eager"))
     if config.model.dtype == "bfloat16":
-        runs.append(("bf16", {"model.dtype": "float32"}, "model.dtype=float32"))
+        runs.append(Variant("bf16", {"model.dtype": "float32"}, "model.dtype=float32"))
     else:
         skipped.append(Check("bf16", "skipped", f"model.dtype={config.model.dtype}"))
     if dequantized is not None:
-        runs.append(("quantized base", {"model.path": str(dequantized), "model.quantize": "none"},
-                     "model.quantize=none"))
+        runs.append(Variant("quantized base", {"model.path": str(dequantized), "model.quantize": "none"},
+                            "model.quantize=none"))
     else:
         skipped.append(Check("quantized base", "skipped", "model.quantize=none"))
     return runs, skipped
@@ -96,16 +96,16 @@ def native_check(config: RunConfig, model_config, root: Path, *, on_tpu: bool, s
     runs, checks = native_variants(config, summary["compiles_total"] > 0, dequantized)
     checks.insert(0, Check("TorchTPU", "passed", "the run trained on TorchTPU's tpu device") if on_tpu
                   else Check("TorchTPU", "skipped", NEEDS_A_TPU))
-    for name, overrides, avoid in runs:
-        out, failure = train(name.replace(" ", "_"), overrides)
-        changed = " ".join(f"{k}={v}" for k, v in overrides.items())
+    for variant in runs:
+        out, failure = train(variant.check.replace(" ", "_"), variant.overrides)
+        changed = " ".join(f"{k}={v}" for k, v in variant.overrides.items())
         if failure:
-            checks.append(Check(name, "failed", f"the run with {changed} failed (as configured it ran): "
-                                f"{failure[-300:]}", avoid))
+            checks.append(Check(variant.check, "failed", f"the run with {changed} failed (as configured it ran): "
+                                f"{failure[-300:]}", variant.avoid))
         else:
-            dtype = "bfloat16" if "bfloat16" in (config.model.dtype, overrides.get("model.dtype")) else \
+            dtype = "bfloat16" if "bfloat16" in (config.model.dtype, variant.overrides.get("model.dtype")) else \
                 config.model.dtype
-            checks.append(compare(name, reference, out, dtype, avoid))
+            checks.append(compare(variant.check, reference, out, dtype, variant.avoid))
     recompiles, syncs = summary["compiles_after_warmup"], summary["host_syncs_per_step"]
     checks.append(Check("recompiles", "passed" if recompiles == 0 and syncs == 0 else "failed",
                         f"{recompiles} graphs compiled after warm-up, {syncs} host syncs in the step counted",

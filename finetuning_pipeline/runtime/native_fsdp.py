@@ -65,9 +65,6 @@ class NativeFsdp(Parallel):
     def input_sharding(self):
         return None  # each process feeds its own device
 
-    def fsdp_size(self) -> int:
-        return self.mesh.size(self.mesh.ndim - 1)
-
     def describe(self) -> dict:
         shape = dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))
         return {"mode": self.mode, "processes": self.world, "chips": self.chips,
