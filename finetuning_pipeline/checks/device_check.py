@@ -181,15 +181,7 @@ def variants(config: RunConfig, summary: dict, dtype: str, grad_accum: int, devi
         runs.append(Variant("scanned layers", {"train.scan_layers": False}, "train.scan_layers=false"))
     else:
         skipped.append(Check("scanned layers", "skipped", "the run's decoder layers are not scanned"))
-    if dtype == "bfloat16":
-        runs.append(Variant("bf16", {"model.dtype": "float32"}, "model.dtype=float32"))
-    else:
-        skipped.append(Check("bf16", "skipped", f"model.dtype={dtype}"))
-    if dequantized is not None:
-        runs.append(Variant("quantized base", {"model.path": str(dequantized), "model.quantize": "none"},
-                            "model.quantize=none"))
-    else:
-        skipped.append(Check("quantized base", "skipped", "model.quantize=none"))
+    precision_runs(dtype, dequantized, runs, skipped)
     # parallel.single_chip leaves one chip a host: on a pod its hosts' replicas still sum across hosts
     one_chip_world = devices_per_chip * hosts
     if config.parallel.mode == "dp" and summary["world_size"] > one_chip_world:
@@ -205,6 +197,20 @@ def variants(config: RunConfig, summary: dict, dtype: str, grad_accum: int, devi
         skipped.append(Check("collectives", "skipped", f"one chip a host already ({summary['world_size']} replicas "
                              f"on {hosts} hosts): one chip a host is the same run"))
     return runs, skipped
+
+
+def precision_runs(dtype: str, dequantized: Path | None, runs: list[Variant], skipped: list[Check]) -> None:
+    """The bf16 and quantized-base pairs, on both runtimes' checks: appended to `runs`, or a
+    skipped line each to `skipped`."""
+    if dtype == "bfloat16":
+        runs.append(Variant("bf16", {"model.dtype": "float32"}, "model.dtype=float32"))
+    else:
+        skipped.append(Check("bf16", "skipped", f"model.dtype={dtype}"))
+    if dequantized is not None:
+        runs.append(Variant("quantized base", {"model.path": str(dequantized), "model.quantize": "none"},
+                            "model.quantize=none"))
+    else:
+        skipped.append(Check("quantized base", "skipped", "model.quantize=none"))
 
 
 def quantized_step(quantized: dict, dequantized: dict) -> Check:

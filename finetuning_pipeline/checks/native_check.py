@@ -27,7 +27,14 @@ from pathlib import Path
 
 import yaml
 
-from finetuning_pipeline.checks.device_check import CHECK_STEPS, Check, Variant, check_copy, compare
+from finetuning_pipeline.checks.device_check import (
+    CHECK_STEPS,
+    Check,
+    Variant,
+    check_copy,
+    compare,
+    precision_runs,
+)
 from finetuning_pipeline.checks.rehearsal import run_trainer, small_run
 from finetuning_pipeline.run_config import RunConfig
 
@@ -44,15 +51,7 @@ def native_variants(config: RunConfig, compiled: bool, dequantized: Path | None)
         other = "eager" if compiled else "layers"
         runs.append(Variant("compiled layers", {"runtime.compile": other},
                             "runtime.compile=eager" if compiled else "leave runtime.compile eager"))
-    if config.model.dtype == "bfloat16":
-        runs.append(Variant("bf16", {"model.dtype": "float32"}, "model.dtype=float32"))
-    else:
-        skipped.append(Check("bf16", "skipped", f"model.dtype={config.model.dtype}"))
-    if dequantized is not None:
-        runs.append(Variant("quantized base", {"model.path": str(dequantized), "model.quantize": "none"},
-                            "model.quantize=none"))
-    else:
-        skipped.append(Check("quantized base", "skipped", "model.quantize=none"))
+    precision_runs(config.model.dtype, dequantized, runs, skipped)
     return runs, skipped
 
 
