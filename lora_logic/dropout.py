@@ -40,12 +40,23 @@ def _fmix(h: torch.Tensor) -> torch.Tensor:
     return h ^ _shift_right(h, 16)
 
 
+def _as_data(index: torch.Tensor) -> torch.Tensor:
+    """The element indices (non-negative int32) as values that torch.compile's inductor computes
+    in int32, as the hash needs: the same values (`& 0x7FFFFFFF` keeps every bit of a non-negative
+    int32). Multiplied straight by a constant, inductor folds the arange into an index expression
+    (row * 64 * _GOLDEN + column * _GOLDEN for rows of 64) whose constants it does not wrap to
+    int32, and Triton refuses the kernel ("Scalar -104994018240 is out of range for type int32",
+    seen on an H100 with LoRA dropout in compiled layers); a bitwise and is an operation that
+    inductor does not propagate into index expressions."""
+    return index & 0x7FFFFFFF
+
+
 def keep_mask(seed: torch.Tensor, salt: int | torch.Tensor, shape: torch.Size, p: float) -> torch.Tensor:
     """Boolean mask of `shape`, True where dropout keeps the element; `seed` an int32 tensor [1];
     `salt` an int, or an int32 tensor of one (the same mask)."""
     key = _fmix(seed.to(torch.int32).reshape(()) * _GOLDEN + salt)
     index = torch.arange(shape.numel(), dtype=torch.int32, device=seed.device).view(shape)
-    bits = _fmix(index * _GOLDEN ^ key) & ((1 << _BITS) - 1)
+    bits = _fmix(_as_data(index) * _GOLDEN ^ key) & ((1 << _BITS) - 1)
     return bits >= int(round(p * (1 << _BITS)))
 
 

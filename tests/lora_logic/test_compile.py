@@ -6,6 +6,7 @@ passed between the layers on the input tensor itself (`x.__dict__`), which dynam
 from __future__ import annotations
 
 import operator
+import re
 
 import pytest
 import torch
@@ -73,4 +74,36 @@ def test_the_compiled_layer_runs_inductors_kernels_within_rounding_of_eager():
     eager = forward_backward(layer, hidden, position_embeddings)
     ours = forward_backward(torch.compile(layer, fullgraph=True), hidden, position_embeddings)
     for index, (a, b) in enumerate(zip(ours, eager, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"output or gradient {index}")
+
+
+def test_lora_dropout_compiles_to_int32_constants_that_triton_accepts():
+    """LoRA dropout's hash multiplies element indices by a constant. Inductor folds an arange times
+    a constant into an index expression and prints it unwrapped: with rows of 64, row * -104994018240
+    in an int32 kernel, which Triton refuses (found on an H100: compiled layers with lora.dropout).
+    A CPU runs the same lowering, so the kernels' source may hold no integer beyond int32, and the
+    compiled masks are eager's (the output within rounding; a changed mask moves it by far more)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from lora_logic.dropout import SeededDropout, set_dropout_seed
+
+    model = tiny_causal_lm("llama")
+    inject_lora(model, LoraConfig(r=4, alpha=8, dropout=0.1))
+    model.train()
+    layer = model.model.layers[0]
+    for module in layer.modules():
+        if isinstance(module, SeededDropout):
+            module.salt_as_data(torch.device("cpu"))  # as the native runtime's compiled layers do
+    set_dropout_seed(layer, torch.tensor([7], dtype=torch.int32))
+    tokens = random_tokens()
+    hidden = model.get_input_embeddings()(tokens).detach().requires_grad_(True)
+    positions = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1)
+    rotary = model.model.rotary_emb(hidden, positions)
+    eager = forward_backward(layer, hidden, rotary)
+    torch._dynamo.reset()
+    compiled, sources = run_and_get_code(forward_backward, torch.compile(layer, fullgraph=True), hidden, rotary)
+    integers = [int(m) for source in sources for m in re.findall(r"(?<![\w.])(-?\d{10,})L?(?![\w.])", source)]
+    assert integers, "the kernels' source holds the hash's constants"
+    assert [v for v in integers if not -2**31 <= v < 2**31] == []
+    for index, (a, b) in enumerate(zip(compiled, eager, strict=True)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"output or gradient {index}")
