@@ -38,9 +38,13 @@ def prepare_process(runtime: RuntimeConfig, *, first_process: bool) -> None:
     """Before anything imports transformers. XLA: the PJRT device chosen and said once (by the
     first process: torchrun's others inherit it). Native: USE_TORCH_XLA=0, which transformers
     and accelerate read, so that they leave an installed torch_xla unimported (accelerate
-    imports it at its own import otherwise, and it then takes a device)."""
+    imports it at its own import otherwise, and it then takes a device), and the profiler that
+    counts host syncs started once on this main thread (native_syncs.py)."""
     if runtime.backend == "native":
         os.environ.setdefault("USE_TORCH_XLA", "0")
+        from finetuning_pipeline.runtime.native_syncs import start_profiler_on_this_thread
+
+        start_profiler_on_this_thread()  # (on the main thread: the replica's runs on another)
     elif first_process:
         choose_device()
 

@@ -33,7 +33,8 @@ class HostSyncCount:
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         from torch.profiler import ProfilerActivity, profile
 
-        self._profiler = profile(activities=[ProfilerActivity.CPU])
+        # acc_events: one cycle either way; without it torch 2.11 warns that a cycle clears its events.
+        self._profiler = profile(activities=[ProfilerActivity.CPU], acc_events=True)
         self._profiler.__enter__()
         return self
 
@@ -41,3 +42,14 @@ class HostSyncCount:
         self._profiler.__exit__(*exc)
         names = [event.name for event in self._profiler.events()]
         self.value = sum(name in SYNCING_OPS for name in names) if names else None
+
+
+def start_profiler_on_this_thread() -> None:
+    """Start and stop the profiler once, here on the main thread, before the native replica's
+    thread counts its host syncs. kineto (the profiler's library) registers its client on the
+    thread that loads torch, and when the profiler first starts on another thread it prints
+    "ERROR: External init callback must run in same thread as registerClient" with fprintf, which
+    no log level silences (seen under torch 2.9 and 2.13 on a CPU, 2.11 on an H100). Started here
+    first, it initialises its client here, once per process."""
+    with HostSyncCount():
+        pass

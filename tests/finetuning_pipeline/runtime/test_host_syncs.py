@@ -57,3 +57,27 @@ def test_a_compiled_module_runs_compiled_inside_the_count_and_compiles_once():
         loss.item()
     assert count.value == 1
     assert len(calls) == ran + 1 and counters["stats"]["unique_graphs"] == graphs == 1
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_counting_on_the_replicas_thread_prints_no_kineto_error_once_the_process_is_prepared(prepared):
+    """kineto prints "ERROR: External init callback must run in same thread as registerClient" when
+    the profiler first starts on a thread other than the one that loaded torch: the native
+    replica's, in every native run. prepare_process starts it once on the main thread first. The
+    unprepared process shows that the line is there to be silenced (torch 2.9 and 2.13 both print it)."""
+    import subprocess
+    import sys
+
+    script = ("import threading\n"
+              "from finetuning_pipeline.run_config import RuntimeConfig\n"
+              "from finetuning_pipeline.runtime import prepare_process\n"
+              "from finetuning_pipeline.runtime.native_syncs import HostSyncCount\n"
+              f"if {prepared}: prepare_process(RuntimeConfig(backend='native'), first_process=True)\n"
+              "def count():\n"
+              "    with HostSyncCount() as c:\n"
+              "        __import__('torch').ones(2).sum().item()\n"
+              "    assert c.value == 1, c.value\n"
+              "t = threading.Thread(target=count); t.start(); t.join(); print('counted')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0 and "counted" in proc.stdout, proc.stderr
+    assert ("External init callback" in proc.stderr) is not prepared, proc.stderr
