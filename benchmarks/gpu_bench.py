@@ -1,7 +1,7 @@
 """The native runtime's training step on a GPU against HF Trainer + PEFT, in one run on one device.
 
     python -m benchmarks.gpu_bench [--shape mistral-7b] [--batch 4] [--seq-len 1024] [--steps 12]
-                                   [--device cuda] [--compile layers] [--out outputs/bench/gpu_bench.json]
+                                   [--device cuda] [--compile layers] [--profile] [--out outputs/bench/gpu_bench.json]
 
 Three measurements, each in a process of its own (a clean allocator for its peak memory), on
 Mistral-7B's shape (finetuning_pipeline/model_configs/Mistral-7B-v0.3, random bf16 weights: the
@@ -16,7 +16,9 @@ speed and memory of a step do not depend on the values), LoRA r 16 (alpha 32) on
 Steps after the first WARMUP_STEPS (the compiles) are timed, from the end of the last warm-up
 step's work to the end of the last step's (torch.accelerator.synchronize). Targets (issue #52):
 ours >= 1.5x the peer's tokens/s; ours <= 1.10x the frozen step; our peak memory <= 0.75x the
-peer's. `--shape tiny --device cpu` runs the same code on the demo's shape on a CPU (a test does:
+peer's. `--profile` adds, for ours and the frozen floor, the device time and the kernels of one more
+step under PyTorch's profiler (on a CPU: its ops and their CPU time). `--shape tiny --device cpu`
+runs the same code on the demo's shape on a CPU (a test does:
 the script runs as written wherever a GPU is at hand).
 """
 
@@ -91,7 +93,25 @@ def timed(device: str, steps: int, run_step) -> dict:
     return {"step_time_s": round(seconds, 4), "peak_memory_bytes": peak}
 
 
-def measure_ours(shape: str, device: str, batch: int, seq_len: int, steps: int, compile_layers: str) -> dict:
+def profiled(device: str, run_step, step: int) -> dict:
+    """run_step(step) once more under PyTorch's profiler: the device's time in its kernels and how many
+    ran (a CPU: its ops' own CPU time and their count), to tell the device's work from the host's."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activity, kind = (ProfilerActivity.CPU, DeviceType.CPU) if device == "cpu" else (ProfilerActivity.CUDA,
+                                                                                      DeviceType.CUDA)
+    with profile(activities=[activity], acc_events=True) as prof:
+        run_step(step)
+        synchronize(device)
+    events = [e for e in prof.key_averages() if e.device_type == kind]
+    own = (lambda e: e.self_cpu_time_total) if device == "cpu" else (lambda e: e.self_device_time_total)
+    return {"activity": "cpu" if device == "cpu" else "cuda", "time_ms": round(sum(map(own, events)) / 1e3, 2),
+            "kernels": sum(e.count for e in events)}
+
+
+def measure_ours(shape: str, device: str, batch: int, seq_len: int, steps: int, compile_layers: str,
+                 profile: bool = False) -> dict:
     import torch
 
     from finetuning_pipeline.distributed.collectives import Collectives
@@ -103,27 +123,31 @@ def measure_ours(shape: str, device: str, batch: int, seq_len: int, steps: int, 
     from lora_logic.config import LoraConfig
     from lora_logic.inject import inject_lora
 
+    total = steps + profile  # (the profiled step is one more: the stepper's LR table counts it)
     model = build_model(shape, device, getattr(torch, DTYPES[device]))
     inject_lora(model, LoraConfig(r=RANK, alpha=ALPHA, target_modules=TARGETS))
     model.to(device)
     model.train()
-    train = TrainConfig(max_steps=steps, micro_batch=batch, lr=LR, warmup_steps=1, loss_chunk_tokens=0)
+    train = TrainConfig(max_steps=total, micro_batch=batch, lr=LR, warmup_steps=1, loss_chunk_tokens=0)
     stepper = NativeStepper(model, MaskedAdamW(lora_parameters(model), lr=LR), train, phase=1, lr=LR,
-                            max_steps=steps, activation_checkpointing=False, parallel=Parallel("dp", Collectives()),
+                            max_steps=total, activation_checkpointing=False, parallel=Parallel("dp", Collectives()),
                             device=torch.device(device), start_step=0, packed=False,
                             compile_layers=compile_layers == "layers")
     blocks = [{"input_ids": ids.to(device), "labels": ids.to(device)}
-              for ids in token_blocks(model.config.vocab_size, batch, seq_len, steps)]
+              for ids in token_blocks(model.config.vocab_size, batch, seq_len, total)]
     results = {}
 
     def step(i: int) -> None:
         results.update(stepper(i, [blocks[i]]))
 
     figures = timed(device, steps, step)
+    if profile:
+        figures["profiled_step"] = profiled(device, step, steps)
     return {**figures, "last_loss": float(results["loss"])}
 
 
-def measure_frozen(shape: str, device: str, batch: int, seq_len: int, steps: int, compile_layers: str) -> dict:
+def measure_frozen(shape: str, device: str, batch: int, seq_len: int, steps: int, compile_layers: str,
+                   profile: bool = False) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -134,7 +158,7 @@ def measure_frozen(shape: str, device: str, batch: int, seq_len: int, steps: int
     model.requires_grad_(False)
     if compile_layers == "layers":
         compile_decoder_layers(model)
-    blocks = [ids.to(device) for ids in token_blocks(model.config.vocab_size, batch, seq_len, steps)]
+    blocks = [ids.to(device) for ids in token_blocks(model.config.vocab_size, batch, seq_len, steps + profile)]
     mask = attention_masks(model.config, seq_len, torch.device(device), model.dtype)  # as our step's forward
 
     def step(i: int) -> None:
@@ -142,10 +166,14 @@ def measure_frozen(shape: str, device: str, batch: int, seq_len: int, steps: int
         logits = model(inputs_embeds=embeds, attention_mask=mask).logits
         F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), blocks[i][:, 1:].flatten()).backward()
 
-    return timed(device, steps, step)
+    figures = timed(device, steps, step)
+    if profile:
+        figures["profiled_step"] = profiled(device, step, steps)
+    return figures
 
 
-def measure_peer(shape: str, device: str, batch: int, seq_len: int, steps: int, compile_layers: str) -> dict:
+def measure_peer(shape: str, device: str, batch: int, seq_len: int, steps: int, compile_layers: str,
+                 profile: bool = False) -> dict:
     import tempfile
 
     import torch
@@ -184,7 +212,7 @@ MEASURES = {"ours": measure_ours, "frozen": measure_frozen, "peer": measure_peer
 def in_subprocess(kind: str, args: argparse.Namespace) -> dict:
     command = [sys.executable, "-m", "benchmarks.gpu_bench", "--measure", kind, "--shape", args.shape, "--device",
                args.device, "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-               "--compile", args.compile]
+               "--compile", args.compile] + (["--profile"] if args.profile else [])
     env = {**os.environ, "USE_TORCH_XLA": "0", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, check=False)
     if proc.returncode != 0:
@@ -202,6 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compile", choices=["layers", "eager"], default="layers",
                         help="each decoder layer under torch.compile (ours and the frozen floor), or eager")
     parser.add_argument("--no-peer", action="store_true", help="skip HF Trainer + PEFT")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one step of ours and of the frozen floor: the device's time and kernels")
     parser.add_argument("--out", default="outputs/bench/gpu_bench.json")
     parser.add_argument("--measure", choices=sorted(MEASURES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -209,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--steps must be more than the {WARMUP_STEPS} warm-up steps")
     if args.measure:  # a child process: one measurement, printed as JSON
         print(json.dumps(MEASURES[args.measure](args.shape, args.device, args.batch, args.seq_len, args.steps,
-                                                args.compile)))
+                                                args.compile, args.profile)))
         return {}
     import torch
 

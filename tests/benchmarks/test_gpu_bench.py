@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def test_the_gpu_benchmark_runs_its_three_measurements_on_a_cpu(tmp_path):
     out = tmp_path / "gpu_bench.json"
     result = gpu_bench.main(["--shape", "tiny", "--device", "cpu", "--batch", "2", "--seq-len", "64", "--steps", "4",
-                             "--compile", "eager", "--out", str(out)])
+                             "--compile", "eager", "--profile", "--out", str(out)])
     assert json.loads(out.read_text())["tiny_cpu"] == result
     for kind in ("ours", "frozen", "peer"):
         assert result[kind]["step_time_s"] > 0 and result[kind]["tokens_per_sec"] == pytest.approx(
@@ -27,3 +27,8 @@ def test_the_gpu_benchmark_runs_its_three_measurements_on_a_cpu(tmp_path):
     assert result["lora_step_vs_frozen"] == pytest.approx(
         result["ours"]["step_time_s"] / result["frozen"]["step_time_s"], rel=1e-2)
     assert result["tokens_per_sec_vs_peer"] > 0 and result["torch"].startswith("2.")
+    for kind in ("ours", "frozen"):  # --profile: one more step, its ops (a GPU's kernels) and their time
+        profiled = result[kind]["profiled_step"]
+        assert profiled["activity"] == "cpu" and profiled["time_ms"] > 0 and profiled["kernels"] > 0
+    # the LoRA step runs more ops than the frozen forward and backward (its products, its update)
+    assert result["ours"]["profiled_step"]["kernels"] > result["frozen"]["profiled_step"]["kernels"]
