@@ -14,7 +14,8 @@ compile seconds measured on it are the chip's), on a CPU it is also narrowed (ch
   bf16            model.dtype=bfloat16 vs float32
   quantized base  model.quantize as configured vs the same model holding its dequantized weights
                   (equal step for step), and the step time of the two
-  collectives     N replicas vs one chip with their global batch (parallel.single_chip)
+  collectives     N replicas vs one chip with their global batch (parallel.single_chip; on a pod,
+                  chip 0 of host 0 alone, while the other hosts wait)
   recompiles      no graph compiled after warm-up; no host sync in a step
   donation        every state tensor the captured step updates donates its buffer
   HBM             peak device memory vs the plan of the same small model (tpu_plan.py)
@@ -46,7 +47,7 @@ from dataset.manifest import MANIFEST_NAME
 from dataset.prepare import PrepareOptions, prepare
 from dataset.samples import DOMAIN_TEXT
 from finetuning_pipeline.checks.pod_hosts import ONE_HOST, HostBarrier, PodHost
-from finetuning_pipeline.checks.rehearsal import run_trainer, shrunken_config, small_run
+from finetuning_pipeline.checks.rehearsal import RUN_TIMEOUT_S, run_trainer, shrunken_config, small_run
 from finetuning_pipeline.model.kernel_attention import IMPLEMENTATION
 from finetuning_pipeline.model.loading import DTYPES
 from finetuning_pipeline.model.quantized_base import write_dequantized_copy
@@ -94,6 +95,7 @@ class Variant:
     check: str
     overrides: dict  # dotted key -> value
     avoid: str  # the setting that avoids the path "as configured" takes, when the two disagree
+    alone: bool = False  # on a pod, a run of host 0 alone (its one chip), not one of the whole slice
 
 
 def check_model_config(model_config, vocab_size: int, full_width: bool):
@@ -167,7 +169,7 @@ def variants(config: RunConfig, summary: dict, dtype: str, grad_accum: int, devi
     for the rest. grad_accum: the check's own; devices_per_chip: the replicas one chip runs (2 on
     v2/v3), which share the global batch in the one-chip run; dequantized: the check model with
     its decoder Linears dequantized (quantized_base.write_dequantized_copy), under model.quantize;
-    hosts: the pod's (each keeps one chip in the one-chip run)."""
+    hosts: the pod's (host 0's one chip runs the one-chip run alone)."""
     runs, skipped = [], []
     if summary["attention"] in IMPLEMENTATION.values():
         runs.append(Variant("attention", {"model.attention": "dense"}, "model.attention=dense"))
@@ -182,20 +184,20 @@ def variants(config: RunConfig, summary: dict, dtype: str, grad_accum: int, devi
     else:
         skipped.append(Check("scanned layers", "skipped", "the run's decoder layers are not scanned"))
     precision_runs(dtype, dequantized, runs, skipped)
-    # parallel.single_chip leaves one chip a host: on a pod its hosts' replicas still sum across hosts
-    one_chip_world = devices_per_chip * hosts
-    if config.parallel.mode == "dp" and summary["world_size"] > one_chip_world:
-        rows = summary["global_batch"] // (grad_accum * one_chip_world)  # every replica's rows on one chip a host
+    # parallel.single_chip: one chip holds every replica's rows (on a pod, host 0's chip 0 alone)
+    if config.parallel.mode == "dp" and summary["world_size"] > devices_per_chip:
+        rows = summary["global_batch"] // (grad_accum * devices_per_chip)
         runs.append(Variant("collectives", {"parallel.single_chip": True, "train.micro_batch": rows},
-                            "parallel.mode=fsdp (one SPMD process per host: no cross-replica sums on one host)"))
+                            "parallel.mode=fsdp (one SPMD process per host: no cross-replica sums on one host)",
+                            alone=hosts > 1))
     elif config.parallel.mode != "dp":
         skipped.append(Check("collectives", "skipped", "parallel.mode=fsdp: the sums are inside the SPMD graph, "
                              "compared by the checks above"))
     elif summary["world_size"] == 1:
         skipped.append(Check("collectives", "skipped", "one replica: nothing is summed across replicas"))
     else:
-        skipped.append(Check("collectives", "skipped", f"one chip a host already ({summary['world_size']} replicas "
-                             f"on {hosts} hosts): one chip a host is the same run"))
+        skipped.append(Check("collectives", "skipped", f"one chip already ({summary['world_size']} replicas, "
+                             f"{devices_per_chip} a chip): its replicas' sums are the one-chip run's"))
     return runs, skipped
 
 
@@ -395,6 +397,14 @@ def fewer_layers(model_config, layers: int):
     return fewer
 
 
+# What a pod's other hosts say of a run host 0 takes alone (Variant.alone), once it has ended.
+ALONE_ON_A_POD = "host 0 ran it alone, on its chip 0; host 0's report has the line"
+# A rehearsed pod's host 0 alone: its torchrun environment says one process (a TPU VM's host 0
+# is one by parallel.single_chip: distributed/launch.py's SINGLE_CHIP_ENV).
+ONE_PROCESS_REHEARSAL = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                         "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": "0", "ROLE_WORLD_SIZE": "1"}
+
+
 def cpu_environment(mode: str, hosts: int = 1) -> dict[str, str]:
     """On a CPU the check's runs take a TPU host's path where a CPU can: buffer donation on (the
     XLA:CPU default is off), and under dp two replicas (the v2/v3 chip's shape, so that their sums
@@ -466,18 +476,27 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
         return {**report, "checks": [asdict(Check("set-up", "failed", "; ".join(others)))], "ok": False}
     started_runs: list[str] = []
 
-    def train(name: str, overrides: dict, env: dict | None = None) -> tuple[Path, str | None]:
-        """A run of the check (of the slice, on a pod: every host takes the same runs in order)."""
+    def train(name: str, overrides: dict, env: dict | None = None, alone: bool = False) -> tuple[Path, str | None]:
+        """A run of the check (of the slice, on a pod: every host takes the same runs in order).
+        alone: on a pod, a run of host 0 alone, which the other hosts wait for (ALONE_ON_A_POD)."""
         run = run_config_for(config, own / "model", data, pod_runs / name, on_tpu, overrides, hosts=host.hosts,
                              scanned=scanned)
         path = own / f"{name}.yaml"
         path.write_text(yaml.safe_dump(run))
         started_runs.append(name)
+        alone = alone and host.hosts > 1
+        if alone and not host.writer:
+            barrier.ready(name, timeout_s=RUN_TIMEOUT_S + 60)  # (host 0's line says how it went)
+            return pod_runs / name, ALONE_ON_A_POD
         env = {**({} if on_tpu else cpu_environment(config.parallel.mode, host.hosts)),
-               **host.run_environment(len(started_runs) - 1), **(env or {})}
+               **host.run_environment(len(started_runs) - 1), **(env or {}),
+               **(ONE_PROCESS_REHEARSAL if alone and not on_tpu else {})}
         proc = run_trainer(path, ["--phase", "1", "--resume", "never", "--force"], config.parallel.mode, log, device,
                            env=env)
-        return pod_runs / name, None if proc.returncode == 0 else (proc.stdout + proc.stderr)[-1500:]
+        failure = None if proc.returncode == 0 else (proc.stdout + proc.stderr)[-1500:]
+        if alone:
+            barrier.ready(name, failure and f"its run {name} failed")
+        return pod_runs / name, failure
 
     # torch_xla's report of each graph it compiles (the compiled executable's aliases: donation).
     debug_file = own / "as_configured_compiles.txt"
@@ -491,9 +510,11 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
     per_chip = parse_tpu_type(config.tpu.type).generation.devices_per_chip if on_tpu else 1
     runs, checks = variants(config, summary, dtype, grad_accum, per_chip, dequantized, host.hosts)
     for variant in runs:
-        out, failure = train(variant.check.replace(" ", "_"), variant.overrides)
+        out, failure = train(variant.check.replace(" ", "_"), variant.overrides, alone=variant.alone)
         changed = " ".join(f"{k}={v}" for k, v in variant.overrides.items())
-        if failure:
+        if failure == ALONE_ON_A_POD:
+            checks.append(Check(variant.check, "skipped", ALONE_ON_A_POD))
+        elif failure:
             checks.append(Check(variant.check, "failed", f"the run with {changed} failed (as configured it ran): "
                                 f"{failure[-300:]}", None))
         else:

@@ -89,32 +89,33 @@ class HostBarrier:
                                     f"not answer within {timeout_s:.0f} s ({err}); run the same make tpu-check "
                                     "on every host of the slice at once") from None
 
-    def ready(self, step: str, failure: str | None = None) -> list[str]:
+    def ready(self, step: str, failure: str | None = None, timeout_s: float | None = None) -> list[str]:
         """This host finished `step`, or failed it (`failure`: why); once every host has said
         which, returns the failures ("host N: why", this host's own among them; none: every host
-        is ready). Raises PodCheckError when a host never came, or host 0's check ended."""
+        is ready). Raises PodCheckError when a host never came within `timeout_s` (the barrier's
+        own by default), or host 0's check ended."""
         if self.store is None:
             return [failure] if failure else []
         try:
             self.store.set(f"{step}/{self.host.index}", failure or "")
-            words = self._wait(step)
+            words = self._wait(step, timeout_s or self.timeout_s)
             # Host 0 serves the store: it leaves only once every host has read every word.
             self.store.set(f"{step}/read/{self.host.index}", "")
             if self.host.writer:
-                self._wait(f"{step}/read")
+                self._wait(f"{step}/read", self.timeout_s)
         except RuntimeError as err:  # the store's connection: host 0's check ended
             raise PodCheckError(f"host 0's check ended during the {step} ({err}); its output says why") from None
         return [f"host {index}: {why}" for index, why in enumerate(words) if why]
 
-    def _wait(self, prefix: str) -> list[str]:
+    def _wait(self, prefix: str, timeout_s: float) -> list[str]:
         """Every host's value under `prefix`, once all are there."""
         keys = [f"{prefix}/{index}" for index in range(self.host.hosts)]
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + timeout_s
         while not self.store.check(keys):
             if time.monotonic() > deadline:
                 missing = [str(index) for index, key in enumerate(keys) if not self.store.check([key])]
                 raise PodCheckError(f"host {', '.join(missing)} did not reach the check's {prefix} within "
-                                    f"{self.timeout_s:.0f} s; run the same make tpu-check on every host at once "
+                                    f"{timeout_s:.0f} s; run the same make tpu-check on every host at once "
                                     "(the output of the host that did not come says why)")
             time.sleep(0.2)
         return [self.store.get(key).decode() for key in keys]

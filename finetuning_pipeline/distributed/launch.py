@@ -45,9 +45,14 @@ from utils.stack_dump import dump_stacks_on_signal
 from utils.xla_runtime import device_kind
 
 # What torch_xla and libtpu read to give a process one chip of a multi-chip host (torch_xla's
-# tpu.configure_one_chip_topology; with them tpu.num_local_processes() is 1). TPU_NUM_DEVICES
-# is declared by torch_xla 2.9 but read nowhere.
-SINGLE_CHIP_ENV = {"TPU_VISIBLE_CHIPS": "0", "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1", "TPU_PROCESS_BOUNDS": "1,1,1"}
+# tpu.configure_one_chip_topology; with them tpu.num_local_processes() is 1), and the slice of
+# that one process: task 0 of one address. torch_xla's configure_topology, which the launcher's
+# worker runs, sets the task and the addresses from the VM's metadata (setdefault): on a single
+# host these very values, on a pod's host N task N and every host's address, a slice of one
+# process that names several (its task 1 of 1 never starts). TPU_NUM_DEVICES is declared by
+# torch_xla 2.9 but read nowhere.
+SINGLE_CHIP_ENV = {"TPU_VISIBLE_CHIPS": "0", "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1", "TPU_PROCESS_BOUNDS": "1,1,1",
+                   "CLOUD_TPU_TASK_ID": "0", "TPU_PROCESS_ADDRESSES": "localhost:8476", "TPU_PROCESS_PORT": "8476"}
 
 
 def resolve_launcher(setting: str, mode: str, kind: str, torchrun_processes: int) -> str:
@@ -66,10 +71,18 @@ def resolve_launcher(setting: str, mode: str, kind: str, torchrun_processes: int
 
 def apply_single_chip(kind: str) -> None:
     """parallel.single_chip: one replica on one chip (the rest of the host's chips left free),
-    through the environment torch_xla reads; on a CPU (kind "CPU"), one device."""
+    through the environment torch_xla reads; on a CPU (kind "CPU"), one device. On a pod, chip 0
+    of host 0 alone, a slice of its own: the other hosts are refused, since each would train a
+    run of its own into the one output_dir."""
     if kind == "CPU":
         os.environ["CPU_NUM_DEVICES"] = "1"
         return
+    from torch_xla._internal import tpu
+
+    hosts = len(tpu.get_worker_ips())  # (["localhost"] on a single host)
+    if hosts > 1 and tpu.worker_id() != 0:
+        raise ConfigError(f"parallel.single_chip trains on one chip of host 0 of this pod's {hosts} hosts; this is "
+                          f"host {tpu.worker_id()}: run it on host 0 alone, or leave single_chip false here")
     for name, value in SINGLE_CHIP_ENV.items():
         os.environ.setdefault(name, value)
 

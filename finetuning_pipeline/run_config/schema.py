@@ -195,7 +195,9 @@ class ParallelConfig:
     "process": this process is the one replica.
     single_chip: train on one chip of a multi-chip host (chip 0), one replica: sets the
     environment torch_xla and libtpu read (TPU_VISIBLE_CHIPS=0, TPU_PROCESS_BOUNDS=1,1,1,
-    TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1; a value you exported wins). On a CPU: one device."""
+    TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1, and a slice of that one process: CLOUD_TPU_TASK_ID=0,
+    TPU_PROCESS_ADDRESSES=localhost:8476; a value you exported wins). On a pod, host 0 alone
+    (the others are refused). On a CPU: one device."""
 
     mode: ParallelMode = "dp"
     mesh: MeshConfig = field(default_factory=MeshConfig)

@@ -42,12 +42,15 @@ def test_every_tpu_only_path_the_run_takes_is_compared_with_it_turned_off(tmp_pa
     assert skipped == []
     runs, _ = device_check.variants(config(tmp_path), SUMMARY, "bfloat16", grad_accum=2, devices_per_chip=2)
     assert runs[-1].overrides["train.micro_batch"] == 4  # a v3 chip: its 2 replicas share the global batch
-    # a pod of 2 hosts, 4 chips each: one chip a host, 2 replicas summing across the hosts
-    runs, _ = device_check.variants(config(tmp_path), SUMMARY, "bfloat16", grad_accum=2, hosts=2)
-    assert runs[-1].check == "collectives" and runs[-1].overrides["train.micro_batch"] == 4
-    runs, skipped = device_check.variants(config(tmp_path), SUMMARY, "bfloat16", grad_accum=2, hosts=8)
-    assert "collectives" not in {v.check for v in runs}  # 8 hosts of one chip: nothing to compare
-    assert "one chip a host already (8 replicas on 8 hosts)" in skipped[-1].detail
+    assert not runs[-1].alone  # one host: a run of the host, as every other
+    # a pod of 2 hosts, 4 chips each, or 8 hosts of one chip: every replica's rows on chip 0 of host 0, alone
+    for hosts in (2, 8):
+        runs, _ = device_check.variants(config(tmp_path), SUMMARY, "bfloat16", grad_accum=2, hosts=hosts)
+        assert runs[-1].check == "collectives" and runs[-1].overrides["train.micro_batch"] == 8 and runs[-1].alone
+    one_chip = {**SUMMARY, "world_size": 2}  # a v3 chip's 2 replicas: its sums are the one-chip run's
+    runs, skipped = device_check.variants(config(tmp_path), one_chip, "bfloat16", grad_accum=2, devices_per_chip=2)
+    assert "collectives" not in {v.check for v in runs}
+    assert "one chip already (2 replicas, 2 a chip)" in skipped[-1].detail
     plain = {**SUMMARY, "attention": "sdpa", "step_updated_state_tensors": None, "scanned_layers": False,
              "world_size": 1}
     runs, skipped = device_check.variants(config(tmp_path), plain, "float32", grad_accum=2)

@@ -60,8 +60,7 @@ def test_one_chip_of_a_host_is_what_torch_xla_counts_as_one_process(monkeypatch)
 
     monkeypatch.setenv("PJRT_DEVICE", "TPU")  # read by name only: the runtime here stays XLA:CPU
     monkeypatch.setattr(tpu, "num_available_chips", lambda: 8)
-    for name in launch.SINGLE_CHIP_ENV:
-        monkeypatch.delenv(name, raising=False)
+    tpu_vm_metadata(monkeypatch, "v5litepod-8", hosts=1, worker=0)
     monkeypatch.setenv("TPU_NUM_DEVICES", "1")
     assert launch.local_process_count() == 8
     launch.apply_single_chip("TPU")
@@ -72,3 +71,49 @@ def test_one_chip_of_a_host_is_what_torch_xla_counts_as_one_process(monkeypatch)
     assert os.environ["CPU_NUM_DEVICES"] == "1"
 
 
+
+
+def tpu_vm_metadata(monkeypatch, accelerator: str, hosts: int, worker: int) -> None:
+    """What torch_xla reads of a TPU VM's metadata, from the variables it takes in its place
+    (TPU_SKIP_MDS_QUERY: tpu.build_tpu_env_from_vars): a host of 2x2 chips, `hosts` of them in a row."""
+    monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", accelerator)
+    monkeypatch.setenv("TPU_HOST_BOUNDS", f"1,{hosts},1")
+    monkeypatch.setenv("TPU_CHIPS_PER_HOST_BOUNDS", "2,2,1")
+    monkeypatch.setenv("TPU_WORKER_ID", str(worker))
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", ",".join(f"10.0.0.{index}" for index in range(hosts)))
+    for name in TOPOLOGY:  # (set first: what configure_topology sets then goes when the test ends)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
+# What torch_xla's configure_topology sets when it is unset: the slice's processes and this one's place.
+TOPOLOGY = ("TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS", "CLOUD_TPU_TASK_ID",
+            "TPU_PROCESS_ADDRESSES", "TPU_PROCESS_PORT")
+
+
+@pytest.mark.parametrize("hosts", [1, 4])
+def test_one_chip_is_a_slice_of_one_process_on_a_single_host_and_on_a_pods_host_0(monkeypatch, hosts):
+    """The environment torch_xla's own configure_topology leaves (the launcher's worker runs it),
+    on a VM whose metadata says `hosts` hosts: the slice's process bounds hold as many processes
+    as it has addresses, this one is task 0 of them, on its chip 0. Before the slice's own task and
+    address were set, host 0 of a pod was task 0 of a one-process slice that listed 4 addresses."""
+    from torch_xla._internal import tpu
+
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    tpu_vm_metadata(monkeypatch, "v5litepod-16" if hosts > 1 else "v5litepod-4", hosts=hosts, worker=0)
+    launch.apply_single_chip("TPU")
+    tpu.configure_topology(local_rank=0, local_world_size=1)
+    addresses = os.environ["TPU_PROCESS_ADDRESSES"].split(",")
+    processes = tpu.MeshShape.from_string(os.environ["TPU_PROCESS_BOUNDS"]).size
+    assert processes == len(addresses) == 1 and int(os.environ["CLOUD_TPU_TASK_ID"]) == 0
+    assert os.environ["TPU_VISIBLE_CHIPS"] == "0" and os.environ["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,1,1"
+    assert os.environ["TPU_PROCESS_PORT"] == addresses[0].split(":")[1]
+
+
+def test_one_chip_on_a_pods_other_hosts_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    tpu_vm_metadata(monkeypatch, "v5litepod-16", hosts=4, worker=2)
+    with pytest.raises(ConfigError, match="this is host 2: run it on host 0 alone"):
+        launch.apply_single_chip("TPU")
+    assert "TPU_PROCESS_BOUNDS" not in os.environ  # nothing set
