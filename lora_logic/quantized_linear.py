@@ -38,6 +38,10 @@ class QuantizedLinear(nn.Module):
         if q.format == "nf4":  # the code values on the device, not a constant sent at every step
             self.register_buffer("nf4_code", nf4_code_tensor(q.codes.device), persistent=False)
         self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
+        # What makes the codes and scales whole before they are dequantized, where a sharder needs it:
+        # the XLA runtime's fsdp (distributed/parallel.py) marks them replicated there, so its
+        # partitioner gathers the codes (a byte or half a byte a weight), not the dequantized weight.
+        self.gather_codes = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str, compute_dtype: torch.dtype | None = None) -> "QuantizedLinear":
@@ -71,7 +75,7 @@ class QuantizedLinear(nn.Module):
         return dequantize(self.quantized, self.compute_dtype, getattr(self, "nf4_code", None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layout = (self.format, (self.out_features, self.in_features), self.compute_dtype)
+        layout = (self.format, (self.out_features, self.in_features), self.compute_dtype, self.gather_codes)
         return _QuantizedMatmul.apply(x, self._codes(), self.scales, getattr(self, "nf4_code", None), self.bias, layout)
 
     def extra_repr(self) -> str:
@@ -89,7 +93,7 @@ class _QuantizedMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, codes, scales, nf4_code, bias, layout):
-        fmt, shape, dtype = layout
+        fmt, shape, dtype, gather = layout
         ctx.layout = layout
         ctx.save_for_backward(codes, scales, nf4_code)
         # The forward's dequantization behind a barrier with its input too: it reads only codes and
@@ -101,15 +105,22 @@ class _QuantizedMatmul(torch.autograd.Function):
         # the layers already holds one layer's weight at a time.
         if type(x) is torch.Tensor:
             x, codes, scales = barrier_copies(x, codes, scales)
+            codes, scales = _whole(gather, codes, scales)
         return F.linear(x, dequantize(QuantizedWeight(fmt, shape, codes, scales), dtype, nf4_code), bias)
 
     @staticmethod
     def backward(ctx, grad_output):
-        fmt, shape, dtype = ctx.layout
+        fmt, shape, dtype, gather = ctx.layout
         codes, scales, nf4_code = ctx.saved_tensors
         grad_output, codes, scales = barrier_copies(grad_output, codes, scales)
+        codes, scales = _whole(gather, codes, scales)
         weight = dequantize(QuantizedWeight(fmt, shape, codes, scales), dtype, nf4_code)
         return grad_output.matmul(weight), None, None, None, None, None
+
+
+def _whole(gather, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales made whole by `gather` (QuantizedLinear.gather_codes), or as they are."""
+    return (codes, scales) if gather is None else (gather(codes), gather(scales))
 
 
 def is_linear(module: nn.Module) -> bool:

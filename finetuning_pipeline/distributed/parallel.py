@@ -100,6 +100,7 @@ class Parallel:
                         sharded.append(f"{module_name}.{name}")
                     xs.mark_sharding(on_device, self.mesh, spec or replicated(on_device))
                     setattr(module, name, on_device)
+                module.gather_codes = self._whole  # gathered as codes, then dequantized on every chip
         model.to(device)  # the other buffers (rotary tables): small, replicated
         for layer in decoder_layers(model):
             layer.register_forward_hook(self._shard_hidden_states)
@@ -113,6 +114,16 @@ class Parallel:
         hidden = output[0] if isinstance(output, tuple) else output
         xs.mark_sharding(hidden, self.mesh, (BATCH_AXES,) + (None,) * (hidden.dim() - 1))
         return output
+
+    def _whole(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A sharded quantized weight's codes or scales, marked replicated inside the step: the
+        partitioner gathers them there and each chip dequantizes the whole weight (an elementwise
+        pass). Left to itself, it dequantized each chip's rows and gathered the dequantized weight
+        for the matmul, 2 to 4 times the codes' bytes (issue #53.3)."""
+        import torch_xla.distributed.spmd as xs
+
+        xs.mark_sharding(tensor, self.mesh, replicated(tensor))
+        return tensor
 
     def replicate(self, tensors: list[torch.Tensor]) -> None:
         """Mark trainer state (LoRA parameters, optimizer state, counters) replicated. Without

@@ -206,3 +206,40 @@ def test_no_loop_of_the_step_carries_a_dequantized_weight(fmt, sections, tiny_mo
     assert carried, "no While loop found in the step's HLO"
     assert any(shape.startswith("f32[") and ",64]" in shape for shape in carried)  # the control: LoRA's A
     assert not carried & dequantized_shapes(tiny_model_dir, fmt)
+
+
+def all_gathered(dump) -> set[str]:
+    """The shape of every all-gather's result in the optimized HLO of every graph the run
+    compiled: what the partitioner moves between chips to make a sharded tensor whole."""
+    import re
+
+    return {shape for path in dump.glob("*after_optimizations.txt")
+            for shape in re.findall(r"([a-z]+\d*\[\d+(?:,\d+)*\])\{[^}]*\} all-gather\(", path.read_text())}
+
+
+@pytest.mark.parametrize("fmt, grad_accum, checkpointed", [("q8_0", 1, False), ("q4_0", 4, True), ("nf4", 4, False)])
+def test_fsdp_gathers_a_quantized_weights_codes_and_scales_never_the_dequantized_weight(
+        fmt, grad_accum, checkpointed, tiny_model_dir, data, tmp_path):
+    """Issue #53.3: under fsdp (4 devices, codes and scales sharded by rows) the partitioner once
+    dequantized each chip's rows and all-gathered the dequantized weight for the matmul: 2 to 4
+    times the bytes of the codes. In the optimized HLO of the trainer's own step, the all-gathers
+    now carry the codes (s8 in q8_0, two 4-bit codes a u8 in q4_0 and nf4) and the scales, and no
+    float array shaped like a decoder weight (or its blocks); the embedding, not quantized, is
+    still gathered as floats (the control)."""
+    import os
+
+    dump = tmp_path / "hlo"
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out",
+                              model={"quantize": fmt, "activation_checkpointing": checkpointed},
+                              parallel={"mode": "fsdp"},
+                              train={"max_steps": 2, "grad_accum": grad_accum, "micro_batch": 1},
+                              eval={"every": 0, "max_batches": 1, "micro_batch": 1}, checkpoint={"every": 0, "keep": 1})
+    done = train_in_fresh_process(config, "--phase", "1", env={
+        "CPU_NUM_DEVICES": "4",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    gathered = all_gathered(dump)
+    codes = "s8[" if fmt == "q8_0" else "u8["
+    assert any(shape.startswith(codes) for shape in gathered), gathered
+    assert any(shape.startswith("f32[") for shape in gathered), gathered  # the control: the embedding
+    assert not gathered & dequantized_shapes(tiny_model_dir, fmt), gathered
