@@ -182,11 +182,11 @@ def dequantized_shapes(model_dir, fmt: str) -> set[str]:
 @pytest.mark.parametrize("fmt, sections", [
     ("q8_0", {"train": {"scan_layers": False}}),
     ("q4_0", {"train": {"scan_layers": False}, "model": {"activation_checkpointing": True}}),
-    ("nf4", {"train": {"scan_layers": False}}),
+    ("nf4", {"train": {"scan_layers": False, "grad_accum": 4}}),
     ("q8_0", {"train": {"scan_layers": True}}),
-], ids=["q8_0", "q4_0-checkpointed", "nf4", "q8_0-scanned"])
+], ids=["q8_0", "q4_0-checkpointed", "nf4-grad_accum_4", "q8_0-scanned"])
 def test_no_loop_of_the_step_carries_a_dequantized_weight(fmt, sections, tiny_model_dir, data, tmp_path):
-    """Issue #53.1: the micro-batch loop (grad_accum 2) once carried every decoder Linear's
+    """Issue #53.1: the micro-batch loop (grad_accum 2, and 4) once carried every decoder Linear's
     dequantized weight, which XLA's loop-invariant code motion had moved out of it (it reads only
     codes and scales): the memory the quantization saves, kept for the whole step. The optimized
     HLO of the trainer's own step, compiled by the real command: no loop holds one (the control:
