@@ -54,6 +54,7 @@ from finetuning_pipeline.run.run_layout import OutputLock, RunLayout
 from finetuning_pipeline.run.stop_signal import StopOnSignal, WallClockBudget, on_a_thread_leaving_signals_here
 from finetuning_pipeline.run_config import RunConfig, load_config
 from finetuning_pipeline.runtime import prepare_process, start_runtime
+from finetuning_pipeline.runtime.native_tpu_launch import become_torchrun_on_tpu
 from finetuning_pipeline.train.phase_loop import run_phase
 from utils.durations import parse_duration
 from utils.stack_dump import dump_stacks_on_signal
@@ -191,6 +192,9 @@ def train(argv: list[str] | None) -> int:
     phases = selected_phases(args.phase, config)
     pin_model(config)
     check_inputs(config, phases)
+    if config.runtime.backend == "native" and config.runtime.device == "tpu" and torchrun_world() == 1:
+        # TorchTPU's way to a process per chip: torchrun over this command (before anything is written)
+        become_torchrun_on_tpu(str(Path(__file__).resolve()), sys.argv[1:] if argv is None else list(argv))
     say = print if launch_rank() == 0 else (lambda *args: None)  # torchrun: the plan's notes once
     plans = plan_phases(config, phases, args.resume, args.force, say)
     check_resumable(config, plans, args.accept_changes, say)

@@ -35,13 +35,19 @@ def native_device(setting: str) -> torch.device:
     return tpu_device()
 
 
-def tpu_device() -> torch.device:
+def import_torch_tpu():
+    """TorchTPU's `torch.tpu` module (importing torch_tpu registers it and the "tpu" device), or a
+    ConfigError naming the install."""
     try:
-        import torch_tpu  # noqa: F401  (registers torch.tpu and the "tpu" device)
+        import torch_tpu  # noqa: F401
     except ImportError:
         raise ConfigError(f"runtime.device=tpu: TorchTPU is not installed in this environment (torch "
                           f"{torch.__version__}); {TORCH_TPU_INSTALL}, or use runtime.backend=xla on a TPU") from None
-    tpu = getattr(torch, "tpu", None)
+    return getattr(torch, "tpu", None)
+
+
+def tpu_device() -> torch.device:
+    tpu = import_torch_tpu()
     if tpu is None or not tpu.is_available():
         raise ConfigError("runtime.device=tpu: TorchTPU is installed but finds no TPU on this machine; run on a TPU "
                           "VM, or set runtime.device=cpu")
