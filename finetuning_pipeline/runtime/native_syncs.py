@@ -50,6 +50,10 @@ def start_profiler_on_this_thread() -> None:
     thread that loads torch, and when the profiler first starts on another thread it prints
     "ERROR: External init callback must run in same thread as registerClient" with fprintf, which
     no log level silences (seen under torch 2.9 and 2.13 on a CPU, 2.11 on an H100). Started here
-    first, it initialises its client here, once per process."""
-    with HostSyncCount():
+    first, it initialises its client here, once per process. The threads it starts block the stop
+    signals, as the replica's do (run/stop_signal.py): they live on, and a signal they took would
+    interrupt their system calls instead of reaching the main thread's handlers."""
+    from finetuning_pipeline.run.stop_signal import threads_started_here_leave_signals_to_this_one
+
+    with threads_started_here_leave_signals_to_this_one(), HostSyncCount():
         pass
