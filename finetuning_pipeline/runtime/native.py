@@ -80,10 +80,15 @@ class NativeRuntime:
         return HostSyncCount()
 
     def peak_memory_bytes(self, device) -> int | None:
-        if device.type == "cpu":
+        """The device's peak allocation through torch.accelerator (CUDA's allocator on a GPU; on a
+        TPU whatever TorchTPU's allocator reports there: its 0.2.0 package has no memory function of
+        its own in Python), or None where the device keeps none: the summary says n/a, the run goes on."""
+        if device.type == "cpu" or not hasattr(torch.accelerator, "max_memory_allocated"):
             return None
-        return int(torch.accelerator.max_memory_allocated(device)) if hasattr(torch.accelerator,
-                                                                             "max_memory_allocated") else None
+        try:
+            return int(torch.accelerator.max_memory_allocated(device))
+        except (RuntimeError, NotImplementedError):  # an accelerator without a device allocator's statistics
+            return None
 
 
 def start_native(config: RunConfig):

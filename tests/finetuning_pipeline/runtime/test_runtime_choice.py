@@ -80,3 +80,22 @@ def test_the_native_environment_takes_the_projects_dependencies_but_torch_xla_an
     version = tuple(int(part) for part in torch[0].split("==")[1].split(".")[:2])
     assert (2, 11) <= version <= (2, 15)
     assert "transformers==5.23.0" in requirements and "gguf==0.19.0" in requirements  # the pins, as pyproject's
+
+
+def test_the_peak_memory_is_the_accelerators_or_none_where_it_keeps_none(monkeypatch):
+    """torch.accelerator's figure on an accelerator (a GPU's, TorchTPU's), None on a CPU, and None,
+    not a failed run, where the accelerator's allocator keeps no statistics."""
+    import torch
+
+    from finetuning_pipeline.runtime.native import NativeRuntime
+
+    runtime, tpu = NativeRuntime(torch.device("cpu"), False), torch.device("meta")  # (a device that is not a CPU)
+    assert runtime.peak_memory_bytes(torch.device("cpu")) is None
+    monkeypatch.setattr(torch.accelerator, "max_memory_allocated", lambda device: 3 * 2**30, raising=False)
+    assert runtime.peak_memory_bytes(tpu) == 3 * 2**30
+
+    def no_statistics(device):
+        raise RuntimeError("the device allocator is not registered")
+
+    monkeypatch.setattr(torch.accelerator, "max_memory_allocated", no_statistics, raising=False)
+    assert runtime.peak_memory_bytes(tpu) is None
