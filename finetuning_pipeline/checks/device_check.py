@@ -399,8 +399,8 @@ def fewer_layers(model_config, layers: int):
 
 # What a pod's other hosts say of a run host 0 takes alone (Variant.alone), once it has ended.
 ALONE_ON_A_POD = "host 0 ran it alone, on its chip 0; host 0's report has the line"
-# A rehearsed pod's host 0 alone: its torchrun environment says one process (a TPU VM's host 0
-# is one by parallel.single_chip: distributed/launch.py's SINGLE_CHIP_ENV).
+# A rehearsed pod's host 0 alone: its torchrun environment says one process, whose replicas the
+# TPU's launcher starts (a TPU VM's host 0 is one process by parallel.single_chip: distributed/launch.py).
 ONE_PROCESS_REHEARSAL = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                          "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": "0", "ROLE_WORLD_SIZE": "1"}
 
@@ -478,17 +478,15 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
 
     def train(name: str, overrides: dict, env: dict | None = None, alone: bool = False) -> tuple[Path, str | None]:
         """A run of the check (of the slice, on a pod: every host takes the same runs in order).
-        alone: on a pod, a run of host 0 alone, which the other hosts wait for (ALONE_ON_A_POD)."""
-        run = run_config_for(config, own / "model", data, pod_runs / name, on_tpu, overrides, hosts=host.hosts,
+        alone: on a pod, a run of host 0 by itself, one host's run as on a single host (the TPU's
+        launcher on a CPU too), which the other hosts wait for (wait_for_host_0)."""
+        hosts = 1 if alone else host.hosts
+        run = run_config_for(config, own / "model", data, pod_runs / name, on_tpu, overrides, hosts=hosts,
                              scanned=scanned)
         path = own / f"{name}.yaml"
         path.write_text(yaml.safe_dump(run))
         started_runs.append(name)
-        alone = alone and host.hosts > 1
-        if alone and not host.writer:
-            barrier.ready(name, timeout_s=RUN_TIMEOUT_S + 60)  # (host 0's line says how it went)
-            return pod_runs / name, ALONE_ON_A_POD
-        env = {**({} if on_tpu else cpu_environment(config.parallel.mode, host.hosts)),
+        env = {**({} if on_tpu else cpu_environment(config.parallel.mode, hosts)),
                **host.run_environment(len(started_runs) - 1), **(env or {}),
                **(ONE_PROCESS_REHEARSAL if alone and not on_tpu else {})}
         proc = run_trainer(path, ["--phase", "1", "--resume", "never", "--force"], config.parallel.mode, log, device,
@@ -497,6 +495,12 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
         if alone:
             barrier.ready(name, failure and f"its run {name} failed")
         return pod_runs / name, failure
+
+    def wait_for_host_0(name: str) -> None:
+        """On a pod's other hosts: the run host 0 takes alone, waited for (its number counted, so
+        that the next run's port is every host's)."""
+        started_runs.append(name)
+        barrier.ready(name, timeout_s=RUN_TIMEOUT_S + 60)  # (host 0's line says how it went)
 
     # torch_xla's report of each graph it compiles (the compiled executable's aliases: donation).
     debug_file = own / "as_configured_compiles.txt"
@@ -510,11 +514,14 @@ def device_check(config: RunConfig, model_config, root: Path, *, device: str, se
     per_chip = parse_tpu_type(config.tpu.type).generation.devices_per_chip if on_tpu else 1
     runs, checks = variants(config, summary, dtype, grad_accum, per_chip, dequantized, host.hosts)
     for variant in runs:
-        out, failure = train(variant.check.replace(" ", "_"), variant.overrides, alone=variant.alone)
-        changed = " ".join(f"{k}={v}" for k, v in variant.overrides.items())
-        if failure == ALONE_ON_A_POD:
+        name, alone = variant.check.replace(" ", "_"), variant.alone and host.hosts > 1
+        if alone and not host.writer:
+            wait_for_host_0(name)
             checks.append(Check(variant.check, "skipped", ALONE_ON_A_POD))
-        elif failure:
+            continue
+        out, failure = train(name, variant.overrides, alone=alone)
+        changed = " ".join(f"{k}={v}" for k, v in variant.overrides.items())
+        if failure:
             checks.append(Check(variant.check, "failed", f"the run with {changed} failed (as configured it ran): "
                                 f"{failure[-300:]}", None))
         else:

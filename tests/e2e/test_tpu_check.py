@@ -123,6 +123,10 @@ def test_a_pod_of_two_hosts_checks_as_one_slice_each_host_in_its_own_directory(t
     # one chip, a slice of its own: distributed/launch.py, tests/finetuning_pipeline/distributed/test_launch.py)
     alone = json.loads((out / "tpu_check" / "runs" / "collectives" / "phase1" / "summary.json").read_text())
     assert alone["world_size"] == 1 and alone["global_batch"] == 4, pod.outputs()
+    # taken as a single host's run is, by the TPU's launcher, as a TPU VM's host 0 takes it
+    assert yaml.safe_load((out / "tpu_check" / "host0" / "collectives.yaml").read_text())["parallel"]["launcher"] \
+        == "tpu"
+    assert not (out / "tpu_check" / "host1" / "collectives.yaml").exists()  # host 1 waited
     assert "host 0 ran it alone" in pod.output(1), pod.outputs()
     assert f"wrote {out / 'tpu_check.json'}" in pod.output(0)
     assert "host 1 of 2: host 0 writes the report" in pod.output(1) and "wrote " not in pod.output(1)

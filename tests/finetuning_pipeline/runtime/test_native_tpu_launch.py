@@ -5,6 +5,7 @@ real one (torch_tpu 0.2.0) sets, in the shapes it sets them."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -72,7 +73,7 @@ def test_main_becomes_torchrun_whose_processes_run_main_with_the_same_arguments(
     (tmp_path / "fake" / "torch_tpu" / "__init__.py").write_text(textwrap.dedent(FAKE_TORCH_TPU))
     out = tmp_path / "out"
     config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, out, train={"max_steps": 2})
-    env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path / 'fake'}:{__import__('os').getcwd()}"}
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'fake'}:{os.getcwd()}"}
     env.pop("TORCHELASTIC_RUN_ID", None)
     proc = subprocess.run([sys.executable, "finetuning_pipeline/main.py", "--config", str(config), "--phase", "1",
                            "runtime.backend=native", "runtime.device=tpu"], capture_output=True, text=True,
