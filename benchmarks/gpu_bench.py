@@ -6,7 +6,7 @@
 Three measurements, each in a process of its own (a clean allocator for its peak memory), on
 Mistral-7B's shape (finetuning_pipeline/model_configs/Mistral-7B-v0.3, random bf16 weights: the
 speed and memory of a step do not depend on the values), LoRA r 16 (alpha 32) on all 7 targets:
-  ours    the native runtime's real step (runtime/native_step.py's NativeStepper: the micro-batch
+  ours    the native runtime's real step (runtime/native/step.py's NativeStepper: the micro-batch
           gradients, our masked AdamW, fp32 LoRA weights under the bf16 base), each decoder layer
           compiled (--compile layers) or eager;
   frozen  forward + backward through the frozen base (activation gradients only), compiled alike:
@@ -117,7 +117,7 @@ def measure_ours(shape: str, device: str, batch: int, seq_len: int, steps: int, 
     from finetuning_pipeline.distributed.collectives import Collectives
     from finetuning_pipeline.distributed.parallel import Parallel
     from finetuning_pipeline.run_config import TrainConfig
-    from finetuning_pipeline.runtime.native_step import NativeStepper
+    from finetuning_pipeline.runtime.native.step import NativeStepper
     from finetuning_pipeline.train.adamw import MaskedAdamW
     from lora_logic.adapters import lora_parameters
     from lora_logic.config import LoraConfig
@@ -152,7 +152,7 @@ def measure_frozen(shape: str, device: str, batch: int, seq_len: int, steps: int
     import torch.nn.functional as F
 
     from finetuning_pipeline.model.attention_masks import attention_masks
-    from finetuning_pipeline.runtime.native_step import compile_decoder_layers
+    from finetuning_pipeline.runtime.native.step import compile_decoder_layers
 
     model = build_model(shape, device, getattr(torch, DTYPES[device]))
     model.requires_grad_(False)

@@ -56,14 +56,14 @@ def measure(layers: int, grad_accum: int, mode: str, steps: int, shape: str = ""
     from transformers import MistralConfig, MistralForCausalLM
 
     from finetuning_pipeline.distributed.parallel import Parallel
-    from finetuning_pipeline.model.scan_choice import scan_layers
+    from finetuning_pipeline.runtime.xla.scan_choice import scan_layers
     from finetuning_pipeline.run_config import load_config
     from finetuning_pipeline.train.adamw import MaskedAdamW
     from finetuning_pipeline.train.stepper import Stepper
     from lora_logic.adapters import lora_parameters
     from lora_logic.inject import inject_lora
-    from utils.xla_counters import read_counters
-    from utils.xla_runtime import init_xla_device
+    from finetuning_pipeline.runtime.xla.counters import read_counters
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     capture, scan = (True, None) if mode == TRAINER_DEFAULT else MODES[mode]
     model_config, seq_len, micro_batch = {"num_hidden_layers": layers, **MODEL}, SEQ_LEN, 1

@@ -69,7 +69,7 @@ def measure_ours(chunk: str) -> dict:
     from lora_logic.adapters import lora_parameters
     from lora_logic.config import LoraConfig
     from lora_logic.inject import inject_lora
-    from utils.xla_runtime import init_xla_device
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     device = init_xla_device()
     torch.manual_seed(0)
@@ -99,7 +99,7 @@ def measure_peer(out_dir: str) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    from utils.xla_runtime import init_xla_device
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     init_xla_device()
     torch.manual_seed(0)

@@ -129,7 +129,7 @@ def measure_peer(model_dir: str, data: str, micro_batch: int, steps: int, out_di
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    from utils.xla_counters import read_counters
+    from finetuning_pipeline.runtime.xla.counters import read_counters
 
     ids = np.load(Path(data) / "train" / "input_ids.npy")
     labels = np.load(Path(data) / "train" / "labels.npy")
@@ -192,8 +192,8 @@ def measure_frozen(model_dir: str, data: str, micro_batch: int, steps: int, out_
     from transformers import AutoModelForCausalLM
 
     from finetuning_pipeline.model.attention_masks import attention_masks
-    from utils.xla_counters import read_counters
-    from utils.xla_runtime import init_xla_device
+    from finetuning_pipeline.runtime.xla.counters import read_counters
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     device = init_xla_device()
     start = read_counters()
@@ -232,7 +232,7 @@ def measure_matmul(*_args) -> dict:
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    from utils.xla_runtime import init_xla_device
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     device = init_xla_device()
     n = 2048

@@ -28,7 +28,7 @@ from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss
 from utils.cli_types import non_negative_int, positive_int
 from utils.hub_models import resolve_model
 from utils.tokenizer_loading import load_tokenizer
-from utils.xla_runtime import choose_device, device_kind, init_xla_device, on_the_host_only
+from finetuning_pipeline.runtime.xla.device import choose_device, device_kind, init_xla_device, on_the_host_only
 
 
 def chat_samples(model, tokenizer, data: str, split: str, n: int, max_new_tokens: int) -> list[dict]:

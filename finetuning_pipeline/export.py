@@ -43,7 +43,7 @@ from finetuning_pipeline.exporters.gguf_tensors import OUTTYPES
 from finetuning_pipeline.exporters.merged import DTYPES, export_merged
 from lora_logic.combine import COMBINE_METHODS
 from utils.hub_models import resolve_model
-from utils.xla_runtime import on_the_host_only
+from finetuning_pipeline.runtime.xla.device import on_the_host_only
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from finetuning_pipeline.model.loading import check_new_tokens, context_length, 
 from utils.cli_types import non_negative_float, positive_int
 from utils.hub_models import resolve_model
 from utils.tokenizer_loading import load_tokenizer
-from utils.xla_runtime import on_the_host_only
+from finetuning_pipeline.runtime.xla.device import on_the_host_only
 
 
 def generate(model_dir: str, prompt: str, adapters: list[str] = (), max_new_tokens: int = 64,

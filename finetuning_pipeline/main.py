@@ -13,7 +13,7 @@ checkpoints/, metrics.jsonl, summary.json; the run writes output_dir/loss.png.
 Without --config, the config named by $TPU_LORA_CONFIG, else the embedded default (the demo's,
 with its paths under the repository wherever the command is started from; its tiny model and
 data are built first if missing). On a TPU the replicas are started the TPU host's way
-(distributed/launch.py: a process per chip, a replica thread per device); `parallel.launcher=tpu` takes
+(runtime/xla/launch.py: a process per chip, a replica thread per device); `parallel.launcher=tpu` takes
 that same path on a CPU. On a CPU the world is otherwise one replica, run in this process, or
 N replicas started by `PJRT_DEVICE=CPU torchrun --standalone --nproc-per-node N
 finetuning_pipeline/main.py ...` (they talk through gloo on the loopback: collectives.py).
@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # run as a script: python finetuning_pipeline/mai
 from finetuning_pipeline.demo.inputs import DEMO_CONFIG, REPO, anchored_paths, ensure_demo_inputs
 from finetuning_pipeline.distributed.collectives import launch_rank, torchrun_world
 from finetuning_pipeline.distributed.host_agreement import check_hosts_agree
-from finetuning_pipeline.distributed.launch import apply_single_chip, launch_replicas, resolve_launcher
+from finetuning_pipeline.runtime.xla.launch import apply_single_chip, launch_replicas, resolve_launcher
 from finetuning_pipeline.distributed.parallel import use_compile_cache
 from finetuning_pipeline.errors import ConfigError, OutputWriteError, run_command
 from finetuning_pipeline.monitor.console import summary_lines
@@ -54,11 +54,11 @@ from finetuning_pipeline.run.run_layout import OutputLock, RunLayout
 from finetuning_pipeline.run.stop_signal import StopOnSignal, WallClockBudget, on_a_thread_leaving_signals_here
 from finetuning_pipeline.run_config import RunConfig, load_config
 from finetuning_pipeline.runtime import prepare_process, start_runtime
-from finetuning_pipeline.runtime.native_tpu_launch import become_torchrun_on_tpu
+from finetuning_pipeline.runtime.native.tpu_launch import become_torchrun_on_tpu
 from finetuning_pipeline.train.phase_loop import run_phase
 from utils.durations import parse_duration
 from utils.stack_dump import dump_stacks_on_signal
-from utils.xla_runtime import device_kind
+from finetuning_pipeline.runtime.xla.device import device_kind
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -206,7 +206,7 @@ def train(argv: list[str] | None) -> int:
 
 
 def start_replicas(config: RunConfig, args: tuple) -> None:
-    """run_replica on every replica of this host, started as parallel.launcher says (distributed/launch.py);
+    """run_replica on every replica of this host, started as parallel.launcher says (runtime/xla/launch.py);
     the native runtime's one replica in this process, on a thread that leaves the stop signals to
     the main thread."""
     if config.runtime.backend == "native":

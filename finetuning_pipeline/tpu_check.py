@@ -41,7 +41,7 @@ from finetuning_pipeline.planning.phase_plan import layers_scanned, load_archite
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import ConfigError, load_config
 from utils.output_guard import OutputConflict, claim_output, mark_written_by
-from utils.xla_runtime import choose_device
+from finetuning_pipeline.runtime.xla.device import choose_device
 
 COMMAND = "finetuning_pipeline.tpu_check"
 

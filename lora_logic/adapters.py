@@ -2,7 +2,7 @@
 
 The LoRA weights live in `LoRALinear` layers (lora_logic/layer.py), or, when a module stands for
 several identical layers at once (the decoder layers run as one XLA loop,
-finetuning_pipeline/model/layer_scan.py), stacked in that module. Such a module is found by the
+finetuning_pipeline/runtime/xla/layer_scan.py), stacked in that module. Such a module is found by the
 two things it offers, so this package needs nothing of it:
   stacked_lora_parameters()  [(the weight's name within one layer, its stack [layers, ...])]
   template                   one layer's modules (their settings; its LoRALinear layers hold no
@@ -38,7 +38,7 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
     so injecting, loading and merging (which go through this) say so instead of finding no LoRA."""
     for name, module in model.named_modules():
         if stacks_lora(module):
-            raise ValueError(f"{name}: the decoder layers are scanned (finetuning_pipeline/model/layer_scan.py), their "
+            raise ValueError(f"{name}: the decoder layers are scanned (finetuning_pipeline/runtime/xla/layer_scan.py), their "
                              "LoRA weights stacked; inject, load or merge adapters before scan_decoder_layers")
         if isinstance(module, LoRALinear):
             yield name, module

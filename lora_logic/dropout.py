@@ -1,7 +1,7 @@
 """LoRA dropout whose mask is a function of a seed tensor, not of a random number generator's state.
 
 `nn.Dropout` draws from the device RNG, a hidden state: on XLA a training step traced once and
-replayed (finetuning_pipeline/train/step_capture.py) cannot advance it, and activation checkpointing
+replayed (finetuning_pipeline/runtime/xla/step_capture.py) cannot advance it, and activation checkpointing
 restores it before recomputing a layer by making a new seed in the graph for each restore.
 Here the mask is a hash of (seed, layer salt, element index), as JAX's explicit keys are: the
 same seed gives the same mask on any device, in a recomputation, and in a replayed graph,
@@ -95,7 +95,7 @@ class SeededDropout(nn.Module):
 def set_dropout_seed(model: nn.Module, seed: torch.Tensor | None) -> None:
     """Seed every SeededDropout in `model` (an int32 tensor [1] on the model's device); None
     returns them to RNG dropout. Reaches the template of scanned layers too (any module with
-    `seeded_dropouts()`: finetuning_pipeline/model/layer_scan.py)."""
+    `seeded_dropouts()`: finetuning_pipeline/runtime/xla/layer_scan.py)."""
     for module in model.modules():
         if isinstance(module, SeededDropout):
             module.seed = seed

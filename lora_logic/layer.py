@@ -37,7 +37,7 @@ from lora_logic.config import DEFAULT_ADAPTER, LoraConfig, lora_scaling
 from lora_logic.dropout import SeededDropout
 from lora_logic.quantized_linear import QuantizedLinear, is_linear
 from utils.precision import at_least_fp32
-from utils.xla_runtime import barrier_copies
+from finetuning_pipeline.runtime.xla.device import barrier_copies
 
 
 def init_lora_A_(weight: torch.Tensor) -> None:

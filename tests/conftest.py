@@ -24,7 +24,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from utils.xla_runtime import init_xla_device
+from finetuning_pipeline.runtime.xla.device import init_xla_device
 
 # Before any test runs a backward (see init_xla_device for why); not where torch_xla is absent.
 if importlib.util.find_spec("torch_xla") is not None:

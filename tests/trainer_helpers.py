@@ -347,7 +347,7 @@ def poison_nan_in_steps(monkeypatch, steps: set[int], grad_accum: int, seed: int
 
     import finetuning_pipeline.train.step as step_module
     from finetuning_pipeline.train.stepper import micro_batch_seeds
-    from utils.xla_runtime import init_xla_device
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     device = init_xla_device()
     draws = []

@@ -48,7 +48,7 @@ from dataset.prepare import PrepareOptions, prepare
 from dataset.samples import DOMAIN_TEXT
 from finetuning_pipeline.checks.pod_hosts import ONE_HOST, HostBarrier, PodHost
 from finetuning_pipeline.checks.rehearsal import RUN_TIMEOUT_S, run_trainer, shrunken_config, small_run
-from finetuning_pipeline.model.kernel_attention import IMPLEMENTATION
+from finetuning_pipeline.runtime.xla.kernel_attention import IMPLEMENTATION
 from finetuning_pipeline.model.loading import DTYPES
 from finetuning_pipeline.model.quantized_base import write_dequantized_copy
 from finetuning_pipeline.planning.phase_plan import plan_inputs
@@ -238,7 +238,7 @@ def summary_checks(summary: dict, aliasing: bool, compiled: list[dict] | None = 
     donated, updated = summary["step_donated_buffers"], summary["step_updated_state_tensors"]
     if not aliasing:
         checks.append(Check("donation", "skipped", "parameter aliasing is off (XLA_ENABLE_PARAM_ALIASING=0, the "
-                            "XLA:CPU default of utils/xla_runtime.py)"))
+                            "XLA:CPU default of runtime/xla/device.py)"))
     elif updated is None or donated is None:
         checks.append(Check("donation", "skipped", "the step is traced every time, or its graph was cached"))
     else:
@@ -400,7 +400,7 @@ def fewer_layers(model_config, layers: int):
 # What a pod's other hosts say of a run host 0 takes alone (Variant.alone), once it has ended.
 ALONE_ON_A_POD = "host 0 ran it alone, on its chip 0; host 0's report has the line"
 # A rehearsed pod's host 0 alone: its torchrun environment says one process, whose replicas the
-# TPU's launcher starts (a TPU VM's host 0 is one process by parallel.single_chip: distributed/launch.py).
+# TPU's launcher starts (a TPU VM's host 0 is one process by parallel.single_chip: runtime/xla/launch.py).
 ONE_PROCESS_REHEARSAL = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                          "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": "0", "ROLE_WORLD_SIZE": "1"}
 

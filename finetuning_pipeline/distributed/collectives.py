@@ -19,7 +19,7 @@ Two kinds of traffic:
               CPU exactly as on a pod, not for speed;
   "torch"     the native runtime's processes: torch.distributed's default process group, on
               the device's own backend (gloo on a CPU, NCCL on CUDA); under dp the gradients
-              are summed by DistributedDataParallel (runtime/native_ddp.py), the rest here.
+              are summed by DistributedDataParallel (runtime/native/ddp.py), the rest here.
 """
 
 from __future__ import annotations

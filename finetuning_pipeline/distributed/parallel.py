@@ -33,7 +33,7 @@ import torch
 
 from finetuning_pipeline.distributed.collectives import Collectives, replica_group, torchrun_world
 from lora_logic.quantized_linear import QuantizedLinear
-from utils.xla_runtime import choose_device, device_kind, init_xla_device
+from finetuning_pipeline.runtime.xla.device import choose_device, device_kind, init_xla_device
 
 DATA_AXIS, FSDP_AXIS = "data", "fsdp"
 BATCH_AXES = (DATA_AXIS, FSDP_AXIS)  # the batch is split over both axes

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from dataset.encode import IGNORE_INDEX
 from finetuning_pipeline.model.attention_masks import attention_masks
-from finetuning_pipeline.model.kernel_attention import kernel_masks, segment_ids, uses_kernel
+from finetuning_pipeline.runtime.xla.kernel_attention import kernel_masks, segment_ids, uses_kernel
 from utils.precision import at_least_fp32
 
 # Model types whose causal-LM head is `lm_head` followed only by the processing below; each
@@ -119,7 +119,7 @@ def _over_chunks(body, carry, xs):
     loop (torch_xla's scan): a Python loop puts every chunk into one graph, and XLA:CPU then
     keeps all their logits at once (measured: as much memory as the full logits)."""
     if xs[0].device.type == "xla":
-        from utils.xla_scan import scan
+        from finetuning_pipeline.runtime.xla.scan import scan
 
         return scan(body, carry, xs, is_fn_pure=True)
     outputs = []

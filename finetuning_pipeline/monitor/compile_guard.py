@@ -19,7 +19,7 @@ import contextlib
 import time
 
 from finetuning_pipeline.errors import RecompileError
-from utils.xla_counters import donations_of_last_graphs, read_counters
+from finetuning_pipeline.runtime.xla.counters import donations_of_last_graphs, read_counters
 
 
 class CompileGuard:

@@ -73,7 +73,7 @@ def host_syncs(summary: dict) -> str:
     syncs = summary["host_syncs_per_step"]
     if summary.get("runtime", "xla") == "xla":
         return number(syncs, "g")  # torch_xla's counter, every timed step
-    # native: the profiler's count of one step (runtime/native_syncs.py)
+    # native: the profiler's count of one step (runtime/native/host_syncs.py)
     return "n/a (the profiler recorded nothing)" if syncs is None else f"{syncs:g} (one step counted)"
 
 

@@ -13,14 +13,14 @@ from dataset.manifest import tokenizer_fingerprint
 from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.model.attention_masks import mask_windows
 from finetuning_pipeline.model.causal_lm_loss import resolve_chunk_tokens
-from finetuning_pipeline.model.kernel_attention import attention_here, choose_attention
+from finetuning_pipeline.runtime.xla.kernel_attention import attention_here, choose_attention
 from finetuning_pipeline.model.loading import check_lora_rank, check_lora_targets, check_quantizable
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import RunConfig
 from utils.hub_models import model_dir, resolve_model
 from utils.tokenizer_loading import load_tokenizer
 from utils.tpu_install import libtpu_problem
-from utils.xla_runtime import device_kind
+from finetuning_pipeline.runtime.xla.device import device_kind
 
 
 def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | None = None) -> None:

@@ -44,7 +44,7 @@ class ProcessSignals:
         """On the main thread: catch the stop signals until `restore()`."""
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("stop signal handlers can only be installed on a process's main thread; start the "
-                               "replicas with finetuning_pipeline.distributed.launch, which installs them per process")
+                               "replicas with finetuning_pipeline.runtime.xla.launch, which installs them per process")
         self.stop_requested = False
         self.received = None
         for sig in SIGNALS:
@@ -158,7 +158,7 @@ class StopOnSignal:
             raise RuntimeError(
                 "this replica runs on a worker thread and its process catches no stop signal: a "
                 "preemption would kill it without a checkpoint. Start replicas with "
-                "finetuning_pipeline.distributed.launch (it installs the handlers on each process's main thread)"
+                "finetuning_pipeline.runtime.xla.launch (it installs the handlers on each process's main thread)"
             )
         return self
 

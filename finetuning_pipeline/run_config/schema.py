@@ -44,7 +44,7 @@ class ModelConfig:
     attention: "auto" (a Pallas kernel on TPU where it covers the model: splash under
         parallel.mode=fsdp, flash under dp for models without window or soft-cap; dense
         elsewhere, and the log says why), "dense", "splash" or "flash" (TPU only; refused where
-        the kernel cannot run the model). See finetuning_pipeline/model/kernel_attention.py.
+        the kernel cannot run the model). See finetuning_pipeline/runtime/xla/kernel_attention.py.
     quantize: store the frozen base's decoder Linears block-quantized under the LoRA (QLoRA), so a
         7B-9B model fits one 16 GiB chip: "none" (default), "q8_0" or "q4_0" (ggml's formats, the
         values llama.cpp serves from a GGUF of that type) or "nf4" (QLoRA's). Embeddings, LM head
@@ -90,7 +90,7 @@ class TrainConfig:
         time do not grow with grad_accum. false traces every step (the reference path: the
         same numbers, for debugging).
     scan_layers: run the decoder layers as one XLA loop over their weights stacked once
-        (finetuning_pipeline/model/layer_scan.py): one layer is traced and compiled whatever the depth, so
+        (finetuning_pipeline/runtime/xla/layer_scan.py): one layer is traced and compiled whatever the depth, so
         compile time does not grow with the number of layers. Unset (the default): scanned
         where the model allows it (identical layers, no dropout of the model's own,
         parallel.mode dp) and has 16 layers or more, the layer loop otherwise, and the log
@@ -188,7 +188,7 @@ class ParallelConfig:
     finetuning_pipeline/distributed/parallel.py and docs/training.md for which to choose.
     host_timeout_s: how long a replica waits for the others at a host collective (a stop
     vote, a checkpoint) before it gives up and exits (a hung peer; a dead one fails at once).
-    launcher: how the replicas are started (finetuning_pipeline/distributed/launch.py). "auto": the TPU
+    launcher: how the replicas are started (finetuning_pipeline/runtime/xla/launch.py). "auto": the TPU
     host's way on a TPU (a process per chip, a replica thread per device), this process (or
     torchrun's processes) on a CPU. "tpu": the TPU host's way on a CPU too, the rehearsal of a
     TPU run (CPU_NUM_DEVICES=2: two replica threads in one process, as on TPU v2/v3).

@@ -23,7 +23,7 @@ given (`runtime`), made by `start_runtime` with the replica's Parallel and devic
                                        runtime.layers_note() says how they run where they are not
 
 xla.py holds the XLA half (its launcher, parallel modes and collectives are distributed/'s);
-native.py, native_device.py and native_step.py the native half, which imports no torch_xla.
+native.py, runtime/native/device.py and runtime/native/step.py the native half, which imports no torch_xla.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 
 from finetuning_pipeline.run_config import RunConfig, RuntimeConfig
-from utils.xla_runtime import choose_device
+from finetuning_pipeline.runtime.xla.device import choose_device
 
 
 def prepare_process(runtime: RuntimeConfig, *, first_process: bool) -> None:
@@ -39,10 +39,10 @@ def prepare_process(runtime: RuntimeConfig, *, first_process: bool) -> None:
     first process: torchrun's others inherit it). Native: USE_TORCH_XLA=0, which transformers
     and accelerate read, so that they leave an installed torch_xla unimported (accelerate
     imports it at its own import otherwise, and it then takes a device), and the profiler that
-    counts host syncs started once on this main thread (native_syncs.py)."""
+    counts host syncs started once on this main thread (runtime/native/host_syncs.py)."""
     if runtime.backend == "native":
         os.environ.setdefault("USE_TORCH_XLA", "0")
-        from finetuning_pipeline.runtime.native_syncs import start_profiler_on_this_thread
+        from finetuning_pipeline.runtime.native.host_syncs import start_profiler_on_this_thread
 
         start_profiler_on_this_thread()  # (on the main thread: the replica's runs on another)
     elif first_process:
@@ -52,9 +52,9 @@ def prepare_process(runtime: RuntimeConfig, *, first_process: bool) -> None:
 def start_runtime(config: RunConfig):
     """(runtime, Parallel, device) of this replica, for config.runtime.backend."""
     if config.runtime.backend == "native":
-        from finetuning_pipeline.runtime.native import start_native
+        from finetuning_pipeline.runtime.native.runtime import start_native
 
         return start_native(config)
-    from finetuning_pipeline.runtime.xla import start_xla
+    from finetuning_pipeline.runtime.xla.runtime import start_xla
 
     return start_xla(config.parallel)

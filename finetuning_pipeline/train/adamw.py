@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from utils.xla_runtime import barrier_copies, device_counter, device_zeros
+from finetuning_pipeline.runtime.xla.device import barrier_copies, device_counter, device_zeros
 
 
 class MaskedAdamW:
@@ -156,7 +156,7 @@ class MaskedAdamW:
         Its squares are summed in three short sums rather than one long one: each parameter's
         rows of about sqrt(n) elements, then each parameter's row sums, then the parameters'
         sums. XLA:CPU sums one reduction in a few lanes of running sums (without the tree
-        reduction rewriter, which utils/xla_runtime turns off for compile time), and its error
+        reduction rewriter, which runtime/xla/device turns off for compile time), and its error
         grows with the length: the norm of 8M values is off by 2.4e-5 relative to float64 as one
         sum, 1.5e-7 in levels (docs/benchmarks.md). XLA merges a sum of sums into one sum, so
         an optimization barrier keeps each level's results apart. The values are the same sums

@@ -14,7 +14,7 @@ from dataset.loader import iter_eval_batches
 from finetuning_pipeline.distributed.collectives import Collectives
 from finetuning_pipeline.model.causal_lm_loss import auto_chunk_tokens
 from finetuning_pipeline.train.step import eval_sums
-from utils.xla_runtime import device_counter, to_host
+from finetuning_pipeline.runtime.xla.device import device_counter, to_host
 
 NO_EVAL_DATA = {"loss": None, "perplexity": None, "label_tokens": 0}
 

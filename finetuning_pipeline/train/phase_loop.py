@@ -5,7 +5,7 @@ Per optimizer step: `grad_accum` micro-batches arrive on the device (torch_xla's
 prefetches them on a background thread), the `Stepper` puts forwards, backwards, the sums over replicas,
 clipping and the masked AdamW update into one graph (traced at step 1 and replayed after:
 step_capture.py), and `torch_xla.sync()` marks the step boundary. That is the XLA runtime's
-way; the native runtime runs the same step with PyTorch as it goes (runtime/native_step.py):
+way; the native runtime runs the same step with PyTorch as it goes (runtime/native/step.py):
 each runtime's half is the `runtime` object the phase is given (runtime/__init__.py). Nothing in a step waits
 for the device: logging reads the step's results in a step closure on log steps, and the
 stop vote is a host collective on a host flag. Between steps the host waits for the step
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from finetuning_pipeline.distributed.parallel import Parallel
 from finetuning_pipeline.errors import OutputWriteError
-from finetuning_pipeline.model.layer_scan import ScannedLayers
+from finetuning_pipeline.runtime.xla.layer_scan import ScannedLayers
 from finetuning_pipeline.model.lineage import write_lineage
 from finetuning_pipeline.monitor.divergence import DivergenceMonitor
 from finetuning_pipeline.monitor.metrics_log import StepLogger
@@ -33,7 +33,7 @@ from finetuning_pipeline.train.phase_start import Phase, start_phase
 from finetuning_pipeline.train.run_ahead import RunAheadBound
 from lora_logic.adapter_io import save_adapters
 from utils.atomic_io import atomic_write_json
-from utils.xla_runtime import to_host
+from finetuning_pipeline.runtime.xla.device import to_host
 
 
 @dataclass

@@ -27,11 +27,11 @@ import torch
 
 from finetuning_pipeline.distributed.parallel import Parallel
 from finetuning_pipeline.model.activation_checkpointing import enable_activation_checkpointing
-from finetuning_pipeline.model.kernel_attention import attention_here, enable_kernel_attention
+from finetuning_pipeline.runtime.xla.kernel_attention import attention_here, enable_kernel_attention
 from finetuning_pipeline.model.lineage import lineage_with, quantized_with
 from finetuning_pipeline.model.loading import DTYPES, load_model
 from finetuning_pipeline.model.quantized_base import quantized_summary
-from finetuning_pipeline.model.scan_choice import scan_layers
+from finetuning_pipeline.runtime.xla.scan_choice import scan_layers
 from finetuning_pipeline.monitor.compile_guard import CompileGuard
 from finetuning_pipeline.monitor.divergence import DivergenceMonitor
 from finetuning_pipeline.monitor.metrics_log import MetricsLog, StepLogger
@@ -49,7 +49,7 @@ from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
 from lora_logic.inject import inject_lora
 from utils.hub_models import model_dir
 
-# Replicas that are threads of one process (distributed/launch.py: TPU v2/v3, the CPU rehearsal) share the
+# Replicas that are threads of one process (runtime/xla/launch.py: TPU v2/v3, the CPU rehearsal) share the
 # host's RNGs (LoRA's init draws from torch's global generator) and transformers' lazy imports,
 # which are not thread-safe (measured: "cannot import name 'AutoModelForCausalLM'" in one of two
 # threads). They build their models one at a time, each from the same seed, as processes would.
@@ -98,7 +98,7 @@ class Phase:
     eval_max_batches: int | None
     parallel: Parallel
     device: object
-    runtime: object  # what executes the steps: runtime/xla.py's or runtime/native.py's (runtime/__init__.py)
+    runtime: object  # what executes the steps: runtime/xla/runtime.py's or runtime/native/runtime.py's (runtime/__init__.py)
     model: torch.nn.Module
     lora_config: dict  # the phase's set of adapters, {name: LoraConfig}
     optimizer: MaskedAdamW

@@ -13,14 +13,14 @@ import torch
 
 from finetuning_pipeline.distributed.parallel import Parallel
 from finetuning_pipeline.model.causal_lm_loss import resolve_chunk_tokens
-from finetuning_pipeline.model.scan_choice import model_dropouts
+from finetuning_pipeline.runtime.xla.scan_choice import model_dropouts
 from finetuning_pipeline.run_config import TrainConfig
 from finetuning_pipeline.train.adamw import MaskedAdamW
 from finetuning_pipeline.train.lr_schedule import lr_table
-from finetuning_pipeline.train.micro_batch_loop import summed_over_micro_batches
+from finetuning_pipeline.runtime.xla.micro_batch_loop import summed_over_micro_batches
 from finetuning_pipeline.train.step import apply_update, micro_batch_gradients, train_step
-from finetuning_pipeline.train.step_capture import CapturedStep
-from utils.xla_runtime import device_counter
+from finetuning_pipeline.runtime.xla.step_capture import CapturedStep
+from finetuning_pipeline.runtime.xla.device import device_counter
 
 
 def step_seed(seed: int, phase: int, rank: int, step: int) -> int:

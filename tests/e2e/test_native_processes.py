@@ -1,6 +1,6 @@
 """The native runtime's processes started by torchrun: parallel.mode=dp, each a replica whose
-LoRA gradients DistributedDataParallel sums (runtime/native_ddp.py), and parallel.mode=fsdp,
-each holding a shard of every decoder layer's frozen weights (FSDP2: runtime/native_fsdp.py);
+LoRA gradients DistributedDataParallel sums (runtime/native/ddp.py), and parallel.mode=fsdp,
+each holding a shard of every decoder layer's frozen weights (FSDP2: runtime/native/fsdp.py);
 their loss sums and host decisions go through torch.distributed (gloo on a CPU). Each equals in
 float64 one process with the same global batch of 8 sequences (micro-batch 4, 2 or 1, two
 micro-batches a step): dp over 2 processes and both demo phases, 4 processes, adapters side by

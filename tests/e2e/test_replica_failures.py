@@ -142,7 +142,7 @@ checkpointing.Checkpointer.save = failing_or_blocked
 
 
 def test_a_failed_replica_whose_peer_never_returns_ends_the_run_in_bounded_time(tiny_model_dir, data, tmp_path):
-    from finetuning_pipeline.distributed.launch import FAILURE_GRACE_S
+    from finetuning_pipeline.runtime.xla.launch import FAILURE_GRACE_S
 
     config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 2})
     run = launched(config, tmp_path / "run.log", env=startup_patch(tmp_path, FAILED_AND_BLOCKED))

@@ -120,7 +120,7 @@ def test_a_pod_of_two_hosts_checks_as_one_slice_each_host_in_its_own_directory(t
         "captured step": "passed", "recompiles": "passed", "donation": "passed", "collectives": "passed"
     }, pod.outputs()
     # the hosts' 2 replicas against host 0 alone with both replicas' rows (as a TPU VM's host 0 takes
-    # one chip, a slice of its own: distributed/launch.py, tests/finetuning_pipeline/distributed/test_launch.py)
+    # one chip, a slice of its own: runtime/xla/launch.py, tests/finetuning_pipeline/distributed/test_launch.py)
     alone = json.loads((out / "tpu_check" / "runs" / "collectives" / "phase1" / "summary.json").read_text())
     assert alone["world_size"] == 1 and alone["global_batch"] == 4, pod.outputs()
     # taken as a single host's run is, by the TPU's launcher, as a TPU VM's host 0 takes it

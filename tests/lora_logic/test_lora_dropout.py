@@ -31,7 +31,7 @@ def test_a_mask_keeps_one_minus_p_and_changes_with_seed_and_salt():
 def test_the_xla_device_draws_the_cpu_mask():
     import torch_xla
 
-    from utils.xla_runtime import init_xla_device
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     device = init_xla_device()
     for value, salt in ((0, 0), (123456789, 5), (2**31 - 2, 300)):

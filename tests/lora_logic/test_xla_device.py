@@ -106,7 +106,7 @@ def test_bf16_base_on_xla_trains_fp32_adapter():
 ALIASED_INPUTS = """
 import torch, torch_xla
 import torch_xla.debug.metrics as met
-from utils.xla_runtime import init_xla_device
+from finetuning_pipeline.runtime.xla.device import init_xla_device
 weight = torch.zeros(7, 13).to(init_xla_device())
 torch_xla.sync()
 weight.add_(1.0)  # what every optimizer step does to the LoRA weights
@@ -132,7 +132,7 @@ def test_on_xla_cpu_an_in_place_update_donates_no_buffer():
     step boundary wait for the step to run there); accelerators keep torch_xla's default, and
     an explicit setting wins: with it on, the same update donates its input (so the count
     read here does see a donation when there is one)."""
-    from utils.xla_runtime import runtime_env_defaults
+    from finetuning_pipeline.runtime.xla.device import runtime_env_defaults
 
     assert runtime_env_defaults("CPU") == {"XLA_ENABLE_PARAM_ALIASING": "0"}
     assert runtime_env_defaults("TPU") == {}
@@ -146,7 +146,7 @@ def test_on_xla_cpu_an_in_place_update_donates_no_buffer():
 # of a [16, 192] tensor (a LoRA A's write-back).
 COMPILE_TWO_KERNELS = """
 import sys, torch, torch_xla.runtime as xr
-from utils.xla_runtime import choose_device, init_xla_device
+from finetuning_pipeline.runtime.xla.device import choose_device, init_xla_device
 choose_device()
 xr.initialize_cache(sys.argv[1], readonly=False)
 assert xr.global_runtime_device_count() >= 1
@@ -184,7 +184,7 @@ def test_on_xla_cpu_a_long_reduction_is_one_fused_kernel_unless_the_user_says_ot
     reduce-window and a reduce, compiled unfused at every occurrence), in time for a runtime
     started before init_xla_device; a user's own xla_disable_hlo_passes wins, and with the pass
     left on, the same sum is split (so the HLO read here does show the split when it happens)."""
-    from utils.xla_runtime import with_compiler_defaults
+    from finetuning_pipeline.runtime.xla.device import with_compiler_defaults
 
     assert with_compiler_defaults("", "TPU") == ""
     assert with_compiler_defaults("--xla_dump_to=/d", "cpu") == (

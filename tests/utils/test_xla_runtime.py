@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-import utils.xla_runtime
-from utils.xla_runtime import choose_device
+import finetuning_pipeline.runtime.xla.device
+from finetuning_pipeline.runtime.xla.device import choose_device
 
 
 @pytest.mark.parametrize("chips, device", [(0, "CPU"), (4, "TPU")])
 def test_unset_it_is_the_tpu_where_one_is_found_and_the_cpu_elsewhere(monkeypatch, chips, device):
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
-    monkeypatch.setattr(utils.xla_runtime, "tpu_chips", lambda: chips)
+    monkeypatch.setattr(finetuning_pipeline.runtime.xla.device, "tpu_chips", lambda: chips)
     said = []
     assert choose_device(said.append) == device
     found = f"{chips} TPU chips found" if chips else "no TPU found on this machine"
@@ -33,7 +33,7 @@ def test_set_it_is_taken_as_it_is_without_a_word(monkeypatch):
 def test_torch_xla_never_guesses_and_warns_in_a_command(tmp_path):
     """A command run without PJRT_DEVICE: our one line, not torch_xla's WARNING."""
     env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
-    code = ("from utils.xla_runtime import init_xla_device; import torch; "
+    code = ("from finetuning_pipeline.runtime.xla.device import init_xla_device; import torch; "
             "print((torch.ones(2, device=init_xla_device()) * 2).sum().item())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "4.0", done.stderr

@@ -1,4 +1,4 @@
-"""Decoder layers run as one XLA loop (finetuning_pipeline/model/layer_scan.py) compute what the model's own
+"""Decoder layers run as one XLA loop (finetuning_pipeline/runtime/xla/layer_scan.py) compute what the model's own
 layer loop computes: loss, LoRA gradients (per layer, under the unscanned names), LoRA dropout
 masks per layer, sliding windows, and a captured training step over 2 micro-batches; the
 adapter saved from a scanned model on the device is the one a plain model loads; layers that
@@ -13,7 +13,7 @@ from test_model_families import FAMILIES, batch, family_model
 from tolerances import assert_equal_in_exact_arithmetic
 
 from finetuning_pipeline.model.causal_lm_loss import causal_lm_loss_sum
-from finetuning_pipeline.model.layer_scan import ScannedLayers, scan_decoder_layers
+from finetuning_pipeline.runtime.xla.layer_scan import ScannedLayers, scan_decoder_layers
 from lora_logic.adapters import lora_parameters, lora_state_dict
 from lora_logic.config import LoraConfig
 from lora_logic.dropout import set_dropout_seed
@@ -148,7 +148,7 @@ def test_the_adapter_saved_from_scanned_layers_on_the_device_loads_into_a_plain_
     """The hard case of saving: stacks on the XLA device, read on the host one stack at a time
     (no graph compiled), written in PEFT's layout, loaded by a model that was never scanned."""
     from lora_logic.adapter_io import load_adapters, save_adapters
-    from utils.xla_counters import read_counters
+    from finetuning_pipeline.runtime.xla.counters import read_counters
 
     model = deeper("mistral")
     scan_decoder_layers(model)
@@ -200,7 +200,7 @@ def test_the_trainer_scans_where_the_model_allows_and_says_why_not_elsewhere():
     """train.scan_layers: unset scans where it can and the depth pays, and names the reason
     where not; true makes the reason an error naming the key; false never scans."""
     from finetuning_pipeline.errors import ConfigError
-    from finetuning_pipeline.model.scan_choice import scan_layers
+    from finetuning_pipeline.runtime.xla.scan_choice import scan_layers
 
     def has_scan(model):
         return any(isinstance(m, ScannedLayers) for m in model.modules())

@@ -104,8 +104,8 @@ def test_masks_on_xla_cost_no_host_sync_and_no_new_graph():
     on the XLA device: the second call compiles nothing and no call reads a value on the host."""
     import torch_xla
 
-    from utils.xla_counters import read_counters
-    from utils.xla_runtime import init_xla_device
+    from finetuning_pipeline.runtime.xla.counters import read_counters
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     device = init_xla_device()
     model = family_model("gemma3", torch.float64)
@@ -204,11 +204,11 @@ def test_the_captured_step_gives_transformers_gradients(family):
     Summed gradients / label tokens equal transformers' gradients of its mean loss on the CPU."""
     import torch_xla
 
-    from finetuning_pipeline.train.micro_batch_loop import summed_over_micro_batches
+    from finetuning_pipeline.runtime.xla.micro_batch_loop import summed_over_micro_batches
     from finetuning_pipeline.train.step import micro_batch_gradients
-    from finetuning_pipeline.train.step_capture import CapturedStep
-    from utils.xla_counters import read_counters
-    from utils.xla_runtime import init_xla_device
+    from finetuning_pipeline.runtime.xla.step_capture import CapturedStep
+    from finetuning_pipeline.runtime.xla.counters import read_counters
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     device = init_xla_device()
     model = family_model(family, torch.float64)

@@ -14,7 +14,7 @@ from model_families import FAMILIES, batch, with_family_lora
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from finetuning_pipeline.model.layer_scan import scan_decoder_layers
+from finetuning_pipeline.runtime.xla.layer_scan import scan_decoder_layers
 from finetuning_pipeline.model.loading import check_quantizable, load_base
 from finetuning_pipeline.model.quantized_base import (
     decoder_linears,

@@ -9,7 +9,7 @@ import pytest
 
 from finetuning_pipeline.errors import RecompileError
 from finetuning_pipeline.monitor import compile_guard
-from utils.xla_counters import XlaCounters
+from finetuning_pipeline.runtime.xla.counters import XlaCounters
 
 
 class Counters:
@@ -103,7 +103,7 @@ def test_the_buffers_donated_by_the_first_steps_graph_are_reported(counters):
 
 
 class StepSyncs:
-    """A count of one step's host syncs, as runtime/native_syncs.py's HostSyncCount gives it."""
+    """A count of one step's host syncs, as runtime/native/host_syncs.py's HostSyncCount gives it."""
 
     def __init__(self, syncs: int) -> None:
         self.syncs, self.value = syncs, None

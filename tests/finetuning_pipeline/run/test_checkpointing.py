@@ -121,7 +121,7 @@ def test_optimizer_state_by_name_holds_with_scanned_layers_in_another_order(tmp_
     """The hard case of the above: both models' decoder layers scanned (their LoRA weights and
     moments stacked), the adapters listed in another order; each moment reaches the weight of its
     name, through the checkpoint's per-layer layout."""
-    from finetuning_pipeline.model.layer_scan import scan_decoder_layers
+    from finetuning_pipeline.runtime.xla.layer_scan import scan_decoder_layers
     from lora_logic.adapters import per_layer_lora, per_layer_lora_names
 
     def scanned(names, checkpoint=None):
@@ -170,7 +170,7 @@ WRITER = textwrap.dedent("""
     import os, signal, sys, torch
     sys.path[:0] = sys.argv[2:]  # this test's folder and tests/ (conftest)
     os.environ.setdefault("PJRT_DEVICE", "CPU")
-    from utils.xla_runtime import init_xla_device
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
     init_xla_device()
     from test_checkpointing import model_and_optimizer, save
     import finetuning_pipeline.run.checkpointing as ckpt

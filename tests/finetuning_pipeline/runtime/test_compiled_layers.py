@@ -8,7 +8,7 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM
 
 from finetuning_pipeline.model.causal_lm_loss import causal_lm_loss_sum
-from finetuning_pipeline.runtime.native_step import compile_decoder_layers
+from finetuning_pipeline.runtime.native.step import compile_decoder_layers
 from lora_logic.config import LoraConfig
 from lora_logic.dropout import set_dropout_seed
 from lora_logic.inject import inject_lora

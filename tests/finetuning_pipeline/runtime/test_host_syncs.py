@@ -1,4 +1,4 @@
-"""The native runtime's count of host syncs (runtime/native_syncs.py): the ops that make the host
+"""The native runtime's count of host syncs (runtime/native/host_syncs.py): the ops that make the host
 wait for the device's values are counted, others are not, and counting runs a compiled layer as
 it runs uncounted (dynamo neither skips it nor compiles it again)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetuning_pipeline.runtime.native_syncs import HostSyncCount
+from finetuning_pipeline.runtime.native.host_syncs import HostSyncCount
 
 pytestmark = pytest.mark.native
 
@@ -71,7 +71,7 @@ def test_counting_on_the_replicas_thread_prints_no_kineto_error_once_the_process
     script = ("import threading\n"
               "from finetuning_pipeline.run_config import RuntimeConfig\n"
               "from finetuning_pipeline.runtime import prepare_process\n"
-              "from finetuning_pipeline.runtime.native_syncs import HostSyncCount\n"
+              "from finetuning_pipeline.runtime.native.host_syncs import HostSyncCount\n"
               f"if {prepared}: prepare_process(RuntimeConfig(backend='native'), first_process=True)\n"
               "def count():\n"
               "    with HostSyncCount() as c:\n"

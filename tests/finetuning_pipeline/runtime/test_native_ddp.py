@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from finetuning_pipeline.errors import ReplicaLost
-from finetuning_pipeline.runtime.native_ddp import summed_backward
+from finetuning_pipeline.runtime.native.ddp import summed_backward
 
 pytestmark = pytest.mark.native
 

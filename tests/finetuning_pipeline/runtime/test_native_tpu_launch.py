@@ -1,4 +1,4 @@
-"""The native runtime's processes on a TPU host (runtime/native_tpu_launch.py): main.py with
+"""The native runtime's processes on a TPU host (runtime/native/tpu_launch.py): main.py with
 runtime.device=tpu sets TorchTPU's launch environment and becomes torchrun, a process per chip.
 No TPU here: TorchTPU's torch_tpu is a stand-in whose set_tpu_launch_env sets the variables the
 real one (torch_tpu 0.2.0) sets, in the shapes it sets them."""
@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from finetuning_pipeline.errors import ConfigError
-from finetuning_pipeline.runtime.native_tpu_launch import torchrun_command
+from finetuning_pipeline.runtime.native.tpu_launch import torchrun_command
 
 pytestmark = pytest.mark.native
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from finetuning_pipeline.run_config import ConfigError, load_config
-from finetuning_pipeline.runtime.native_device import compiles_layers, native_device
+from finetuning_pipeline.runtime.native.device import compiles_layers, native_device
 
 pytestmark = pytest.mark.native
 DEMO = "finetuning_pipeline/configs/demo.yaml"
@@ -87,7 +87,7 @@ def test_the_peak_memory_is_the_accelerators_or_none_where_it_keeps_none(monkeyp
     not a failed run, where the accelerator's allocator keeps no statistics."""
     import torch
 
-    from finetuning_pipeline.runtime.native import NativeRuntime
+    from finetuning_pipeline.runtime.native.runtime import NativeRuntime
 
     runtime, tpu = NativeRuntime(torch.device("cpu"), False), torch.device("meta")  # (a device that is not a CPU)
     assert runtime.peak_memory_bytes(torch.device("cpu")) is None

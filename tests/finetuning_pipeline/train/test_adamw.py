@@ -143,7 +143,7 @@ def test_on_the_xla_device_the_write_back_reads_each_parameter_as_a_row_at_a_num
 def test_on_the_xla_device_a_long_gradients_norm_keeps_its_precision():
     # A 7B model's r 16 adapter on all seven targets has 40M gradient elements. XLA:CPU sums one
     # long reduction in a few lanes of running sums (its tree reduction rewriter is off by
-    # default, utils/xla_runtime), whose error grows with the length; group_norms sums in short
+    # default, runtime/xla/device), whose error grows with the length; group_norms sums in short
     # levels. Here a layer's worth of such parameters (19M elements) and sizes with few divisors
     # (a prime, 3 x 5), in one group and in two, against float64.
     import torch_xla

@@ -43,7 +43,7 @@ def test_gradient_accumulation_equals_one_large_batch():
     exact arithmetic, summed in other orders, so in float64 (tests/tolerances.py)."""
     import torch_xla
 
-    from utils.xla_runtime import init_xla_device
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     device = init_xla_device()
     generator = torch.Generator().manual_seed(0)

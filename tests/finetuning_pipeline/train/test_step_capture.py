@@ -8,9 +8,9 @@ import torch
 from conftest import tiny_causal_lm
 from tolerances import assert_equal_in_exact_arithmetic
 
-from finetuning_pipeline.train.micro_batch_loop import summed_over_micro_batches
+from finetuning_pipeline.runtime.xla.micro_batch_loop import summed_over_micro_batches
 from finetuning_pipeline.train.step import micro_batch_gradients
-from finetuning_pipeline.train.step_capture import CapturedStep
+from finetuning_pipeline.runtime.xla.step_capture import CapturedStep
 from lora_logic.adapters import lora_modules, lora_parameters
 from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
@@ -23,7 +23,7 @@ def test_lora_dropout_gradients_equal_eager_pytorch_with_the_same_masks():
     graphs and eager CPU kernels sum in other orders: float64 (tests/tolerances.py)."""
     import torch_xla
 
-    from utils.xla_runtime import init_xla_device
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     device = init_xla_device()
     base = tiny_causal_lm("mistral").to(torch.float64)
@@ -87,7 +87,7 @@ class Flat:
 
 
 def captured_gradients(grad_accum: int) -> CapturedStep:
-    from utils.xla_runtime import init_xla_device
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     device = init_xla_device()
     model = tiny_causal_lm("mistral")
@@ -125,7 +125,7 @@ def test_the_compiled_step_holds_one_micro_batch_whatever_grad_accum():
 def test_a_captured_step_updates_its_state_for_every_view_and_refuses_another_shape():
     import torch_xla
 
-    from utils.xla_runtime import init_xla_device
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     device = init_xla_device()
     weight = torch.zeros(4).to(device)
@@ -154,7 +154,7 @@ def test_inputs_that_share_device_data_are_refused():
     the fix; [1]-shaped inputs of equal value capture and replay right."""
     import torch_xla
 
-    from utils.xla_runtime import init_xla_device
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     device = init_xla_device()
     torch_xla.sync()
@@ -175,7 +175,7 @@ def test_random_numbers_a_replay_would_repeat_are_refused():
     import torch_xla
     from torch_xla.utils.checkpoint import checkpoint
 
-    from utils.xla_runtime import init_xla_device
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     device = init_xla_device()
     weight = torch.ones(4).to(device)
@@ -205,7 +205,7 @@ def test_random_numbers_a_replay_would_repeat_are_refused():
 def test_model_dropouts_finds_every_familys_names():
     from transformers import Gemma3Config, MistralConfig, Phi3Config
 
-    from finetuning_pipeline.model.scan_choice import model_dropouts
+    from finetuning_pipeline.runtime.xla.scan_choice import model_dropouts
 
     assert model_dropouts(Phi3Config(resid_pdrop=0.1, attention_dropout=0.2)) == {"resid_pdrop": 0.1,
                                                                                   "attention_dropout": 0.2}

@@ -42,7 +42,7 @@ import torch
 from finetuning_pipeline.model.attention_masks import ONE_MASK, mask_windows
 from utils.tpu_detect import tpu_generation
 from utils.tpu_install import pallas_problem
-from utils.xla_runtime import device_kind
+from finetuning_pipeline.runtime.xla.device import device_kind
 
 CHOICES = ("auto", "dense", "splash", "flash")
 # (transformers reads any implementation name containing "flash" as a Hub flash-attention kernel)

@@ -1,11 +1,11 @@
 """The native runtime's half of the seam (runtime/__init__.py): plain PyTorch on one device in
-this process, or, under torchrun, one process of several (parallel.mode=dp: native_ddp.py;
-fsdp: native_fsdp.py).
+this process, or, under torchrun, one process of several (parallel.mode=dp: runtime/native/ddp.py;
+fsdp: runtime/native/fsdp.py).
 Nothing here imports torch_xla: a GPU machine or a TorchTPU VM has none.
 
-The step is native_step.py's; the data arrives by a plain copy per micro-batch (non-blocking
+The step is runtime/native/step.py's; the data arrives by a plain copy per micro-batch (non-blocking
 from pinned memory on an accelerator); compiles are dynamo's own counters; host syncs are
-counted on one step by PyTorch's profiler (native_syncs.py: PyTorch keeps no counter of them).
+counted on one step by PyTorch's profiler (runtime/native/host_syncs.py: PyTorch keeps no counter of them).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import torch
 from finetuning_pipeline.distributed.collectives import Collectives, launch_rank, replica_group, torchrun_world
 from finetuning_pipeline.distributed.parallel import Parallel
 from finetuning_pipeline.run_config import RunConfig
-from finetuning_pipeline.runtime.native_device import PROCESS_GROUP_BACKENDS, compiles_layers, native_device
-from finetuning_pipeline.runtime.native_fsdp import NativeFsdp, device_mesh
-from finetuning_pipeline.runtime.native_step import NativeStepper
-from finetuning_pipeline.runtime.native_syncs import HostSyncCount
+from finetuning_pipeline.runtime.native.device import PROCESS_GROUP_BACKENDS, compiles_layers, native_device
+from finetuning_pipeline.runtime.native.fsdp import NativeFsdp, device_mesh
+from finetuning_pipeline.runtime.native.step import NativeStepper
+from finetuning_pipeline.runtime.native.host_syncs import HostSyncCount
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class NativeRuntime:
 def start_native(config: RunConfig):
     """(NativeRuntime, Parallel, device): one replica in this process, on runtime.device; under
     torchrun one of its processes, in torch.distributed's default group: parallel.mode=dp (DDP:
-    native_ddp.py) or fsdp (FSDP2 over parallel.mesh: native_fsdp.py)."""
+    runtime/native/ddp.py) or fsdp (FSDP2 over parallel.mesh: runtime/native/fsdp.py)."""
     runtime, p = config.runtime, config.parallel
     world = torchrun_world()
     if world > 1 and runtime.device in ("auto", "cuda") and torch.cuda.is_available():

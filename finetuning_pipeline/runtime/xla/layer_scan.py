@@ -143,7 +143,7 @@ class ScannedLayers(nn.Module):
     def _run(self, calls: list[tuple[tuple, dict]]) -> torch.Tensor:
         from functorch.compile import default_partition, min_cut_rematerialization_partition
 
-        from utils.xla_scan import scan
+        from finetuning_pipeline.runtime.xla.scan import scan
 
         args, kwargs = calls[0]
         hidden = args[0] if args else kwargs["hidden_states"]

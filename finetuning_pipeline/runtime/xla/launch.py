@@ -42,7 +42,7 @@ from finetuning_pipeline.distributed.whole_lines import whole_lines_on_stdout_an
 from finetuning_pipeline.errors import ConfigError, ReplicaLost
 from finetuning_pipeline.run.stop_signal import PROCESS_SIGNALS, threads_started_here_leave_signals_to_this_one
 from utils.stack_dump import dump_stacks_on_signal
-from utils.xla_runtime import device_kind
+from finetuning_pipeline.runtime.xla.device import device_kind
 
 # What torch_xla and libtpu read to give a process one chip of a multi-chip host (torch_xla's
 # tpu.configure_one_chip_topology; with them tpu.num_local_processes() is 1), and the slice of

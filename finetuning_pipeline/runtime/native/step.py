@@ -1,7 +1,7 @@
 """The native runtime's optimizer step: the same micro-batch gradients, sums and masked AdamW
 update as the XLA runtime's (train/step.py), run by PyTorch as it goes, with each decoder
 layer optionally compiled by torch.compile, and under torchrun the gradients summed by
-DistributedDataParallel (native_ddp.py).
+DistributedDataParallel (runtime/native/ddp.py).
 
 What the XLA runtime does with a captured graph is done here by eager PyTorch: the step's
 kernels are queued as the Python runs, nothing of a step is read on the host, and a log step
@@ -22,8 +22,8 @@ import torch
 
 from finetuning_pipeline.distributed.parallel import decoder_layers
 from finetuning_pipeline.run_config import TrainConfig
-from finetuning_pipeline.runtime.native_ddp import data_parallel_step, replicate
-from finetuning_pipeline.runtime.native_device import COMPILE_BACKENDS
+from finetuning_pipeline.runtime.native.ddp import data_parallel_step, replicate
+from finetuning_pipeline.runtime.native.device import COMPILE_BACKENDS
 from finetuning_pipeline.train.stepper import Stepper
 from lora_logic.dropout import SeededDropout
 
@@ -40,7 +40,7 @@ class NativeStepper(Stepper):
         if self.compile_layers:
             compile_decoder_layers(self.model, COMPILE_BACKENDS[self.device.type])
         self.ddp = None
-        if self.parallel.world > 1 and self.parallel.mode == "dp":  # DDP sums the gradients (native_ddp.py)
+        if self.parallel.world > 1 and self.parallel.mode == "dp":  # DDP sums the gradients (runtime/native/ddp.py)
             self.ddp = replicate(self.model, self.packed, self.loss_chunk, self.optimizer.group_count, self.device)
 
     def run_step(self, micro_batches: list[dict], seeds: list[int], active: torch.Tensor | None) -> dict:

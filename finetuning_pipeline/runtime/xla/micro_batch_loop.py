@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from finetuning_pipeline.train.step_capture import data_id, lower
+from finetuning_pipeline.runtime.xla.step_capture import data_id, lower
 
 
 def summed_over_micro_batches(body: Callable[[dict[str, torch.Tensor]], list[torch.Tensor]],

@@ -44,7 +44,7 @@ def summed(group, bucket):  # (unannotated: DDP refuses a return annotation that
 
 def replicate(model: torch.nn.Module, packed: bool, loss_chunk: int, groups: int,
               device: torch.device) -> DistributedDataParallel:
-    """The model's loss under DDP, in torch.distributed's default process group (runtime/native.py)."""
+    """The model's loss under DDP, in torch.distributed's default process group (runtime/native/runtime.py)."""
     module = BatchLoss(model, packed, loss_chunk, groups)
     frozen = [name for name, p in module.named_parameters() if not p.requires_grad]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(

@@ -7,7 +7,7 @@ MASTER_PORT, from TPU_WORKER_HOSTNAMES). `torch.tpu.distributed.set_tpu_launch_e
 (torch_tpu 0.2.0, read from its package) and leaves the starting of the workers to a launcher.
 So `main.py ... runtime.backend=native runtime.device=tpu`, run plainly, sets them and replaces
 itself with torchrun over main.py and the same arguments, a process per chip of this host, as the
-XLA runtime's launcher starts one per chip (distributed/launch.py). On a pod the same command runs
+XLA runtime's launcher starts one per chip (runtime/xla/launch.py). On a pod the same command runs
 on every host, each becoming its host's torchrun. Nothing of this has run on a TPU: the commands
 it builds are tested from environments shaped as set_tpu_launch_env leaves them.
 """
@@ -18,7 +18,7 @@ import os
 import sys
 
 from finetuning_pipeline.errors import ConfigError
-from finetuning_pipeline.runtime.native_device import import_torch_tpu
+from finetuning_pipeline.runtime.native.device import import_torch_tpu
 
 
 def torchrun_command(script: str, argv: list[str], environ) -> list[str] | None:

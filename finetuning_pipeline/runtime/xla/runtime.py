@@ -1,5 +1,5 @@
 """The XLA runtime's half of the seam (runtime/__init__.py): torch_xla over PJRT. Its steps are
-captured once and replayed (train/step_capture.py), its step boundary is `torch_xla.sync()`,
+captured once and replayed (runtime/xla/step_capture.py), its step boundary is `torch_xla.sync()`,
 and its replicas are launched and summed by distributed/."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 from finetuning_pipeline.distributed.parallel import start
 from finetuning_pipeline.run_config import ParallelConfig
 from finetuning_pipeline.train.stepper import Stepper
-from utils.xla_counters import XlaCounters, read_counters
-from utils.xla_runtime import peak_memory_bytes
+from finetuning_pipeline.runtime.xla.counters import XlaCounters, read_counters
+from finetuning_pipeline.runtime.xla.device import peak_memory_bytes
 
 
 class XlaRuntime:

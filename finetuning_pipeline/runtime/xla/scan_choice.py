@@ -1,5 +1,5 @@
 """Whether a phase runs its decoder layers as one XLA loop (train.scan_layers; the loop itself
-is finetuning_pipeline/model/layer_scan.py), and what in a model prevents it.
+is finetuning_pipeline/runtime/xla/layer_scan.py), and what in a model prevents it.
 
 Scanned, one layer is traced and compiled whatever the depth (docs/benchmarks.md, "Host time per step and
 compile time"). Not every model can be: its layers must be identical but for their weights (a
@@ -13,7 +13,7 @@ model.attention "auto" does.
 from __future__ import annotations
 
 from finetuning_pipeline.errors import ConfigError
-from finetuning_pipeline.model.layer_scan import scan_decoder_layers, scannable_layers
+from finetuning_pipeline.runtime.xla.layer_scan import scan_decoder_layers, scannable_layers
 
 
 def model_dropouts(settings) -> dict[str, float]:
