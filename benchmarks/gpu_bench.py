@@ -6,7 +6,7 @@
 Three measurements, each in a process of its own (a clean allocator for its peak memory), on
 Mistral-7B's shape (finetuning_pipeline/model_configs/Mistral-7B-v0.3, random bf16 weights: the
 speed and memory of a step do not depend on the values), LoRA r 16 (alpha 32) on all 7 targets:
-  ours    the native runtime's real step (runtime/native/step.py's NativeStepper: the micro-batch
+  ours    the native runtime's real step (train/stepper.py's Stepper with the native runtime's step: the micro-batch
           gradients, our masked AdamW, fp32 LoRA weights under the bf16 base), each decoder layer
           compiled (--compile layers) or eager;
   frozen  forward + backward through the frozen base (activation gradients only), compiled alike:
@@ -117,8 +117,10 @@ def measure_ours(shape: str, device: str, batch: int, seq_len: int, steps: int, 
     from finetuning_pipeline.distributed.collectives import Collectives
     from finetuning_pipeline.distributed.parallel import Parallel
     from finetuning_pipeline.run_config import TrainConfig
-    from finetuning_pipeline.runtime.native.step import NativeStepper
+    from finetuning_pipeline.runtime.native.runtime import NativeRuntime
+    from finetuning_pipeline.runtime.native.step import compile_decoder_layers
     from finetuning_pipeline.train.adamw import MaskedAdamW
+    from finetuning_pipeline.train.stepper import Stepper
     from lora_logic.adapters import lora_parameters
     from lora_logic.config import LoraConfig
     from lora_logic.inject import inject_lora
@@ -129,10 +131,12 @@ def measure_ours(shape: str, device: str, batch: int, seq_len: int, steps: int, 
     model.to(device)
     model.train()
     train = TrainConfig(max_steps=total, micro_batch=batch, lr=LR, warmup_steps=1, loss_chunk_tokens=0)
-    stepper = NativeStepper(model, MaskedAdamW(lora_parameters(model), lr=LR), train, phase=1, lr=LR,
-                            max_steps=total, activation_checkpointing=False, parallel=Parallel("dp", Collectives()),
-                            device=torch.device(device), start_step=0, packed=False,
-                            compile_layers=compile_layers == "layers")
+    if compile_layers == "layers":  # (what the runtime's parallelize does)
+        compile_decoder_layers(model)
+    stepper = Stepper(model, MaskedAdamW(lora_parameters(model), lr=LR), train, phase=1, lr=LR,
+                      max_steps=total, activation_checkpointing=False, parallel=Parallel("dp", Collectives()),
+                      device=torch.device(device), start_step=0, packed=False,
+                      runtime=NativeRuntime(torch.device(device), compile_layers == "layers"))
     blocks = [{"input_ids": ids.to(device), "labels": ids.to(device)}
               for ids in token_blocks(model.config.vocab_size, batch, seq_len, total)]
     results = {}

@@ -56,14 +56,15 @@ def measure(layers: int, grad_accum: int, mode: str, steps: int, shape: str = ""
     from transformers import MistralConfig, MistralForCausalLM
 
     from finetuning_pipeline.distributed.parallel import Parallel
-    from finetuning_pipeline.runtime.xla.scan_choice import scan_layers
     from finetuning_pipeline.run_config import load_config
+    from finetuning_pipeline.runtime.xla.counters import read_counters
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
+    from finetuning_pipeline.runtime.xla.runtime import XlaRuntime
+    from finetuning_pipeline.runtime.xla.scan_choice import scan_layers
     from finetuning_pipeline.train.adamw import MaskedAdamW
     from finetuning_pipeline.train.stepper import Stepper
     from lora_logic.adapters import lora_parameters
     from lora_logic.inject import inject_lora
-    from finetuning_pipeline.runtime.xla.counters import read_counters
-    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     capture, scan = (True, None) if mode == TRAINER_DEFAULT else MODES[mode]
     model_config, seq_len, micro_batch = {"num_hidden_layers": layers, **MODEL}, SEQ_LEN, 1
@@ -103,6 +104,7 @@ def measure(layers: int, grad_accum: int, mode: str, steps: int, shape: str = ""
         device=device,
         start_step=0,
         packed=False,
+        runtime=XlaRuntime(),
     )
     generator = torch.Generator().manual_seed(0)
     batches = []

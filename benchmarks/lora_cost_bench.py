@@ -59,7 +59,8 @@ def timed(variants: dict, repeats: int) -> dict[str, float]:
 def products(repeats: int) -> dict[str, float]:
     import torch
 
-    from finetuning_pipeline.runtime.xla.device import barrier_copies, init_xla_device
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
+    from utils.device_ops import barrier_copies
 
     device = init_xla_device()
     x, dy = torch.randn(TOKENS, HIDDEN).to(device), torch.randn(TOKENS, HIDDEN).to(device)
@@ -85,9 +86,9 @@ def attention(repeats: int) -> dict[str, float]:
     import torch
     from torch import nn
 
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
     from lora_logic.config import LoraConfig
     from lora_logic.layer import LoRALinear, share_input
-    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     device = init_xla_device()
     torch.manual_seed(0)

@@ -64,12 +64,12 @@ def measure_ours(chunk: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from finetuning_pipeline.model.causal_lm_loss import resolve_chunk_tokens
+    from finetuning_pipeline.runtime.xla.device import init_xla_device
     from finetuning_pipeline.train.adamw import MaskedAdamW
     from finetuning_pipeline.train.step import train_step
     from lora_logic.adapters import lora_parameters
     from lora_logic.config import LoraConfig
     from lora_logic.inject import inject_lora
-    from finetuning_pipeline.runtime.xla.device import init_xla_device
 
     device = init_xla_device()
     torch.manual_seed(0)

@@ -24,11 +24,12 @@ from dataset.manifest import is_packed, tokenizer_fingerprint
 from dataset.shards import open_split
 from finetuning_pipeline.errors import run_command
 from finetuning_pipeline.model.loading import DTYPES, check_new_tokens, context_length, load_model
+from finetuning_pipeline.runtime.xla.device import choose_device, device_kind, init_xla_device, on_the_host_only
+from finetuning_pipeline.runtime.xla.runtime import XlaRuntime
 from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss
 from utils.cli_types import non_negative_int, positive_int
 from utils.hub_models import resolve_model
 from utils.tokenizer_loading import load_tokenizer
-from finetuning_pipeline.runtime.xla.device import choose_device, device_kind, init_xla_device, on_the_host_only
 
 
 def chat_samples(model, tokenizer, data: str, split: str, n: int, max_new_tokens: int) -> list[dict]:
@@ -102,8 +103,10 @@ def evaluate(argv: list[str] | None) -> int:
     # Every batch is padded to --micro-batch rows: more rows than the split holds would only be
     # padding (--micro-batch 100000 on 12 blocks grew the process to 24 GB), and add nothing to the loss.
     micro_batch = min(args.micro_batch, max(1, manifest["counts"][args.split]))
+    on_device = {}  # on the host: plain copies, nothing to mark
     if args.device == "xla":
-        device = init_xla_device()
+        device, xla = init_xla_device(), XlaRuntime()
+        on_device = {"to_device": xla.to_device, "boundary": xla.step_boundary}
     else:
         device = torch.device("cpu")
     model.to(device)
@@ -115,6 +118,7 @@ def evaluate(argv: list[str] | None) -> int:
         packed=is_packed(manifest),
         device=device,
         split=args.split,
+        **on_device,
     )
     if manifest["phase"] == 2 and args.samples > 0:
         result["samples"] = chat_samples(

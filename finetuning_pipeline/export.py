@@ -41,9 +41,9 @@ from finetuning_pipeline.exporters.combined import export_combined
 from finetuning_pipeline.exporters.gguf_export import export_gguf
 from finetuning_pipeline.exporters.gguf_tensors import OUTTYPES
 from finetuning_pipeline.exporters.merged import DTYPES, export_merged
+from finetuning_pipeline.runtime.xla.device import on_the_host_only
 from lora_logic.combine import COMBINE_METHODS
 from utils.hub_models import resolve_model
-from finetuning_pipeline.runtime.xla.device import on_the_host_only
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,10 +22,10 @@ import torch
 
 from finetuning_pipeline.errors import ModelLoadError, run_command
 from finetuning_pipeline.model.loading import check_new_tokens, context_length, load_model
+from finetuning_pipeline.runtime.xla.device import on_the_host_only
 from utils.cli_types import non_negative_float, positive_int
 from utils.hub_models import resolve_model
 from utils.tokenizer_loading import load_tokenizer
-from finetuning_pipeline.runtime.xla.device import on_the_host_only
 
 
 def generate(model_dir: str, prompt: str, adapters: list[str] = (), max_new_tokens: int = 64,

@@ -40,10 +40,8 @@ if __package__ in (None, ""):  # run as a script: python finetuning_pipeline/mai
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from finetuning_pipeline.demo.inputs import DEMO_CONFIG, REPO, anchored_paths, ensure_demo_inputs
-from finetuning_pipeline.distributed.collectives import launch_rank, torchrun_world
+from finetuning_pipeline.distributed.collectives import launch_rank
 from finetuning_pipeline.distributed.host_agreement import check_hosts_agree
-from finetuning_pipeline.runtime.xla.launch import apply_single_chip, launch_replicas, resolve_launcher
-from finetuning_pipeline.distributed.parallel import use_compile_cache
 from finetuning_pipeline.errors import ConfigError, OutputWriteError, run_command
 from finetuning_pipeline.monitor.console import summary_lines
 from finetuning_pipeline.monitor.metrics_log import plot_losses
@@ -51,14 +49,12 @@ from finetuning_pipeline.run.checkpointing import complete_checkpoints
 from finetuning_pipeline.run.input_checks import check_inputs, pin_model
 from finetuning_pipeline.run.resume_plan import PhasePlan, check_resumable, plan_phases
 from finetuning_pipeline.run.run_layout import OutputLock, RunLayout
-from finetuning_pipeline.run.stop_signal import StopOnSignal, WallClockBudget, on_a_thread_leaving_signals_here
+from finetuning_pipeline.run.stop_signal import StopOnSignal, WallClockBudget
 from finetuning_pipeline.run_config import RunConfig, load_config
-from finetuning_pipeline.runtime import prepare_process, start_runtime
-from finetuning_pipeline.runtime.native.tpu_launch import become_torchrun_on_tpu
+from finetuning_pipeline.runtime import backend
 from finetuning_pipeline.train.phase_loop import run_phase
 from utils.durations import parse_duration
 from utils.stack_dump import dump_stacks_on_signal
-from finetuning_pipeline.runtime.xla.device import device_kind
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -131,11 +127,11 @@ def resume_command(args: argparse.Namespace) -> str:
                                                "--phase", args.phase, "--resume", "auto", *args.overrides])])
 
 
-def run_replica(config: RunConfig, plans: list[PhasePlan], resume_command: str, budget) -> None:
+def run_replica(config: RunConfig, plans: list[PhasePlan], resume_command: str, budget, backend) -> None:
     """Entry point of each replica (one per chip under dp, one per host under fsdp), on the
     main thread of its process or on a launcher's worker thread. Every replica runs the same
     phases and stops after the same one."""
-    runtime, parallel, device = start_runtime(config)
+    runtime, parallel, device = backend.start(config)
     layout = RunLayout(config.output_dir)
     finished = False
     try:
@@ -188,45 +184,21 @@ def train(argv: list[str] | None) -> int:
     dump_stacks_on_signal()  # kill -USR1 PID: where each thread is (utils/stack_dump.py)
     config_path, overrides = choose_config(args.config, args.overrides, args.phase)
     config = load_config(config_path, overrides)
-    prepare_process(config.runtime, first_process=launch_rank() == 0)  # before transformers is imported
+    say = print if launch_rank() == 0 else (lambda *args, **kwargs: None)  # torchrun: said once
+    runtime = backend(config, say=lambda line: say(line, flush=True))
+    runtime.prepare_process(first_process=launch_rank() == 0)  # before transformers is imported
     phases = selected_phases(args.phase, config)
     pin_model(config)
-    check_inputs(config, phases)
-    if config.runtime.backend == "native" and config.runtime.device == "tpu" and torchrun_world() == 1:
-        # TorchTPU's way to a process per chip: torchrun over this command (before anything is written)
-        become_torchrun_on_tpu(str(Path(__file__).resolve()), sys.argv[1:] if argv is None else list(argv))
-    say = print if launch_rank() == 0 else (lambda *args: None)  # torchrun: the plan's notes once
+    check_inputs(config, phases, machine=runtime.target_machine(config))
+    runtime.before_run(config, sys.argv[1:] if argv is None else list(argv), str(Path(__file__).resolve()))
     plans = plan_phases(config, phases, args.resume, args.force, say)
     check_resumable(config, plans, args.accept_changes, say)
     budget = WallClockBudget(parse_duration(config.train.max_wall_time) if config.train.max_wall_time else None,
                              started, label=config.train.max_wall_time or "")
     if plans:
-        start_replicas(config, (config, plans, resume_command(args), budget))
+        # run_replica on every replica of this process, started the runtime's way (its launcher)
+        runtime.launch(config, run_replica, (config, plans, resume_command(args), budget, runtime))
     return 0
-
-
-def start_replicas(config: RunConfig, args: tuple) -> None:
-    """run_replica on every replica of this host, started as parallel.launcher says (runtime/xla/launch.py);
-    the native runtime's one replica in this process, on a thread that leaves the stop signals to
-    the main thread."""
-    if config.runtime.backend == "native":
-        on_a_thread_leaving_signals_here(run_replica, *args)
-        return
-    kind = device_kind()
-    if config.model.dtype == "float64" and kind == "TPU":
-        raise ConfigError("model.dtype=float64 is for the tests' equality proofs on a CPU (a TPU does not compute "
-                          "in float64); set model.dtype=bfloat16")
-    if torchrun_world() > 1 and kind != "CPU":
-        raise ConfigError("torchrun starts replicas on a CPU only (PJRT_DEVICE=CPU); on a TPU run plain python: "
-                          "it starts one process per chip")
-    launcher = resolve_launcher(config.parallel.launcher, config.parallel.mode, kind, torchrun_world())
-    if config.parallel.single_chip:
-        apply_single_chip(kind)
-    if launcher == "tpu":
-        launch_replicas(run_replica, args, compile_cache=config.xla.compile_cache_dir, mode=config.parallel.mode)
-    else:
-        use_compile_cache(config.xla.compile_cache_dir, config.parallel.mode, int(os.environ.get("LOCAL_RANK", "0")))
-        run_replica(*args)
 
 
 def selected_phases(given: str, config: RunConfig) -> list[int]:
@@ -253,7 +225,7 @@ def choose_config(given: str | None, overrides: list[str], phase: str = "all") -
     print(f"config: {DEMO_CONFIG} (the embedded default: no --config given and ${CONFIG_ENV} unset)", flush=True)
     anchored = anchored_paths(DEMO_CONFIG, REPO)
     demo = load_config(DEMO_CONFIG, anchored + overrides)
-    prepare_process(demo.runtime, first_process=launch_rank() == 0)  # (building the demo's base imports transformers)
+    backend(demo).prepare_process(first_process=launch_rank() == 0)  # (building the demo's base imports transformers)
     ensure_demo_inputs(demo, selected_phases(phase, demo))
     return DEMO_CONFIG, anchored + overrides
 

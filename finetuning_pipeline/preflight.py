@@ -33,6 +33,7 @@ if __package__ in (None, ""):
 
 from dataset.errors import DataError
 from finetuning_pipeline.checks.rehearsal import rehearse
+from finetuning_pipeline.model.attention_choice import TargetMachine
 from finetuning_pipeline.model.loading import check_lora_targets, check_quantizable
 from finetuning_pipeline.planning.phase_plan import (
     layers_scanned,
@@ -62,7 +63,7 @@ def check_data(config: RunConfig) -> dict:
         return {"status": "skipped", "detail": f"not on disk yet: {', '.join(missing)}; run preflight again once "
                 "the model is downloaded and the data prepared"}
     try:
-        check_inputs(config, phases, planned_tpu=planned_generation(config))
+        check_inputs(config, phases, machine=TargetMachine(tpu=planned_generation(config)))
     except (ConfigError, DataError, HubModelError) as err:
         return {"status": "failed", "detail": str(err)}
     return {"status": "passed", "detail": f"tokenizer fingerprint and seq_len match for phases {phases}"}

@@ -40,8 +40,8 @@ from finetuning_pipeline.checks.pod_hosts import HostBarrier, PodCheckError, Pod
 from finetuning_pipeline.planning.phase_plan import layers_scanned, load_architecture, seq_len_of
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import ConfigError, load_config
-from utils.output_guard import OutputConflict, claim_output, mark_written_by
 from finetuning_pipeline.runtime.xla.device import choose_device
+from utils.output_guard import OutputConflict, claim_output, mark_written_by
 
 COMMAND = "finetuning_pipeline.tpu_check"
 

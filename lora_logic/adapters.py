@@ -38,8 +38,8 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
     so injecting, loading and merging (which go through this) say so instead of finding no LoRA."""
     for name, module in model.named_modules():
         if stacks_lora(module):
-            raise ValueError(f"{name}: the decoder layers are scanned (finetuning_pipeline/runtime/xla/layer_scan.py), their "
-                             "LoRA weights stacked; inject, load or merge adapters before scan_decoder_layers")
+            raise ValueError(f"{name}: the decoder layers are scanned (runtime/xla/layer_scan.py), their LoRA "
+                             "weights stacked; inject, load or merge adapters before scan_decoder_layers")
         if isinstance(module, LoRALinear):
             yield name, module
 

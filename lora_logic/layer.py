@@ -36,8 +36,8 @@ from torch import nn
 from lora_logic.config import DEFAULT_ADAPTER, LoraConfig, lora_scaling
 from lora_logic.dropout import SeededDropout
 from lora_logic.quantized_linear import QuantizedLinear, is_linear
+from utils.device_ops import barrier_copies
 from utils.precision import at_least_fp32
-from finetuning_pipeline.runtime.xla.device import barrier_copies
 
 
 def init_lora_A_(weight: torch.Tensor) -> None:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from utils.device_ops import ops_for
+
 FORMATS = ("q8_0", "q4_0", "nf4")
 BLOCK = {"q8_0": 32, "q4_0": 32, "nf4": 64}
 VALUES_PER_BYTE = {"q8_0": 1, "q4_0": 2, "nf4": 2}
@@ -139,14 +141,11 @@ def code_values(fmt: str, codes: torch.Tensor, nf4_code: torch.Tensor | None = N
     if fmt == "q4_0":
         return torch.cat([packed & 15, packed >> 4], dim=1).float() - 8
     nibbles = torch.stack([packed >> 4, packed & 15], dim=2).reshape(-1, block)
-    if codes.device.type == "xla":
-        return nf4_selected(nibbles, nf4_code)
-    # int32 indices: int64 ones would be a weight-sized 8-byte tensor (emulated on a TPU).
-    return nf4_code[nibbles.int()]
+    return ops_for(codes).nibble_lookup(nf4_code, nibbles)  # (a tree of selects on XLA: nf4_selected)
 
 
 def nf4_selected(nibbles: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """table[nibbles] without a gather (the XLA path): a tree of selects on the nibble's four bits,
+    """table[nibbles] without a gather (the XLA runtime's nibble_lookup): a tree of selects on the nibble's four bits,
     the low bit first (16 entries -> 8 -> 4 -> 2 -> 1). A lookup is an XLA gather of one table entry
     per weight value, forward and backward, and a TPU's gathers are slow; selects are elementwise
     and fuse into the matmul's operand. Each select picks a table entry, so the values are the

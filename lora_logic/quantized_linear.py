@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lora_logic.quantize import QuantizedWeight, dequantize, nf4_code_tensor, quantize
-from finetuning_pipeline.runtime.xla.device import barrier_copies
+from utils.device_ops import barrier_copies
 
 
 class QuantizedLinear(nn.Module):

@@ -346,8 +346,8 @@ def poison_nan_in_steps(monkeypatch, steps: set[int], grad_accum: int, seed: int
     import torch_xla.core.xla_model as xm
 
     import finetuning_pipeline.train.step as step_module
-    from finetuning_pipeline.train.stepper import micro_batch_seeds
     from finetuning_pipeline.runtime.xla.device import init_xla_device
+    from finetuning_pipeline.train.stepper import micro_batch_seeds
 
     device = init_xla_device()
     draws = []

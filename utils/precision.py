@@ -11,6 +11,8 @@ import math
 import torch
 from torch.overrides import TorchFunctionMode
 
+from utils.device_ops import ops_for
+
 
 def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` in fp32, or as it is when wider (float64)."""
@@ -21,8 +23,8 @@ class _KeepFloat64(TorchFunctionMode):
     """Turns the float64 -> fp32 casts that models write for their fp32 islands (transformers'
     RMSNorm computes in fp32 whatever its input; attention softmaxes in fp32) into no-ops, casts
     of integers to fp32 (the rotary embedding's positions) into casts to float64, and
-    computes GELU on the XLA device from its formula: torch_xla 2.9 lowers it with its constants
-    (1/sqrt(2), 2/sqrt(pi)) rounded to fp32, 7e-9 off in float64 (Gemma's MLP)."""
+    computes GELU from its formula where the device's op is not exact in float64 (torch_xla 2.9
+    lowers it with its constants rounded to fp32, 7e-9 off: utils/device_ops.py)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -34,7 +36,7 @@ class _KeepFloat64(TorchFunctionMode):
             if func is torch.Tensor.float:
                 return source.to(torch.float64)
         if source is not None and source.dtype == torch.float64:
-            if func is torch.nn.functional.gelu and source.device.type == "xla":
+            if func is torch.nn.functional.gelu and ops_for(source).gelu_from_formula:
                 return _gelu(source, *args[1:], **kwargs)
             if func is torch.Tensor.float or (func is torch.Tensor.type and _names_fp32(args[1:], kwargs)):
                 return source

@@ -48,7 +48,7 @@ from dataset.prepare import PrepareOptions, prepare
 from dataset.samples import DOMAIN_TEXT
 from finetuning_pipeline.checks.pod_hosts import ONE_HOST, HostBarrier, PodHost
 from finetuning_pipeline.checks.rehearsal import RUN_TIMEOUT_S, run_trainer, shrunken_config, small_run
-from finetuning_pipeline.runtime.xla.kernel_attention import IMPLEMENTATION
+from finetuning_pipeline.model.attention_choice import IMPLEMENTATION
 from finetuning_pipeline.model.loading import DTYPES
 from finetuning_pipeline.model.quantized_base import write_dequantized_copy
 from finetuning_pipeline.planning.phase_plan import plan_inputs

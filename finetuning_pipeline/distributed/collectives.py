@@ -5,21 +5,15 @@ Two kinds of traffic:
   written, wait here) go through a gloo group on the host: a vote is one small TCP round trip
   and never touches the device. Each replica has a group object of its own, not
   torch.distributed's process-wide default group: on TPU v2/v3 a process runs two replicas
-  as threads (launch.py), and one default group per process cannot hold both ranks. (torch_xla 2.9's
+  as threads (runtime/xla/launch.py), and one default group per process cannot hold both ranks. (torch_xla 2.9's
   `xm.rendezvous`/`xm.mesh_reduce` all-gather on the device and sync the graph first:
   `xla_model.xla_rendezvous`, a host sync per vote.) A peer that dies closes its sockets, so a
   vote fails at once on the others instead of hanging.
-- Device sums (gradients, loss and token counts, eval sums), in one of four ways:
-  "none"      nothing to reduce: one process, or one SPMD program whose mesh spans every chip
-              (the partitioner inserts the reductions);
-  "xla"       `xm.all_reduce` inside the step's graph (one process per TPU chip);
-  "host"      through gloo via host memory: processes started by `torchrun` on a CPU, where
-              XLA:CPU has no cross-process collectives (pytorch/xla#5342). This costs a sync
-              and a transfer per step: it exists so the multi-process control flow runs on a
-              CPU exactly as on a pod, not for speed;
-  "torch"     the native runtime's processes: torch.distributed's default process group, on
-              the device's own backend (gloo on a CPU, NCCL on CUDA); under dp the gradients
-              are summed by DistributedDataParallel (runtime/native/ddp.py), the rest here.
+- Device sums (gradients, loss and token counts, eval sums): each runtime's own, handed to
+  Collectives as its `device_sum` (runtime/xla/device_sum.py: an XLA all-reduce inside the
+  step's graph, or through gloo via host memory where XLA:CPU has none across processes;
+  runtime/native/device_sum.py: torch.distributed's default group on the device's backend).
+  None: nothing to sum (one process, or one SPMD program whose partitioner inserts the sums).
 """
 
 from __future__ import annotations
@@ -27,13 +21,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
+from typing import Protocol
 
 import torch
 
 from finetuning_pipeline.errors import ReplicaLost
 from utils.precision import at_least_fp32
-
-DEVICE_REDUCTIONS = ("none", "xla", "host", "torch")
 
 
 def torchrun_world() -> int:
@@ -48,13 +41,12 @@ def launch_rank() -> int:
 
 def replica_group(init_method: str, rank: int, world: int, timeout_s: float = 1800):
     """This replica's gloo group. `init_method` "env://" reads torchrun's environment
-    (MASTER_ADDR, RANK, ...); "xla://" asks torch_xla's rendezvous (TPU processes, which finds
-    the master host). Returns (group, stores); keep the stores alive as long as the group."""
+    (MASTER_ADDR, RANK, ...); another is the rendezvous its runtime registered (torch_xla's
+    "xla://" finds a TPU pod's master host: runtime/xla/replicas.py). Returns (group, stores);
+    keep the stores alive as long as the group."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    if init_method == "xla://":
-        import torch_xla.distributed.xla_backend  # noqa: F401 - registers the xla:// rendezvous
     store, _, _ = next(dist.rendezvous(init_method, timeout=timeout))
     client = store
     if isinstance(store, dist.TCPStore):
@@ -66,19 +58,26 @@ def replica_group(init_method: str, rank: int, world: int, timeout_s: float = 18
     return group, (store, client)  # rank 0's store is the server the others connect to
 
 
-class Collectives:
-    """rank, world: this process among the processes that feed data. device_reduction: how
-    device tensors are summed across them (see the module docstring)."""
+class DeviceSum(Protocol):
+    """How a runtime sums device tensors over the replicas of a Collectives."""
 
-    def __init__(self, rank: int = 0, world: int = 1, device_reduction: str = "none", group=None,
-                 stores=None) -> None:
-        if device_reduction not in DEVICE_REDUCTIONS:
-            raise ValueError(f"device_reduction must be one of {DEVICE_REDUCTIONS}, got {device_reduction!r}")
+    def sum(self, collectives: "Collectives", tensors: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    def close(self) -> None: ...
+
+
+class Collectives:
+    """rank, world: this process among the processes that feed data. group, stores: their gloo
+    group on the host (replica_group). device_sum: how device tensors are summed across them
+    (the runtime's; None: nothing to sum)."""
+
+    def __init__(self, rank: int = 0, world: int = 1, group=None, stores=None,
+                 device_sum: DeviceSum | None = None) -> None:
         if world > 1 and group is None:
             raise ValueError("several replicas need a host group (replica_group)")
         self.rank = rank
         self.world = world
-        self.device_reduction = device_reduction if world > 1 else "none"
+        self.device_sum = device_sum if world > 1 else None
         self.group, self._stores = group, stores  # the stores must outlive the group
 
     # -- host decisions -----------------------------------------------------------------------
@@ -88,17 +87,19 @@ class Collectives:
         import torch.distributed as dist
 
         tensor = torch.tensor([value], dtype=torch.int64)
-        self._all_reduce(tensor, dist.ReduceOp.MAX)
+        self.all_reduce_host(tensor, dist.ReduceOp.MAX)
         return int(tensor.item())  # a host tensor: no device sync
 
-    def _all_reduce(self, host_tensor: torch.Tensor, op) -> None:
+    def all_reduce_host(self, host_tensor: torch.Tensor, op) -> None:
+        """Reduce a host tensor in place over the replicas, through the gloo group."""
         import torch.distributed as dist
 
         options = dist.AllreduceOptions()
         options.reduceOp = op
-        self._wait(lambda: self.group.allreduce([host_tensor], options))
+        self.wait_for(lambda: self.group.allreduce([host_tensor], options))
 
-    def _wait(self, collective) -> None:
+    def wait_for(self, collective) -> None:
+        """Start a collective and wait for it; a replica gone meanwhile is ReplicaLost."""
         try:
             collective().wait()
         except RuntimeError as err:  # gloo: "Connection closed by peer", a timeout, ...
@@ -126,7 +127,7 @@ class Collectives:
         padded[:8] = torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8)
         padded[8:8 + payload.numel()] = payload
         gathered = [torch.empty_like(padded) for _ in range(self.world)]
-        self._wait(lambda: self.group.allgather([gathered], [padded]))
+        self.wait_for(lambda: self.group.allgather([gathered], [padded]))
         values = []
         for buffer in gathered:
             length = int(buffer[:8].view(torch.int64).item())
@@ -147,37 +148,25 @@ class Collectives:
                 self.barrier()
         finally:
             self.group.shutdown()
-            if self.device_reduction == "torch":
-                import torch.distributed as dist
-
-                dist.destroy_process_group()
+            if self.device_sum is not None:
+                self.device_sum.close()
             self.group = self._stores = None
 
     # -- device sums --------------------------------------------------------------------------
     def sum_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each tensor summed over the replicas (same shapes on every replica); returns the
-        sums (the same tensors, reduced in place, under XLA collectives)."""
-        if self.device_reduction == "none":
+        """Each tensor summed over the replicas (same shapes on every replica); returns the sums
+        (the same tensors, reduced in place, where the runtime reduces in place)."""
+        if self.device_sum is None:
             return tensors
-        if self.device_reduction == "xla":
-            import torch_xla.core.xla_model as xm
+        return self.device_sum.sum(self, tensors)
 
-            xm.all_reduce(xm.REDUCE_SUM, tensors)  # a list is reduced in place, in one collective
-            return tensors
-        import torch.distributed as dist
 
-        flat = torch.cat([at_least_fp32(t.reshape(-1)) for t in tensors])
-        if self.device_reduction == "torch":  # on the device, no host round trip
-            self._wait(lambda: dist.all_reduce(flat, dist.ReduceOp.SUM, async_op=True))
-        else:
-            import torch_xla
-
-            torch_xla.sync()  # materialise before the transfer; one graph, the same every step
-            host = flat.cpu()
-            self._all_reduce(host, dist.ReduceOp.SUM)
-            flat = host.to(tensors[0].device)
-        out, offset = [], 0
-        for t in tensors:
-            out.append(flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype))
-            offset += t.numel()
-        return out
+def summed_flat(tensors: list[torch.Tensor], reduce_flat) -> list[torch.Tensor]:
+    """The tensors concatenated into one flat tensor (at least fp32), reduced by
+    reduce_flat(flat) -> flat in one collective, and cut back into their shapes and dtypes."""
+    flat = reduce_flat(torch.cat([at_least_fp32(t.reshape(-1)) for t in tensors]))
+    out, offset = [], 0
+    for t in tensors:
+        out.append(flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype))
+        offset += t.numel()
+    return out

@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from dataset.encode import IGNORE_INDEX
+from finetuning_pipeline.model.attention_choice import kernel_masks, segment_ids, uses_kernel
 from finetuning_pipeline.model.attention_masks import attention_masks
-from finetuning_pipeline.runtime.xla.kernel_attention import kernel_masks, segment_ids, uses_kernel
+from utils.device_ops import ops_for
 from utils.precision import at_least_fp32
 
 # Model types whose causal-LM head is `lm_head` followed only by the processing below; each
@@ -115,18 +116,9 @@ def _bodies(scale, divide, softcap):
 
 
 def _over_chunks(body, carry, xs):
-    """Apply `body` to each chunk (the leading dimension of xs) in order. On XLA a `While`
-    loop (torch_xla's scan): a Python loop puts every chunk into one graph, and XLA:CPU then
-    keeps all their logits at once (measured: as much memory as the full logits)."""
-    if xs[0].device.type == "xla":
-        from finetuning_pipeline.runtime.xla.scan import scan
-
-        return scan(body, carry, xs, is_fn_pure=True)
-    outputs = []
-    for index in range(xs[0].shape[0]):
-        carry, out = body(carry, tuple(x[index] for x in xs))
-        outputs.append(out)
-    return carry, (torch.stack(outputs) if outputs[0] is not None else None)
+    """Apply `body` to each chunk (the leading dimension of xs) in order: the device's loop
+    (on XLA a `While` loop, so that one chunk's logits exist at a time: utils/device_ops.py)."""
+    return ops_for(xs[0]).loop(body, carry, xs)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -162,14 +154,7 @@ def _checkpointed_chunks(head, processing, hidden, targets, columns) -> torch.Te
     checkpointed. Exact, but on XLA the chunks share one graph, which does not bound their memory."""
     piece = functools.partial(_piece_loss, head, processing)
     recompute = torch.is_grad_enabled() and hidden.requires_grad
-    if hidden.device.type == "xla":  # its optimization barrier keeps XLA from merging the recompute away
-        from torch_xla.utils.checkpoint import checkpoint
-
-        checkpointed = functools.partial(checkpoint, piece, use_reentrant=True)
-    else:
-        from torch.utils.checkpoint import checkpoint
-
-        checkpointed = functools.partial(checkpoint, piece, use_reentrant=False)
+    checkpointed = functools.partial(ops_for(hidden).checkpoint, piece)  # (XLA: behind a barrier, not merged away)
     losses = [
         (checkpointed if recompute else piece)(
             hidden[:, start:start + columns].flatten(0, 1), targets[:, start:start + columns].flatten()

@@ -8,7 +8,7 @@ runtime whose count is not free (native: the profiler's) counts one step instead
 the warm-up (which compiles, and compiling runs ops of its own), and starts the clock after it:
 `counting_host_syncs(step)` goes around the stepper.
 
-The clock starts once the warm-up steps have *run* (`xm.wait_device_ops`): the host runs a
+The clock starts once the warm-up steps have *run* (the runtime's `wait`): the host runs a
 step ahead of the device (run_ahead.py), so only the time to the end of the last step's
 execution measures the steps.
 """
@@ -19,20 +19,18 @@ import contextlib
 import time
 
 from finetuning_pipeline.errors import RecompileError
-from finetuning_pipeline.runtime.xla.counters import donations_of_last_graphs, read_counters
 
 
 class CompileGuard:
     """Made when the phase starts (its compile and wall-time figures count from there);
     `resume_at(step)` once the first step is known."""
 
-    def __init__(self, phase: int, warmup_steps: int, policy: str, runtime=None) -> None:
-        """runtime: whose counters and device wait to use (runtime/__init__.py); None: torch_xla's."""
-        self.read_counters = runtime.counters if runtime is not None else read_counters
-        self.wait = runtime.wait if runtime is not None else wait_device_ops
-        self.native = runtime is not None and runtime.name != "xla"
+    def __init__(self, phase: int, warmup_steps: int, policy: str, runtime) -> None:
+        """runtime: whose counters, device wait and diagnostics to use (runtime/protocol.py)."""
+        self.read_counters = runtime.counters
+        self.wait = runtime.wait
         self.runtime = runtime
-        self.syncs_each_step = runtime is None or runtime.counts_host_syncs_each_step
+        self.syncs_each_step = runtime.counts_host_syncs_each_step
         self.sync_count = None  # the counted step's (runtimes that count one step)
         self.phase = phase
         self.warmup_steps = warmup_steps
@@ -79,12 +77,10 @@ class CompileGuard:
         self._waited = time.perf_counter() - self._wait_started
 
     def step_ended(self, step: int) -> None:
-        """Call after the step's boundary (`torch_xla.sync()`); raises RecompileError (policy "error")."""
+        """Call after the step's boundary; raises RecompileError (policy "error")."""
         delta = self.read_counters() - self._before
-        if step == self.first_step and delta.compiles and not self.native:
-            # The step's graph is compiled at its first run; the largest donation of the graphs
-            # compiled then is its own (replica threads of this process compile the same graph).
-            self.first_step_donations = max(donations_of_last_graphs(delta.compiles), default=0)
+        if step == self.first_step and delta.compiles:
+            self.first_step_donations = self.runtime.first_step_donations(delta.compiles)
         if step == self.clock_after():
             self.wait()
             self.warm_time = time.perf_counter()
@@ -95,10 +91,7 @@ class CompileGuard:
                 self.host_syncs_after_warmup += delta.host_syncs
         if step > self.warm_after and delta.compiles:
             self.compiles_after_warmup += delta.compiles
-            how = ("rerun with TORCH_LOGS=recompiles to see the cause" if self.native
-                   else "rerun with PT_XLA_DEBUG_LEVEL=2 to see the cause")
-            message = (f"phase {self.phase} step {step}: {delta.compiles} new {'' if self.native else 'XLA '}graph(s) "
-                       f"compiled after warm-up (a changing shape or Python scalar); {how}")
+            message = self.runtime.recompile_message(self.phase, step, delta.compiles)
             if self.policy == "error":
                 raise RecompileError(message)
             print(f"warning: {message}", flush=True)
@@ -133,8 +126,3 @@ class CompileGuard:
         """Seconds since the phase started."""
         return time.perf_counter() - self.started
 
-
-def wait_device_ops() -> None:
-    import torch_xla.core.xla_model as xm
-
-    xm.wait_device_ops()

@@ -46,8 +46,8 @@ def summary_lines(summary: dict) -> str:
     elif summary["tokens_per_sec"] is None:  # every step this run took was a warm-up step: nothing timed
         head += (f", compiles {summary['compiles_total']}; tokens/s and host syncs/step n/a: no step ran after the "
                  "warm-up steps (train.warmup_compiles_steps), which compile and are not timed")
-        if summary.get("runtime", "xla") != "xla":
-            head += ", nor after the step after them, whose host syncs the native runtime counts"
+        if counted_on_one_step(summary):
+            head += ", nor after the step after them, whose host syncs the runtime counts"
     else:
         head += (f", {summary['tokens_per_sec']:,.0f} tokens/s, compiles {summary['compiles_total']} "
                  f"({summary['compiles_after_warmup']} after warm-up), host syncs/step {host_syncs(summary)}")
@@ -69,11 +69,16 @@ def evaluation(result: dict) -> str:
             f"{number(result['perplexity_after'], '.1f')})")
 
 
+def counted_on_one_step(summary: dict) -> bool:
+    """The host syncs were counted on one step (the native runtime's profiler), not on every
+    timed step (torch_xla's counter)."""
+    return summary.get("host_syncs_counted") == "one step"
+
+
 def host_syncs(summary: dict) -> str:
     syncs = summary["host_syncs_per_step"]
-    if summary.get("runtime", "xla") == "xla":
-        return number(syncs, "g")  # torch_xla's counter, every timed step
-    # native: the profiler's count of one step (runtime/native/host_syncs.py)
+    if not counted_on_one_step(summary):
+        return number(syncs, "g")
     return "n/a (the profiler recorded nothing)" if syncs is None else f"{syncs:g} (one step counted)"
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from finetuning_pipeline.errors import TrainingDiverged
-from finetuning_pipeline.runtime.xla.device import device_counter
+from utils.device_tensors import device_counter
 
 
 class DivergenceMonitor:

@@ -13,13 +13,13 @@ from pathlib import Path
 
 from dataset.manifest import MANIFEST_NAME, read_manifest
 from finetuning_pipeline.distributed.parallel import mesh_shape
+from finetuning_pipeline.model.attention_choice import choose_attention
 from finetuning_pipeline.model.causal_lm_loss import resolve_chunk_tokens
-from finetuning_pipeline.runtime.xla.kernel_attention import choose_attention
-from finetuning_pipeline.runtime.xla.scan_choice import scan_decision
 from finetuning_pipeline.planning.tpu_chips import parse_tpu_type
 from finetuning_pipeline.planning.tpu_plan import ModelShape, PlanInputs, mode_advice, plan, suggestions
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import ConfigError, RunConfig
+from finetuning_pipeline.runtime.xla.scan_choice import scan_decision
 from utils.durations import parse_duration
 from utils.hub_models import hub_cache, hub_unavailable, is_hub_id
 

@@ -11,28 +11,24 @@ from pathlib import Path
 from dataset.loader import open_prepared
 from dataset.manifest import tokenizer_fingerprint
 from finetuning_pipeline.errors import ConfigError
+from finetuning_pipeline.model.attention_choice import TargetMachine, choose_attention
 from finetuning_pipeline.model.attention_masks import mask_windows
 from finetuning_pipeline.model.causal_lm_loss import resolve_chunk_tokens
-from finetuning_pipeline.runtime.xla.kernel_attention import attention_here, choose_attention
 from finetuning_pipeline.model.loading import check_lora_rank, check_lora_targets, check_quantizable
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import RunConfig
 from utils.hub_models import model_dir, resolve_model
 from utils.tokenizer_loading import load_tokenizer
-from utils.tpu_install import libtpu_problem
-from finetuning_pipeline.runtime.xla.device import device_kind
 
 
-def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | None = None) -> None:
+def check_inputs(config: RunConfig, phases: list[int], *, machine: TargetMachine = TargetMachine()) -> None:
     """Everything that can fail before a device is touched; raises ConfigError / DataError /
-    HubModelError. The attention kernels are judged for this machine, or with `planned_tpu` (a
-    generation, e.g. v5e: preflight planning a TPU from a CPU) for that TPU with the tested install."""
+    HubModelError. The attention kernels are judged for `machine`: the one the run's runtime runs
+    on (runtime.target_machine), or the TPU preflight plans from a CPU, with the tested install."""
     from transformers import AutoConfig  # seconds to import: not for `main.py --help`
 
-    on_tpu = config.runtime.backend == "xla" and device_kind() == "TPU"
-    missing_runtime = libtpu_problem() if planned_tpu is None and on_tpu else None
-    if missing_runtime:
-        raise ConfigError(f"PJRT_DEVICE=TPU: {missing_runtime}")
+    if machine.runtime_problem:
+        raise ConfigError(f"PJRT_DEVICE=TPU: {machine.runtime_problem}")
     files = Path(model_dir(config.model.path, config.model.revision))  # a Hub id: its snapshot, pinned by pin_model
     if not (files / "config.json").is_file():
         raise ConfigError(f"model.path: {files} has no config.json (a local Hugging Face model directory or a "
@@ -71,11 +67,8 @@ def check_inputs(config: RunConfig, phases: list[int], *, planned_tpu: str | Non
                               f"these differ: {lengths[phase]}. Prepare them at one --seq-len")
         spmd_mesh = config.parallel.mode == "fsdp"
         try:
-            if planned_tpu is None:
-                attention_here(config.model.attention, model_config, spmd_mesh=spmd_mesh, seq_len=manifest["seq_len"])
-            else:
-                choose_attention(config.model.attention, model_config, tpu=planned_tpu, spmd_mesh=spmd_mesh,
-                                 seq_len=manifest["seq_len"])
+            choose_attention(config.model.attention, model_config, tpu=machine.tpu, spmd_mesh=spmd_mesh,
+                             seq_len=manifest["seq_len"], install_problem=machine.pallas_problem)
         except ValueError as err:
             raise ConfigError(f"{err} ({key} is prepared at seq_len {manifest['seq_len']})") from None
     if any(config.lineage(phase)[1] is None for phase in phases):

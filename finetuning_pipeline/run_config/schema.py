@@ -23,7 +23,7 @@ WandbMode = Literal["online", "offline", "disabled"]
 ParallelMode = Literal["dp", "fsdp"]
 Launcher = Literal["auto", "tpu", "process"]
 PhaseInit = Literal["continue", "merge", "fresh"]
-Backend = Literal["xla", "native"]
+Backend = Literal["auto", "xla", "native"]
 NativeDevice = Literal["auto", "cpu", "cuda", "tpu"]
 NativeCompile = Literal["auto", "layers", "eager"]
 
@@ -221,17 +221,20 @@ class XlaConfig:
 class RuntimeConfig:
     """Which runtime executes the steps (finetuning_pipeline/runtime/); everything else (data,
     LoRA, curricula, checkpoints, metrics, export) is the same under both.
-    backend: "xla" (default): torch_xla over PJRT, the TPU's path (PJRT_DEVICE picks the device,
-        the step is captured once and replayed). "native": plain PyTorch on one device (eager,
-        or each decoder layer under torch.compile), the path of a GPU and of TorchTPU; no
-        torch_xla is imported. One process for now (parallel.mode=dp, one replica).
+    backend: "auto" (default): xla where a TPU is attached or PJRT_DEVICE is set, native where a
+        GPU is present and no TPU is, xla elsewhere, native wherever torch_xla is not installed
+        (the run's first line says which, and why). "xla": torch_xla over PJRT, the TPU's path
+        (PJRT_DEVICE picks the device, the step is captured once and replayed). "native": plain
+        PyTorch (eager, or each decoder layer under torch.compile), the path of a GPU and of
+        TorchTPU, one process or torchrun's (DDP under parallel.mode=dp, FSDP2 under fsdp); no
+        torch_xla is imported.
     device (native only): "auto" (cuda when PyTorch sees a GPU, else cpu), "cpu", "cuda", or
         "tpu": TorchTPU's `tpu` device (the torch-tpu package; refused where it is not installed).
     compile (native only): "layers" compiles each decoder layer with torch.compile (its shared
         LoRA A products kept); "eager" runs without compiling; "auto" (default): layers on an accelerator,
         off on a CPU (where inductor's compile costs more than it saves on a short run)."""
 
-    backend: Backend = "xla"
+    backend: Backend = "auto"
     device: NativeDevice = "auto"
     compile: NativeCompile = "auto"
 

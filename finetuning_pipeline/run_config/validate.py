@@ -130,8 +130,11 @@ def validate(config: RunConfig) -> None:
 
 def validate_runtime(config: RunConfig) -> None:
     """runtime.*: the settings of the other runtime are refused rather than ignored, and what the
-    native runtime cannot do (torch_xla's launcher, scan and Pallas kernels) is refused by name."""
+    native runtime cannot do (torch_xla's launcher, scan and Pallas kernels) is refused by name.
+    runtime.backend=auto is checked once resolved (finetuning_pipeline/runtime/__init__.py)."""
     r = config.runtime
+    if r.backend == "auto":
+        return
     if r.backend == "xla":
         for key, value in (("device", r.device), ("compile", r.compile)):
             if value != "auto":

@@ -1,60 +1,83 @@
-"""The seam between the trainer and the runtime that executes its steps: torch_xla (`xla`,
-the default and the TPU's path) or native PyTorch (`native`: a CPU, a GPU, TorchTPU).
+"""The runtimes that execute the trainer's steps, and the choice between them (runtime.backend).
 
-The phase loop, the data, the LoRA, curricula, adapters side by side, the quantized base,
-checkpoints and resume, metrics and export are shared. What differs is one object a phase is
-given (`runtime`), made by `start_runtime` with the replica's Parallel and device:
+    xla     torch_xla over PJRT (runtime/xla/): the TPU's path, lazy tensors, the captured step,
+            scanned layers, Pallas kernels, the TPU host's launcher; XLA:CPU rehearses it on a CPU.
+    native  plain PyTorch (runtime/native/): a CPU, a CUDA GPU, TorchTPU's `tpu` device; each
+            decoder layer compiled by torch.compile, DDP and FSDP2 under torchrun.
+    auto    (the default) xla where a TPU is attached or PJRT_DEVICE is set, native where a GPU is
+            present and no TPU is, xla elsewhere; native wherever torch_xla is not installed, or
+            where runtime.device or runtime.compile (the native runtime's settings) is set.
 
-    runtime.name                       "xla" or "native" (the phase's summary records it)
-    runtime.stepper(...)               the optimizer step (train.stepper.Stepper's seeds, LR table,
-                                       update) and how it executes: captured and replayed on XLA,
-                                       eagerly or with each decoder layer compiled natively
-    runtime.device_batches(data, dev)  the phase's micro-batches on the device
-    runtime.step_boundary()            the end of a step's work: torch_xla.sync() dispatches its graph;
-                                       natively the step's kernels are already queued, nothing to do
-    runtime.after_step(fn, args)       fn(*args) once the step's results exist (XLA: a step closure)
-    runtime.wait()                     until the device has finished what was queued
-    runtime.counters()                 compiles, compile seconds (XLA: and host syncs) so far (CompileGuard)
-    runtime.counting_host_syncs()      native: a context counting the host syncs of what runs in it, which
-                                       CompileGuard puts around one step (counts_host_syncs_each_step:
-                                       False); XLA's counters count every step's (True)
-    runtime.peak_memory_bytes(dev)     the device's peak memory, or None where it reports none
-    runtime.scans                      whether the decoder layers may be scanned (torch_xla's scan);
-                                       runtime.layers_note() says how they run where they are not
-
-xla.py holds the XLA half (its launcher, parallel modes and collectives are distributed/'s);
-native.py, runtime/native/device.py and runtime/native/step.py the native half, which imports no torch_xla.
+What a runtime is asked is declared in protocol.py (Backend: the process, the checks, the launch;
+Runtime: what a replica's phase calls; StepExecution: one optimizer step). The phase loop, the
+data, the LoRA, curricula, adapters side by side, the quantized base, checkpoints and resume,
+metrics and export are shared and import neither runtime. This module is the one place that
+names both: `backend(config)` resolves runtime.backend and hands back that runtime's Backend,
+importing only that runtime (a GPU machine or a TorchTPU VM has no torch_xla).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
+from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.run_config import RunConfig, RuntimeConfig
-from finetuning_pipeline.runtime.xla.device import choose_device
+from finetuning_pipeline.run_config.validate import validate_runtime
+from utils.tpu_detect import tpu_chips
+
+XLA_INSTALL = "pip install -e '.[xla]' (torch 2.9.0 + torch_xla 2.9.0)"
 
 
-def prepare_process(runtime: RuntimeConfig, *, first_process: bool) -> None:
-    """Before anything imports transformers. XLA: the PJRT device chosen and said once (by the
-    first process: torchrun's others inherit it). Native: USE_TORCH_XLA=0, which transformers
-    and accelerate read, so that they leave an installed torch_xla unimported (accelerate
-    imports it at its own import otherwise, and it then takes a device), and the profiler that
-    counts host syncs started once on this main thread (runtime/native/host_syncs.py)."""
-    if runtime.backend == "native":
-        os.environ.setdefault("USE_TORCH_XLA", "0")
-        from finetuning_pipeline.runtime.native.host_syncs import start_profiler_on_this_thread
+def choose_backend(runtime: RuntimeConfig) -> tuple[str, str]:
+    """runtime.backend -> ("xla" or "native", why), for this machine and environment."""
+    setting = runtime.backend
+    has_xla = torch_xla_installed()
+    if setting != "auto":
+        if setting == "xla" and not has_xla:
+            raise ConfigError(f"runtime.backend=xla: torch_xla is not installed in this environment; {XLA_INSTALL}, "
+                              "or set runtime.backend=native (or auto)")
+        return setting, f"runtime.backend={setting}"
+    if not has_xla:
+        return "native", "runtime.backend=auto and torch_xla is not installed here"
+    named = [f"runtime.{key}={value}" for key, value in (("device", runtime.device), ("compile", runtime.compile))
+             if value != "auto"]
+    if named:
+        return "native", f"runtime.backend=auto and {' '.join(named)} is the native runtime's setting"
+    if "PJRT_DEVICE" in os.environ:
+        return "xla", f"runtime.backend=auto and PJRT_DEVICE={os.environ['PJRT_DEVICE']} is set"
+    chips = tpu_chips()
+    if chips:
+        return "xla", f"runtime.backend=auto and {chips} TPU chips are attached"
+    if gpu_present():
+        return "native", "runtime.backend=auto, a GPU and no TPU here"
+    return "xla", "runtime.backend=auto, no TPU or GPU here: XLA on the CPU, as a TPU would run"
 
-        start_profiler_on_this_thread()  # (on the main thread: the replica's runs on another)
-    elif first_process:
-        choose_device()
+
+def torch_xla_installed() -> bool:
+    return importlib.util.find_spec("torch_xla") is not None
 
 
-def start_runtime(config: RunConfig):
-    """(runtime, Parallel, device) of this replica, for config.runtime.backend."""
-    if config.runtime.backend == "native":
-        from finetuning_pipeline.runtime.native.runtime import start_native
+def gpu_present() -> bool:
+    """A GPU PyTorch can use (imported only when asked: `main.py --help` imports no torch)."""
+    import torch
 
-        return start_native(config)
-    from finetuning_pipeline.runtime.xla.runtime import start_xla
+    return torch.cuda.is_available()
 
-    return start_xla(config.parallel)
+
+def backend(config: RunConfig, say=None):
+    """The Backend (protocol.py) of config.runtime.backend, resolved in place where it was auto and
+    checked for that runtime (validate_runtime); `say` gets one line: which runtime and why."""
+    name, why = choose_backend(config.runtime)
+    if config.runtime.backend != name:
+        config.runtime.backend = name
+        validate_runtime(config)
+    if say is not None:
+        say(f"runtime: {name} ({why})")
+    if name == "native":
+        from finetuning_pipeline.runtime.native.runtime import NativeBackend
+
+        return NativeBackend()
+    from finetuning_pipeline.runtime.xla.runtime import XlaBackend
+
+    return XlaBackend()

@@ -24,7 +24,8 @@ import math
 
 import torch
 
-from finetuning_pipeline.runtime.xla.device import barrier_copies, device_counter, device_zeros
+from utils.device_ops import barrier_copies
+from utils.device_tensors import device_counter, device_zeros
 
 
 class MaskedAdamW:

@@ -1,4 +1,4 @@
-"""The evaluation loop, shared by the trainer (every replica, on the XLA device) and the
+"""The evaluation loop, shared by the trainer (every replica, on its runtime's device) and the
 `evaluate` command (one process, CPU or XLA): mean next-token loss per label token over a
 prepared split, and its perplexity. The loss is the trainer's (`step.eval_sums`), so the two
 report the same figure for the same model and data.
@@ -14,7 +14,7 @@ from dataset.loader import iter_eval_batches
 from finetuning_pipeline.distributed.collectives import Collectives
 from finetuning_pipeline.model.causal_lm_loss import auto_chunk_tokens
 from finetuning_pipeline.train.step import eval_sums
-from finetuning_pipeline.runtime.xla.device import device_counter, to_host
+from utils.device_tensors import device_counter, to_host
 
 NO_EVAL_DATA = {"loss": None, "perplexity": None, "label_tokens": 0}
 
@@ -30,12 +30,14 @@ def describe_eval(result: dict) -> str:
 
 def evaluate_loss(model, data_dir: str, *, micro_batch: int, pad_id: int, packed: bool, device,
                   split: str = "eval", max_batches: int | None = None, loss_chunk: int | None = None,
-                  collectives: Collectives | None = None, input_sharding=None, replicate=lambda tensors: None) -> dict:
+                  collectives: Collectives | None = None, input_sharding=None, replicate=lambda tensors: None,
+                  to_device=None, boundary=lambda: None) -> dict:
     """{"loss", "perplexity", "label_tokens"} over `split`, every block counted once across the
     replicas of `collectives` (each reads its share). A split without label tokens (an empty
-    eval split, max_batches=0) has no loss: loss and perplexity are None, never a perfect 0. On an
-    XLA device every batch runs the same small graph and the totals are read once, at the end: one
-    host sync per evaluation.
+    eval split, max_batches=0) has no loss: loss and perplexity are None, never a perfect 0. Every
+    batch runs the same small graph (`boundary`, the runtime's step boundary, after each) and the
+    totals are read once, at the end: one host sync per evaluation.
+    to_device(batch, device, input_sharding): the runtime's (default: a plain copy).
     loss_chunk: tokens per loss chunk (None: the model's default, chunked_loss.auto_chunk_tokens).
     replicate: marks the running sums' sharding under SPMD (Parallel.replicate)."""
     collectives = collectives or Collectives()
@@ -43,10 +45,7 @@ def evaluate_loss(model, data_dir: str, *, micro_batch: int, pad_id: int, packed
         return dict(NO_EVAL_DATA)
     if loss_chunk is None:
         loss_chunk = auto_chunk_tokens(model.config)
-    xla = device.type == "xla"
-    if xla:
-        import torch_xla
-        import torch_xla.core.xla_model as xm
+    to_device = to_device or (lambda batch, device, sharding: {k: t.to(device) for k, t in batch.items()})
     was_training = model.training
     model.eval()
     # data: every batch runs one graph; the loss's sum in the loss's dtype (float64 in the proofs)
@@ -58,18 +57,13 @@ def evaluate_loss(model, data_dir: str, *, micro_batch: int, pad_id: int, packed
     for index, batch in enumerate(batches):
         if max_batches is not None and index >= max_batches:
             break
-        if xla:
-            batch = xm.send_cpu_data_to_device(batch, device, input_sharding)
-        else:
-            batch = {name: tensor.to(device) for name, tensor in batch.items()}
+        batch = to_device(batch, device, input_sharding)
         batch_loss, batch_count = eval_sums(model, batch, packed, loss_chunk)
         loss_sum = loss_sum + batch_loss
         count = count + batch_count
-        if xla:
-            torch_xla.sync()  # one small graph per batch, the same every time
+        boundary()  # one small graph per batch, the same every time
     loss_sum, count = collectives.sum_device([loss_sum, count])
-    if xla:
-        torch_xla.sync()
+    boundary()
     total_loss, total_count = to_host(loss_sum, count)
     model.train(was_training)
     if total_count == 0:

@@ -1,5 +1,5 @@
 """A phase's prepared data on one replica: the manifest, the resumable shard loader, the
-batch arithmetic, and the batches on the device."""
+batch arithmetic, and the batches on the host (the runtime moves them to its device)."""
 
 from __future__ import annotations
 
@@ -84,28 +84,3 @@ class PhaseData:
             return
         for parts in zip(*self.loaders.values()):
             yield {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
-
-    def device_batches(self, device):
-        """The phase's batches on the device, prefetched by torch_xla's loader thread. That thread
-        drops an exception of the reader (a shard that became unreadable: EIO, a vanished
-        network disk) and simply ends the iteration, which the loop would take for a
-        StopIteration traceback; the reader's error is kept and raised here instead. Closing
-        this generator stops and joins the loader's threads (they hold this PhaseData)."""
-        import torch_xla.distributed.parallel_loader as pl
-
-        failure: list[BaseException] = []
-
-        def read():  # runs on the loader's thread
-            try:
-                yield from self.batches()
-            except Exception as err:
-                failure.append(err)
-
-        # We mark every step ourselves; by default the loader would also sync at each next().
-        loader = pl.ParallelLoader(read(), [device], batches_per_execution=1 << 30,
-                                   input_sharding=self.parallel.input_sharding())
-        try:
-            yield from loader.per_device_loader(device)
-        finally:
-            loader.close()
-        raise failure[0] if failure else RuntimeError("the data loader stopped without an error (a bug)")

@@ -1,17 +1,15 @@
-"""The training loop of one phase, run by every replica (one process per TPU chip under dp,
-one per host under fsdp), and its end: the final evaluation, checkpoint, adapters and summary.
+"""The training loop of one phase, run by every replica (one process per chip under dp, one per
+host under XLA's fsdp), and its end: the final evaluation, checkpoint, adapters and summary.
 
-Per optimizer step: `grad_accum` micro-batches arrive on the device (torch_xla's ParallelLoader
-prefetches them on a background thread), the `Stepper` puts forwards, backwards, the sums over replicas,
-clipping and the masked AdamW update into one graph (traced at step 1 and replayed after:
-step_capture.py), and `torch_xla.sync()` marks the step boundary. That is the XLA runtime's
-way; the native runtime runs the same step with PyTorch as it goes (runtime/native/step.py):
-each runtime's half is the `runtime` object the phase is given (runtime/__init__.py). Nothing in a step waits
-for the device: logging reads the step's results in a step closure on log steps, and the
-stop vote is a host collective on a host flag. Between steps the host waits for the step
-before the one it just dispatched (run_ahead.py), so that a stop is never queued behind more
-than two steps. The phase's parts are built by `start_phase`
-(phase_start.py). Each decision is taken from values every replica has (all-reduced losses,
+Per optimizer step: `grad_accum` micro-batches arrive on the device (`runtime.device_batches`),
+the `Stepper` runs forwards, backwards, the sums over replicas, clipping and the masked AdamW
+update the runtime's way (runtime/protocol.py: on XLA one graph traced at step 1 and replayed
+after; natively PyTorch as it goes), and `runtime.step_boundary()` marks the step's end. Nothing
+in a step waits for the device: logging reads the step's results after the step
+(`runtime.after_step`) on log steps, and the stop vote is a host collective on a host flag.
+Between steps the host waits for the step before the one it just dispatched (run_ahead.py), so
+that a stop is never queued behind more than two steps. The phase's parts are built by
+`start_phase` (phase_start.py). Each decision is taken from values every replica has (all-reduced losses,
 voted flags), so every replica takes it at the same step by construction.
 """
 
@@ -23,7 +21,6 @@ from pathlib import Path
 
 from finetuning_pipeline.distributed.parallel import Parallel
 from finetuning_pipeline.errors import OutputWriteError
-from finetuning_pipeline.runtime.xla.layer_scan import ScannedLayers
 from finetuning_pipeline.model.lineage import write_lineage
 from finetuning_pipeline.monitor.divergence import DivergenceMonitor
 from finetuning_pipeline.monitor.metrics_log import StepLogger
@@ -33,7 +30,7 @@ from finetuning_pipeline.train.phase_start import Phase, start_phase
 from finetuning_pipeline.train.run_ahead import RunAheadBound
 from lora_logic.adapter_io import save_adapters
 from utils.atomic_io import atomic_write_json
-from finetuning_pipeline.runtime.xla.device import to_host
+from utils.device_tensors import to_host
 
 
 @dataclass
@@ -50,7 +47,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
               stop_requested=lambda: False, accepted_changes: dict | None = None, runtime) -> PhaseResult:
     """Train one phase on this replica; the master writes adapter, metrics, checkpoints and summary.
     accepted_changes: settings changed at this resume (main.py --accept-changes), recorded.
-    runtime: what executes the steps, torch_xla's or native PyTorch's (runtime/__init__.py)."""
+    runtime: what executes the steps, torch_xla's or native PyTorch's (runtime/protocol.py)."""
     p = start_phase(config, phase, parallel, device, resume_from, stop_requested, accepted_changes, runtime=runtime)
     # Closed on every way out (a stop, an error): its threads hold phase data until joined.
     with contextlib.closing(runtime.device_batches(p.data, device)) as batches:
@@ -148,11 +145,13 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
         "step_updated_state_bytes": p.stepper.updated_state_bytes,
         "device_memory_peak_bytes": p.runtime.peak_memory_bytes(p.device),
         "runtime": p.runtime.name,
+        # how host_syncs_per_step was counted: on every timed step, or on one step (a profiler's)
+        "host_syncs_counted": "every step" if p.runtime.counts_host_syncs_each_step else "one step",
         "wall_time_s": round(p.guard.elapsed(), 2),
         "world_size": p.parallel.world,
-        "parallel": {**p.parallel.describe(), "sharded_base_parameters": len(p.sharded)},
+        "parallel": {**p.parallel.describe(), "sharded_base_parameters": len(p.parallelized.sharded)},
         "attention": p.model.config._attn_implementation,
-        "scanned_layers": any(isinstance(m, ScannedLayers) for m in p.model.modules()),
+        "scanned_layers": p.parallelized.scanned_layers,
         "quantized_base": p.quantized_base,
         "seq_len": p.data.seq_len,
         "global_batch": p.data.batches_per_step,

@@ -27,11 +27,9 @@ import torch
 
 from finetuning_pipeline.distributed.parallel import Parallel
 from finetuning_pipeline.model.activation_checkpointing import enable_activation_checkpointing
-from finetuning_pipeline.runtime.xla.kernel_attention import attention_here, enable_kernel_attention
 from finetuning_pipeline.model.lineage import lineage_with, quantized_with
 from finetuning_pipeline.model.loading import DTYPES, load_model
 from finetuning_pipeline.model.quantized_base import quantized_summary
-from finetuning_pipeline.runtime.xla.scan_choice import scan_layers
 from finetuning_pipeline.monitor.compile_guard import CompileGuard
 from finetuning_pipeline.monitor.divergence import DivergenceMonitor
 from finetuning_pipeline.monitor.metrics_log import MetricsLog, StepLogger
@@ -49,7 +47,7 @@ from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
 from lora_logic.inject import inject_lora
 from utils.hub_models import model_dir
 
-# Replicas that are threads of one process (runtime/xla/launch.py: TPU v2/v3, the CPU rehearsal) share the
+# Replicas that are threads of one process (the TPU launcher: TPU v2/v3, the CPU rehearsal) share the
 # host's RNGs (LoRA's init draws from torch's global generator) and transformers' lazy imports,
 # which are not thread-safe (measured: "cannot import name 'AutoModelForCausalLM'" in one of two
 # threads). They build their models one at a time, each from the same seed, as processes would.
@@ -98,7 +96,7 @@ class Phase:
     eval_max_batches: int | None
     parallel: Parallel
     device: object
-    runtime: object  # what executes the steps: runtime/xla/runtime.py's or runtime/native/runtime.py's (runtime/__init__.py)
+    runtime: object  # what executes the steps (runtime/protocol.py's Runtime)
     model: torch.nn.Module
     lora_config: dict  # the phase's set of adapters, {name: LoraConfig}
     optimizer: MaskedAdamW
@@ -112,7 +110,7 @@ class Phase:
     start_step: int
     resumed: bool
     eval_before: dict
-    sharded: list
+    parallelized: object  # what the runtime did to the model (runtime/protocol.py's Parallelized)
     resume_keys: dict  # what the phase is built on (checkpointing.resume_keys), fixed for the phase
     merged_adapters: list[str]  # earlier phases' adapters merged into the base beneath this one's, in order
     trained_on: dict  # the base and those adapters by content, recorded with the phase's adapters (lineage.py)
@@ -134,7 +132,8 @@ class Phase:
                              packed=self.data.packed, device=self.device, max_batches=self.eval_max_batches,
                              loss_chunk=self.stepper.loss_chunk,
                              collectives=self.parallel.collectives, input_sharding=self.parallel.input_sharding(),
-                             replicate=self.parallel.replicate)
+                             replicate=self.parallel.replicate, to_device=self.runtime.to_device,
+                             boundary=self.runtime.step_boundary)
 
     def trainer_state(self) -> dict:
         """What a checkpoint records besides weights and optimizer, as of the step just run."""
@@ -151,7 +150,7 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
                 stop_requested, accepted_changes: dict | None = None, *, runtime) -> Phase:
     """Model, optimizer, data and the loop's parts, resumed from `resume_from` when given, with
     the phase's first evaluation done (or taken from the checkpoint). runtime: what executes the
-    steps (runtime/__init__.py)."""
+    steps (runtime/protocol.py)."""
     t, layout = config.train, RunLayout(config.output_dir)
     guard = CompileGuard(phase, t.warmup_compiles_steps, t.recompile_policy, runtime)  # counts from here
     merged, continued = config.lineage(phase)
@@ -164,21 +163,15 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
         # The resumed adapter goes into the layers before they are stacked (on the host), the
         # optimizer's moments into the optimizer built on the stacks.
         state = load_checkpoint(resume_from, model=model) if resume_from else {}
-        quantized = quantized_summary(model)  # before the layers are stacked
-        scanned = scan_layers(model, t.scan_layers, activation_checkpointing=config.model.activation_checkpointing,
-                              spmd=parallel.mesh is not None) if runtime.scans else runtime.layers_note()
+        quantized = quantized_summary(model)  # before the runtime reshapes the layers (parallelize)
     checkpointer = Checkpointer(layout.checkpoints(phase), every=config.checkpoint.every, keep=config.checkpoint.keep,
                                 collectives=parallel.collectives, base_model=config.model.path, lora_config=lora_config,
                                 sync=runtime.step_boundary)
     checkpointer.clean()
-    sharded = parallel.place_model(model, device)
     data = PhaseData(config.data_dirs(phase), train=t, eval=config.eval, parallel=parallel)
-    attention, why = attention_here(config.model.attention, model.config, spmd_mesh=parallel.mesh is not None,
-                                    seq_len=data.seq_len, dp_processes=parallel.world if parallel.mesh is None else 1)
-    if attention != "dense":
-        enable_kernel_attention(model, attention, parallel.mesh)
+    parallelized = runtime.parallelize(model, config, parallel, device, data.seq_len)
     if parallel.master:
-        print(f"phase {phase}: {why}; {scanned}", flush=True)
+        print(f"phase {phase}: {parallelized.description}", flush=True)
         if quantized:
             size, bf16 = quantized["weight_bytes"], quantized["bf16_bytes"]
             print(f"phase {phase}: base quantized: {quantized['linears']} decoder Linears in {quantized['format']}, "
@@ -198,13 +191,13 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     if adapters:
         lr = [config.adapter_lr(phase, name) for name in adapters]
         max_steps = [config.adapter_max_steps(phase, name) for name in adapters]
-    stepper = runtime.stepper(model, optimizer, t, phase=phase, lr=lr, max_steps=max_steps,
+    stepper = Stepper(model, optimizer, t, phase=phase, lr=lr, max_steps=max_steps,
                       activation_checkpointing=config.model.activation_checkpointing, parallel=parallel,
-                      device=device, start_step=start_step, packed=data.packed)
+                      device=device, start_step=start_step, packed=data.packed, runtime=runtime)
     if monitor.diverged:  # adapters stopped before the checkpoint stay stopped
         stepper.disable([adapters.index(name) for name in monitor.diverged])
-    if parallel.master and stepper.capture_note:
-        print(f"phase {phase}: {stepper.capture_note}", flush=True)
+    if parallel.master and stepper.note:
+        print(f"phase {phase}: {stepper.note}", flush=True)
     logger = make_logger(config.logging, layout=layout, phase=phase, max_steps=config.max_steps(phase),
                          master=parallel.master, tokens_per_step=data.tokens_per_step, start_step=start_step,
                          resume_from=resume_from, state=state, run_settings=config.to_dict())
@@ -213,7 +206,7 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
               device=device, runtime=runtime, model=model, lora_config=lora_config, optimizer=optimizer, data=data,
               stepper=stepper, guard=guard, monitor=monitor, checkpointer=checkpointer, logger=logger,
               stop=StopVote(parallel.collectives, stop_requested), start_step=start_step,
-              resumed=resume_from is not None, eval_before=state.get("eval_before"), sharded=sharded,
+              resumed=resume_from is not None, eval_before=state.get("eval_before"), parallelized=parallelized,
               resume_keys=resume_keys(config, phase, data.manifests),
               merged_adapters=[str(layout.adapter(n)) for n in merged],
               trained_on=quantized_with(lineage_with(model_dir(config.model.path, config.model.revision),

@@ -137,8 +137,8 @@ def test_evaluate_command_matches_the_trainers_final_eval(finished_run, tiny_mod
 def test_nothing_of_phase_1_is_alive_when_phase_2_starts(tiny_model_dir, data, tmp_path, monkeypatch):
     """With the garbage collector off, phase 1's model, optimizer, captured step and data loader
     are gone once phase 2 builds its own: on a chip that holds one copy of a 7B base, phase 2
-    would otherwise need two. (Before: the Stepper's captured steps held its own methods, a
-    cycle; the loader's thread held the phase data.)"""
+    would otherwise need two. (A captured step bound to its owner's own methods would be a
+    reference cycle; the loader's thread holds the phase data until it is closed.)"""
     import gc
     import weakref
 
@@ -156,7 +156,8 @@ def test_nothing_of_phase_1_is_alive_when_phase_2_starts(tiny_model_dir, data, t
         if phase == 1:
             phase1.update({name: weakref.ref(obj) for name, obj in [
                 ("model", p.model), ("optimizer", p.optimizer), ("stepper", p.stepper), ("data", p.data),
-                ("captured gradients", p.stepper.gradients), ("captured update", p.stepper.update)]})
+                ("captured gradients", p.stepper.execution.gradients),
+                ("captured update", p.stepper.execution.update)]})
         return p
 
     monkeypatch.setattr(trainer, "start_phase", watched)

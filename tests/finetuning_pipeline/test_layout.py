@@ -68,10 +68,10 @@ MAY_IMPORT = {
     "run": {"model", "run_config"},
     "distributed": {"run", "run_config"},
     "monitor": {"run"},
-    "planning": {"distributed", "model", "run", "run_config"},
-    "checks": {"demo", "distributed", "exporters", "model", "planning", "run", "run_config"},
     "train": {"distributed", "model", "monitor", "run", "run_config"},
     "runtime": {"distributed", "model", "monitor", "run", "run_config", "train"},
+    "planning": {"distributed", "model", "run", "run_config", "runtime"},
+    "checks": {"demo", "distributed", "exporters", "model", "planning", "run", "run_config", "runtime"},
 }
 
 

@@ -68,12 +68,12 @@ def test_gelu_on_the_xla_device_is_float64_inside(approximate):
 def test_a_tpu_refuses_float64(monkeypatch, tmp_path, tiny_model_dir, data):
     from trainer_helpers import write_run_config
 
-    from finetuning_pipeline import main
     from finetuning_pipeline.errors import ConfigError
     from finetuning_pipeline.run_config import load_config
+    from finetuning_pipeline.runtime.xla import runtime as xla_runtime
 
     config = load_config(write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out",
                                           model={"path": str(tiny_model_dir), "dtype": "float64"}), [])
-    monkeypatch.setattr(main, "device_kind", lambda: "TPU")
+    monkeypatch.setattr(xla_runtime, "device_kind", lambda: "TPU")
     with pytest.raises(ConfigError, match="model.dtype=float64 is for the tests' equality proofs on a CPU"):
-        main.start_replicas(config, ())
+        xla_runtime.XlaBackend().launch(config, None, ())

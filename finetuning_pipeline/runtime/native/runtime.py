@@ -1,11 +1,11 @@
-"""The native runtime's half of the seam (runtime/__init__.py): plain PyTorch on one device in
-this process, or, under torchrun, one process of several (parallel.mode=dp: runtime/native/ddp.py;
-fsdp: runtime/native/fsdp.py).
+"""The native runtime (runtime/protocol.py): plain PyTorch on one device in this process, or, under
+torchrun, one process of several (parallel.mode=dp: ddp.py; fsdp: fsdp.py).
 Nothing here imports torch_xla: a GPU machine or a TorchTPU VM has none.
 
-The step is runtime/native/step.py's; the data arrives by a plain copy per micro-batch (non-blocking
-from pinned memory on an accelerator); compiles are dynamo's own counters; host syncs are
-counted on one step by PyTorch's profiler (runtime/native/host_syncs.py: PyTorch keeps no counter of them).
+The step is step.py's, each decoder layer compiled by torch.compile where runtime.compile says;
+the data arrives by a plain copy per micro-batch (non-blocking from pinned memory on an
+accelerator); compiles are dynamo's own counters; host syncs are counted on one step by
+PyTorch's profiler (host_syncs.py: PyTorch keeps no counter of them).
 """
 
 from __future__ import annotations
@@ -18,11 +18,21 @@ import torch
 
 from finetuning_pipeline.distributed.collectives import Collectives, launch_rank, replica_group, torchrun_world
 from finetuning_pipeline.distributed.parallel import Parallel
+from finetuning_pipeline.model.attention_choice import TargetMachine, choose_attention
+from finetuning_pipeline.run.stop_signal import on_a_thread_leaving_signals_here
 from finetuning_pipeline.run_config import RunConfig
-from finetuning_pipeline.runtime.native.device import PROCESS_GROUP_BACKENDS, compiles_layers, native_device
+from finetuning_pipeline.runtime.native.device import (
+    COMPILE_BACKENDS,
+    PROCESS_GROUP_BACKENDS,
+    compiles_layers,
+    native_device,
+)
+from finetuning_pipeline.runtime.native.device_sum import TorchAllReduce
 from finetuning_pipeline.runtime.native.fsdp import NativeFsdp, device_mesh
-from finetuning_pipeline.runtime.native.step import NativeStepper
-from finetuning_pipeline.runtime.native.host_syncs import HostSyncCount
+from finetuning_pipeline.runtime.native.host_syncs import HostSyncCount, start_profiler_on_this_thread
+from finetuning_pipeline.runtime.native.step import NativeStepExecution, compile_decoder_layers
+from finetuning_pipeline.runtime.native.tpu_launch import become_torchrun_on_tpu
+from finetuning_pipeline.runtime.protocol import Parallelized
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,6 @@ def dynamo_counters() -> DynamoCounters:
 
 class NativeRuntime:
     name = "native"
-    scans = False  # the layer scan is torch_xla's; compile_layers compiles one layer's graph instead
     counts_host_syncs_each_step = False  # the profiler counts one step (CompileGuard picks it)
 
     def __init__(self, device: torch.device, compile_layers: bool) -> None:
@@ -54,8 +63,22 @@ class NativeRuntime:
                else "eagerly (runtime.compile=eager; auto compiles them on an accelerator only)")
         return f"native runtime on {self.device}: decoder layers run one by one, {how}"
 
-    def stepper(self, *args, **kwargs) -> NativeStepper:
-        return NativeStepper(*args, compile_layers=self.compile_layers, **kwargs)
+    def parallelize(self, model: torch.nn.Module, config: RunConfig, parallel: Parallel, device,
+                    seq_len: int) -> Parallelized:
+        """The model placed (under fsdp sharded layer by layer: fsdp.py), then each decoder layer
+        compiled where runtime.compile says. Attention is the model's own (the Pallas kernels are
+        torch_xla's)."""
+        sharded = parallel.place_model(model, device)
+        if self.compile_layers:
+            compile_decoder_layers(model, COMPILE_BACKENDS[device.type])
+        _, why = choose_attention(config.model.attention, model.config, tpu=None, spmd_mesh=False, seq_len=seq_len)
+        return Parallelized(sharded, description=f"{why}; {self.layers_note()}")
+
+    def step_execution(self, model, optimizer, **settings) -> NativeStepExecution:
+        return NativeStepExecution(model, optimizer, **settings)
+
+    def to_device(self, batch: dict, device, input_sharding=None) -> dict:
+        return {name: tensor.to(device) for name, tensor in batch.items()}
 
     def device_batches(self, data, device):
         accelerator = device.type != "cpu"
@@ -79,6 +102,13 @@ class NativeRuntime:
     def counting_host_syncs(self) -> HostSyncCount:
         return HostSyncCount()
 
+    def first_step_donations(self, compiles: int) -> int | None:
+        return None  # (PyTorch donates no buffers: it frees what a step drops)
+
+    def recompile_message(self, phase: int, step: int, compiles: int) -> str:
+        return (f"phase {phase} step {step}: {compiles} new graph(s) compiled after warm-up (a changing shape or "
+                "Python scalar); rerun with TORCH_LOGS=recompiles to see the cause")
+
     def peak_memory_bytes(self, device) -> int | None:
         """The device's peak allocation through torch.accelerator (CUDA's allocator on a GPU; on a
         TPU whatever TorchTPU's allocator reports there: its 0.2.0 package has no memory function of
@@ -91,10 +121,41 @@ class NativeRuntime:
             return None
 
 
+class NativeBackend:
+    """The native runtime before a replica exists (runtime/protocol.py's Backend)."""
+
+    name = "native"
+
+    def prepare_process(self, first_process: bool) -> None:
+        """USE_TORCH_XLA=0, which transformers and accelerate read, so that they leave an installed
+        torch_xla unimported (accelerate imports it at its own import otherwise, and it then takes a
+        device), and the profiler that counts host syncs started once on this main thread
+        (host_syncs.py; the replica runs on another)."""
+        os.environ.setdefault("USE_TORCH_XLA", "0")
+        start_profiler_on_this_thread()
+
+    def target_machine(self, config: RunConfig) -> TargetMachine:
+        return TargetMachine()  # (the Pallas kernels are torch_xla's)
+
+    def before_run(self, config: RunConfig, command: list[str], script: str) -> None:
+        """On a TPU host, TorchTPU's way to a process per chip: torchrun over this command, before
+        anything is written (tpu_launch.py)."""
+        if config.runtime.device == "tpu" and torchrun_world() == 1:
+            become_torchrun_on_tpu(script, command)
+
+    def launch(self, config: RunConfig, replica, args: tuple) -> None:
+        """The one replica of this process, on a thread that leaves the stop signals to this main
+        thread (gloo's, autograd's and the profiler's threads then leave them too)."""
+        on_a_thread_leaving_signals_here(replica, *args)
+
+    def start(self, config: RunConfig):
+        return start_native(config)
+
+
 def start_native(config: RunConfig):
     """(NativeRuntime, Parallel, device): one replica in this process, on runtime.device; under
     torchrun one of its processes, in torch.distributed's default group: parallel.mode=dp (DDP:
-    runtime/native/ddp.py) or fsdp (FSDP2 over parallel.mesh: runtime/native/fsdp.py)."""
+    ddp.py) or fsdp (FSDP2 over parallel.mesh: fsdp.py)."""
     runtime, p = config.runtime, config.parallel
     world = torchrun_world()
     if world > 1 and runtime.device in ("auto", "cuda") and torch.cuda.is_available():
@@ -120,4 +181,4 @@ def join_processes(device: torch.device, timeout_s: float) -> Collectives:
     dist.init_process_group(PROCESS_GROUP_BACKENDS[device.type], store=dist.PrefixStore("tpu-lora/device", stores[1]),
                             rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-    return Collectives(rank, world, "torch", group, stores)
+    return Collectives(rank, world, group, stores, device_sum=TorchAllReduce())

@@ -1,7 +1,8 @@
-"""The native runtime's optimizer step: the same micro-batch gradients, sums and masked AdamW
-update as the XLA runtime's (train/step.py), run by PyTorch as it goes, with each decoder
-layer optionally compiled by torch.compile, and under torchrun the gradients summed by
-DistributedDataParallel (runtime/native/ddp.py).
+"""How the native runtime runs an optimizer step (runtime/protocol.py's StepExecution): train/step.py's
+micro-batch gradients, sums and masked AdamW update, run by PyTorch as it goes, with each
+decoder layer compiled by torch.compile where runtime.compile says (compile_decoder_layers, which
+the runtime's parallelize applies), and under torchrun with parallel.mode=dp the gradients
+summed by DistributedDataParallel (ddp.py).
 
 What the XLA runtime does with a captured graph is done here by eager PyTorch: the step's
 kernels are queued as the Python runs, nothing of a step is read on the host, and a log step
@@ -23,35 +24,34 @@ import torch
 from finetuning_pipeline.distributed.parallel import decoder_layers
 from finetuning_pipeline.run_config import TrainConfig
 from finetuning_pipeline.runtime.native.ddp import data_parallel_step, replicate
-from finetuning_pipeline.runtime.native.device import COMPILE_BACKENDS
-from finetuning_pipeline.train.stepper import Stepper
+from finetuning_pipeline.train.step import train_step
 from lora_logic.dropout import SeededDropout
 
 
-class NativeStepper(Stepper):
-    """train.stepper.Stepper whose step runs eagerly (train/step.py's train_step), its layers
-    compiled when `compile_layers`."""
+class NativeStepExecution:
+    note = None
+    updated_state_tensors = updated_state_bytes = None  # (no buffers are donated: PyTorch frees what it drops)
 
-    def __init__(self, *args, compile_layers: bool = False, **kwargs) -> None:
-        self.compile_layers = compile_layers
-        super().__init__(*args, **kwargs)
-
-    def set_up_execution(self, t: TrainConfig, activation_checkpointing: bool) -> None:
-        if self.compile_layers:
-            compile_decoder_layers(self.model, COMPILE_BACKENDS[self.device.type])
+    def __init__(self, model, optimizer, *, train: TrainConfig, parallel, device, packed: bool, loss_chunk: int,
+                 activation_checkpointing: bool) -> None:
+        self.model, self.optimizer, self.parallel = model, optimizer, parallel
+        self.packed, self.loss_chunk, self.max_grad_norm = packed, loss_chunk, train.max_grad_norm
         self.ddp = None
-        if self.parallel.world > 1 and self.parallel.mode == "dp":  # DDP sums the gradients (runtime/native/ddp.py)
-            self.ddp = replicate(self.model, self.packed, self.loss_chunk, self.optimizer.group_count, self.device)
-
-    def run_step(self, micro_batches: list[dict], seeds: list[int], active: torch.Tensor | None) -> dict:
-        if self.ddp is None:
-            return super().run_step(micro_batches, seeds, active)
-        return data_parallel_step(self.ddp, self.optimizer, micro_batches, collectives=self.parallel.collectives,
-                                  max_grad_norm=self.max_grad_norm, seeds=seeds, seed_rng=self.seed_rng,
-                                  active=active)
+        if parallel.world > 1 and parallel.mode == "dp":  # DDP sums the gradients (ddp.py)
+            self.ddp = replicate(model, packed, loss_chunk, optimizer.group_count, device)
 
     def seed_rng(self, seed: int) -> None:
         torch.manual_seed(seed)  # every device's default generator (CPU and CUDA alike)
+
+    def run(self, micro_batches: list[dict], seeds: list[int], lr_and_active, lr_examples) -> dict:
+        self.optimizer.lr, active = lr_and_active()
+        if self.ddp is None:
+            return train_step(self.model, self.optimizer, micro_batches, max_grad_norm=self.max_grad_norm,
+                              collectives=self.parallel.collectives, packed=self.packed, loss_chunk=self.loss_chunk,
+                              seeds=seeds, active=active, seed_rng=self.seed_rng)
+        return data_parallel_step(self.ddp, self.optimizer, micro_batches, collectives=self.parallel.collectives,
+                                  max_grad_norm=self.max_grad_norm, seeds=seeds, seed_rng=self.seed_rng,
+                                  active=active)
 
 
 def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor") -> int:

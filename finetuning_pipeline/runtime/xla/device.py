@@ -1,4 +1,4 @@
-"""XLA runtime set-up shared by the trainer, the tools and the tests."""
+"""The XLA device: PJRT chosen and initialised, torch_xla's settings per device kind, its memory figures."""
 
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ def init_xla_device() -> torch.device:
         os.environ.setdefault(name, value)  # read by torch_xla at its first step boundary
     import torch_xla
 
+    from finetuning_pipeline.runtime.xla.device_ops import XLA_OPS
+    from utils.device_ops import use_ops
+
+    use_ops(XLA_OPS)  # torch_xla's forms of the ops model code leaves to the device
     return torch_xla.device()
 
 
@@ -103,27 +107,6 @@ def with_compiler_defaults(xla_flags: str, pjrt_device: str) -> str:
                                            if name not in named]).strip()
 
 
-def device_zeros(shape, dtype, device) -> torch.Tensor:
-    """Zeros made on the host and transferred, so they reach the device as data: zeros made on
-    an XLA device are a fill op compiled into the next graph (an extra graph for the first
-    step). Keep counters [1]-shaped: a 0-dim 0 or 1 is baked into graphs as a constant."""
-    return torch.zeros(shape, dtype=dtype).to(device)
-
-
-def device_counter(value: float, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A [1]-shaped counter (fp32 unless told) starting at `value`, made on the host like
-    device_zeros (data, not a constant baked into the graph)."""
-    return torch.tensor([float(value)], dtype=dtype).to(device)
-
-
-def to_host(*tensors: torch.Tensor) -> list:
-    """Values of materialised device tensors, by plain transfers: a float for a one-element
-    tensor, a list of floats for a longer one (a value per adapter side by side).
-    (`torch.stack(...).cpu()` would first compile and run a small graph of its own.)"""
-    values = [t.cpu() for t in tensors]
-    return [v.item() if v.numel() == 1 else v.tolist() for v in values]
-
-
 def peak_memory_bytes(device) -> int | None:
     """The device's peak memory in use since the process started (torch_xla's memory info; a
     TPU reports it, XLA:CPU does not: None)."""
@@ -138,23 +121,3 @@ def peak_memory_bytes(device) -> int | None:
 def device_kind() -> str:
     """The PJRT device kind this process runs on ("TPU", "CPU", ...)."""
     return os.environ.get("PJRT_DEVICE", "CPU").upper()
-
-
-def barrier_copies(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors, passed through one XLA optimization barrier: what is computed from the copies
-    is computed again where they are used, not merged by XLA's common-subexpression elimination
-    with the same expression elsewhere in the graph (which would keep its result alive in between).
-
-    The originals are untouched (the barrier rewrites the copies in place; a module's buffer
-    rewritten would become an output of the step). On a host tensor there is no graph to
-    separate, and inside a trace (the layer scan's body: fake tensors, no lazy graph yet) a
-    copy is all that can be recorded, which keeps the traced expression apart from the
-    forward's; both get the tensors back as they are or as copies."""
-    if not tensors or tensors[0].device.type != "xla":
-        return list(tensors)
-    copies = [t.clone() for t in tensors]
-    if all(type(t) is torch.Tensor for t in tensors):  # lazy tensors, not a trace's subclasses
-        import torch_xla.core.xla_model as xm
-
-        xm.optimization_barrier_(copies)
-    return copies

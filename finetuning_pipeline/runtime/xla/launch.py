@@ -37,12 +37,12 @@ import sys
 import threading
 import time
 
-from finetuning_pipeline.distributed.parallel import use_compile_cache
 from finetuning_pipeline.distributed.whole_lines import whole_lines_on_stdout_and_stderr
 from finetuning_pipeline.errors import ConfigError, ReplicaLost
 from finetuning_pipeline.run.stop_signal import PROCESS_SIGNALS, threads_started_here_leave_signals_to_this_one
-from utils.stack_dump import dump_stacks_on_signal
+from finetuning_pipeline.runtime.xla.compile_cache import use_compile_cache
 from finetuning_pipeline.runtime.xla.device import device_kind
+from utils.stack_dump import dump_stacks_on_signal
 
 # What torch_xla and libtpu read to give a process one chip of a multi-chip host (torch_xla's
 # tpu.configure_one_chip_topology; with them tpu.num_local_processes() is 1), and the slice of

@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from finetuning_pipeline.distributed import launch
 from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.run_config import load_config
+from finetuning_pipeline.runtime.xla import launch
 
 
 @pytest.mark.parametrize("setting, mode, kind, torchrun, expected", [

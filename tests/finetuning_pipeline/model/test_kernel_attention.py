@@ -9,8 +9,8 @@ import torch
 from model_families import FAMILIES, reference_kernel, reference_splash_ops
 from tolerances import assert_equal_in_exact_arithmetic
 
-from finetuning_pipeline.model import kernel_attention
-from finetuning_pipeline.runtime.xla.kernel_attention import choose_attention, length_problem
+from finetuning_pipeline.model.attention_choice import choose_attention, length_problem
+from finetuning_pipeline.runtime.xla import kernel_attention
 
 LLAMA, GEMMA2 = FAMILIES["llama"](), FAMILIES["gemma2"]()
 

@@ -86,6 +86,7 @@ def test_a_captured_step_over_two_micro_batches_gives_the_layer_loop_losses():
     """The trainer's captured step (micro-batch loop around the layer loop), 4 steps, LoRA dropout."""
     from finetuning_pipeline.distributed.parallel import Parallel
     from finetuning_pipeline.run_config import load_config
+    from finetuning_pipeline.runtime.xla.runtime import XlaRuntime
     from finetuning_pipeline.train.adamw import MaskedAdamW
     from finetuning_pipeline.train.stepper import Stepper
 
@@ -100,7 +101,8 @@ def test_a_captured_step_over_two_micro_batches_gives_the_layer_loop_losses():
         model.to(device)
         stepper = Stepper(model, MaskedAdamW(lora_parameters(model), lr=1e-2), config.train, phase=1,
                           lr=config.lr(1), max_steps=config.max_steps(1), activation_checkpointing=False,
-                          parallel=Parallel("dp"), device=device, start_step=0, packed=True)
+                          parallel=Parallel("dp"), device=device, start_step=0, packed=True,
+                          runtime=XlaRuntime())
         micro_batches = [{k: v.to(device) for k, v in batch(packed=True).items()} for _ in range(2)]
         losses = []
         for step in range(4):
@@ -108,7 +110,7 @@ def test_a_captured_step_over_two_micro_batches_gives_the_layer_loop_losses():
             torch_xla.sync()
             losses.append(results["loss"].item())
         runs.append(losses)
-    assert stepper.gradients.captured
+    assert stepper.execution.gradients.captured
     assert len(set(runs[0])) == 4
     assert_equal_in_exact_arithmetic(runs[1], runs[0], "losses")
 
@@ -147,8 +149,8 @@ def test_optimizer_moments_convert_between_stacks_and_the_unscanned_layout():
 def test_the_adapter_saved_from_scanned_layers_on_the_device_loads_into_a_plain_model(tmp_path):
     """The hard case of saving: stacks on the XLA device, read on the host one stack at a time
     (no graph compiled), written in PEFT's layout, loaded by a model that was never scanned."""
-    from lora_logic.adapter_io import load_adapters, save_adapters
     from finetuning_pipeline.runtime.xla.counters import read_counters
+    from lora_logic.adapter_io import load_adapters, save_adapters
 
     model = deeper("mistral")
     scan_decoder_layers(model)

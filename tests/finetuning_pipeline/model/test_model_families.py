@@ -181,7 +181,7 @@ KERNEL_CASES = [(family, kind) for family in FAMILIES for kind in ("splash", "fl
 def test_kernel_inputs_give_the_dense_loss_and_gradients(family, kind, packed, monkeypatch):
     """The model's layers call our kernel attention function with the inputs splash / flash
     would get; a reference of each kernel's semantics must then reproduce the dense path."""
-    from finetuning_pipeline.model import kernel_attention
+    from finetuning_pipeline.runtime.xla import kernel_attention
 
     model = family_model(family, torch.float64)
     model.set_attn_implementation("eager")  # the dense reference: exact, soft-capping included
@@ -204,11 +204,11 @@ def test_the_captured_step_gives_transformers_gradients(family):
     Summed gradients / label tokens equal transformers' gradients of its mean loss on the CPU."""
     import torch_xla
 
-    from finetuning_pipeline.runtime.xla.micro_batch_loop import summed_over_micro_batches
-    from finetuning_pipeline.train.step import micro_batch_gradients
-    from finetuning_pipeline.runtime.xla.step_capture import CapturedStep
     from finetuning_pipeline.runtime.xla.counters import read_counters
     from finetuning_pipeline.runtime.xla.device import init_xla_device
+    from finetuning_pipeline.runtime.xla.micro_batch_loop import summed_over_micro_batches
+    from finetuning_pipeline.runtime.xla.step_capture import CapturedStep
+    from finetuning_pipeline.train.step import micro_batch_gradients
 
     device = init_xla_device()
     model = family_model(family, torch.float64)

@@ -14,7 +14,6 @@ from model_families import FAMILIES, batch, with_family_lora
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from finetuning_pipeline.runtime.xla.layer_scan import scan_decoder_layers
 from finetuning_pipeline.model.loading import check_quantizable, load_base
 from finetuning_pipeline.model.quantized_base import (
     decoder_linears,
@@ -22,6 +21,7 @@ from finetuning_pipeline.model.quantized_base import (
     quantize_base,
     reading_dtype,
 )
+from finetuning_pipeline.runtime.xla.layer_scan import scan_decoder_layers
 from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
 from lora_logic.quantized_linear import QuantizedLinear

@@ -9,6 +9,7 @@ import pytest
 
 from finetuning_pipeline.errors import RecompileError
 from finetuning_pipeline.monitor import compile_guard
+from finetuning_pipeline.runtime.xla import runtime as xla_runtime
 from finetuning_pipeline.runtime.xla.counters import XlaCounters
 
 
@@ -43,14 +44,19 @@ def run_steps(guard, counters, first: int, graphs_per_step: dict[int, int], sync
 @pytest.fixture
 def counters(monkeypatch):
     fake = Counters()
-    monkeypatch.setattr(compile_guard, "read_counters", fake)
-    monkeypatch.setattr(compile_guard, "donations_of_last_graphs", lambda count: fake.donations[-count:])
+    monkeypatch.setattr(xla_runtime, "read_counters", fake)
+    monkeypatch.setattr(xla_runtime, "donations_of_last_graphs", lambda count: fake.donations[-count:])
     return fake
+
+
+def guard_of(**settings):
+    """The XLA runtime's guard (its counters are the fixture's)."""
+    return compile_guard.CompileGuard(**settings, runtime=xla_runtime.XlaRuntime())
 
 
 def test_graphs_compiled_in_the_warm_up_steps_are_allowed_and_counted(counters):
     counters.add(compiles=1)  # before the phase: not the phase's
-    guard = compile_guard.CompileGuard(phase=1, warmup_steps=1, policy="error")
+    guard = guard_of(phase=1, warmup_steps=1, policy="error")
     counters.add(compiles=1)  # the eval graph, before step 1
     run_steps(guard, counters, 1, {1: 1, 2: 0, 3: 0, 4: 0})
     summary = guard.summary(steps_run=4, tokens_per_step=128)
@@ -60,13 +66,13 @@ def test_graphs_compiled_in_the_warm_up_steps_are_allowed_and_counted(counters):
 
 
 def test_a_graph_after_warm_up_stops_the_run_naming_the_step(counters):
-    guard = compile_guard.CompileGuard(phase=2, warmup_steps=1, policy="error")
+    guard = guard_of(phase=2, warmup_steps=1, policy="error")
     with pytest.raises(RecompileError, match=r"phase 2 step 3: 1 new XLA graph\(s\) compiled after warm-up"):
         run_steps(guard, counters, 1, {1: 1, 2: 0, 3: 1})
 
 
 def test_warn_counts_every_graph_after_warm_up_and_goes_on(counters, capsys):
-    guard = compile_guard.CompileGuard(phase=1, warmup_steps=2, policy="warn")
+    guard = guard_of(phase=1, warmup_steps=2, policy="warn")
     run_steps(guard, counters, 1, {1: 1, 2: 1, 3: 2, 4: 0, 5: 1}, syncs_per_step={4: 1})
     assert guard.compiles_after_warmup == 3
     assert capsys.readouterr().out.count("warning: phase 1 step") == 2
@@ -75,7 +81,7 @@ def test_warn_counts_every_graph_after_warm_up_and_goes_on(counters, capsys):
 
 def test_a_resumed_phase_warms_up_from_its_first_step(counters):
     """Resumed at step 10: step 11 compiles the step's graph (warm-up); step 12 may not."""
-    guard = compile_guard.CompileGuard(phase=1, warmup_steps=1, policy="error")
+    guard = guard_of(phase=1, warmup_steps=1, policy="error")
     guard.resume_at(10)
     run_steps(guard, counters, 11, {11: 1, 12: 0})
     with pytest.raises(RecompileError, match="step 13"):
@@ -83,7 +89,7 @@ def test_a_resumed_phase_warms_up_from_its_first_step(counters):
 
 
 def test_no_warm_up_allowed_refuses_the_first_steps_graph(counters):
-    guard = compile_guard.CompileGuard(phase=1, warmup_steps=0, policy="error")
+    guard = guard_of(phase=1, warmup_steps=0, policy="error")
     with pytest.raises(RecompileError, match="step 1:"):
         run_steps(guard, counters, 1, {1: 1})
 
@@ -92,11 +98,11 @@ def test_the_buffers_donated_by_the_first_steps_graph_are_reported(counters):
     """The donations of the graph compiled at the phase's first step (this process's first step of
     a resumed phase), not the evaluation's before it, once however many replica threads of the
     process compiled it; None when that step compiled nothing."""
-    guard = compile_guard.CompileGuard(phase=1, warmup_steps=1, policy="error")
+    guard = guard_of(phase=1, warmup_steps=1, policy="error")
     counters.add(compiles=1)  # the eval graph donates nothing
     run_steps(guard, counters, 1, {1: 2, 2: 0, 3: 0}, donated_per_step={1: (31, 31)})  # two replica threads
     assert guard.summary(steps_run=3, tokens_per_step=128)["step_donated_buffers"] == 31
-    resumed = compile_guard.CompileGuard(phase=1, warmup_steps=1, policy="error")
+    resumed = guard_of(phase=1, warmup_steps=1, policy="error")
     resumed.resume_at(4)
     run_steps(resumed, counters, 5, {5: 0, 6: 0})  # the step's graph already compiled in this process
     assert resumed.summary(steps_run=2, tokens_per_step=128)["step_donated_buffers"] is None
@@ -128,6 +134,12 @@ class OneStepCountingRuntime:
 
     def wait(self) -> None:
         pass
+
+    def first_step_donations(self, compiles: int) -> None:
+        return None
+
+    def recompile_message(self, phase: int, step: int, compiles: int) -> str:
+        return f"phase {phase} step {step}: {compiles} new graph(s)"
 
     def counting_host_syncs(self) -> StepSyncs:
         self.counted_steps.append(self.step)

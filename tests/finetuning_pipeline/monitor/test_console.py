@@ -34,10 +34,13 @@ def test_a_phase_summary_line():
         "(0 after warm-up), host syncs/step 0")
 
 
-def test_the_native_runtime_says_its_host_syncs_were_counted_on_one_step():
-    assert summary_lines(summary(runtime="native")).endswith("host syncs/step 0 (one step counted)")
-    assert summary_lines(summary(runtime="native", host_syncs_per_step=None)).endswith(
+def test_a_runtime_that_counts_one_step_says_so():
+    """The native runtime's profiler counts one step (summary: host_syncs_counted), XLA's counter every step."""
+    one = {"runtime": "native", "host_syncs_counted": "one step"}
+    assert summary_lines(summary(**one)).endswith("host syncs/step 0 (one step counted)")
+    assert summary_lines(summary(**one, host_syncs_per_step=None)).endswith(
         "host syncs/step n/a (the profiler recorded nothing)")
+    assert summary_lines(summary(runtime="xla", host_syncs_counted="every step")).endswith("host syncs/step 0")
 
 
 def test_a_resume_that_took_no_step_says_so_not_zero_tokens_per_second():
@@ -47,7 +50,7 @@ def test_a_resume_that_took_no_step_says_so_not_zero_tokens_per_second():
 
 
 def test_a_run_of_warm_up_steps_only_says_why_it_has_no_rate_not_zero_tokens_per_second():
-    """Issue #54.11: a 1-step run printed "0 tokens/s ... host syncs/step -"."""
+    """A 1-step run has no timed step: n/a with the reason, not "0 tokens/s ... host syncs/step -"."""
     line = summary_lines(summary(steps=1, tokens_per_sec=None, host_syncs_per_step=None))
     assert line == ("phase 1: 1 steps, eval loss 2.0000 -> 1.5000 (perplexity 7.4 -> 4.5), compiles 3; tokens/s and "
                     "host syncs/step n/a: no step ran after the warm-up steps (train.warmup_compiles_steps), which "

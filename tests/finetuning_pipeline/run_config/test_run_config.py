@@ -268,7 +268,7 @@ def test_shipped_configs_are_valid(path, capsys):
 
 
 def test_compile_cache_is_on_by_default_on_tpu_only(monkeypatch, tmp_path):
-    from finetuning_pipeline.distributed.parallel import compile_cache_dir
+    from finetuning_pipeline.runtime.xla.compile_cache import compile_cache_dir
 
     assert load_config(DEMO).xla.compile_cache_dir == "auto"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

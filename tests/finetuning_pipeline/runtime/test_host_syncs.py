@@ -63,16 +63,15 @@ def test_a_compiled_module_runs_compiled_inside_the_count_and_compiles_once():
 def test_counting_on_the_replicas_thread_prints_no_kineto_error_once_the_process_is_prepared(prepared):
     """kineto prints "ERROR: External init callback must run in same thread as registerClient" when
     the profiler first starts on a thread other than the one that loaded torch: the native
-    replica's, in every native run. prepare_process starts it once on the main thread first. The
+    replica's, in every native run. NativeBackend.prepare_process starts it once on the main thread first. The
     unprepared process shows that the line is there to be silenced (torch 2.9 and 2.13 both print it)."""
     import subprocess
     import sys
 
     script = ("import threading\n"
-              "from finetuning_pipeline.run_config import RuntimeConfig\n"
-              "from finetuning_pipeline.runtime import prepare_process\n"
+              "from finetuning_pipeline.runtime.native.runtime import NativeBackend\n"
               "from finetuning_pipeline.runtime.native.host_syncs import HostSyncCount\n"
-              f"if {prepared}: prepare_process(RuntimeConfig(backend='native'), first_process=True)\n"
+              f"if {prepared}: NativeBackend().prepare_process(first_process=True)\n"
               "def count():\n"
               "    with HostSyncCount() as c:\n"
               "        __import__('torch').ones(2).sum().item()\n"

@@ -27,15 +27,17 @@ def test_each_environment_is_the_one_it_claims():
         assert version == (2, 9) and importlib.util.find_spec("torch_xla") is not None
 
 
-def test_the_default_runtime_is_xla_and_native_is_an_override():
-    assert load_config(DEMO).runtime.backend == "xla"
+def test_the_default_runtime_is_auto_and_each_is_an_override():
+    assert load_config(DEMO).runtime.backend == "auto"
+    assert load_config(DEMO, ["runtime.backend=xla"]).runtime.backend == "xla"
     runtime = load_config(DEMO, ["runtime.backend=native", "runtime.device=cpu", "runtime.compile=layers"]).runtime
     assert (runtime.backend, runtime.device, runtime.compile) == ("native", "cpu", "layers")
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["runtime.device=cuda"], r"runtime.device=cuda is the native runtime's setting; with runtime.backend=xla"),
-    (["runtime.compile=eager"], r"runtime.compile=eager is the native runtime's setting"),
+    (["runtime.backend=xla", "runtime.device=cuda"],
+     r"runtime.device=cuda is the native runtime's setting; with runtime.backend=xla"),
+    (["runtime.backend=xla", "runtime.compile=eager"], r"runtime.compile=eager is the native runtime's setting"),
     (["runtime.backend=native", "parallel.launcher=tpu"], r"parallel.launcher=tpu is torch_xla.s launcher"),
     (["runtime.backend=native", "train.scan_layers=true"], r"train.scan_layers=true: the layer scan is torch_xla's"),
     (["runtime.backend=native", "model.attention=splash"], r"model.attention=splash: that Pallas kernel"),
@@ -99,3 +101,63 @@ def test_the_peak_memory_is_the_accelerators_or_none_where_it_keeps_none(monkeyp
 
     monkeypatch.setattr(torch.accelerator, "max_memory_allocated", no_statistics, raising=False)
     assert runtime.peak_memory_bytes(tpu) is None
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """This machine as the runtime's choice sees it, set by the test: torch_xla installed or not, TPU
+    chips on the PCI bus, a GPU, PJRT_DEVICE."""
+    import finetuning_pipeline.runtime as runtime
+
+    state = {"xla": True, "chips": 0, "gpu": False}
+    monkeypatch.setattr(runtime, "torch_xla_installed", lambda: state["xla"])
+    monkeypatch.setattr(runtime, "tpu_chips", lambda: state["chips"])
+    monkeypatch.setattr(runtime, "gpu_present", lambda: state["gpu"])
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    return state
+
+
+def chosen(overrides=()):
+    from finetuning_pipeline.runtime import choose_backend
+
+    return choose_backend(load_config(DEMO, list(overrides)).runtime)
+
+
+def test_auto_takes_xla_where_a_tpu_is_or_pjrt_device_is_set_native_on_a_gpu_and_xla_elsewhere(machine, monkeypatch):
+    assert chosen() == ("xla", "runtime.backend=auto, no TPU or GPU here: XLA on the CPU, as a TPU would run")
+    machine["gpu"] = True
+    assert chosen() == ("native", "runtime.backend=auto, a GPU and no TPU here")
+    machine["chips"] = 4  # a TPU VM (with a GPU too, however unlikely): the TPU's runtime
+    assert chosen() == ("xla", "runtime.backend=auto and 4 TPU chips are attached")
+    machine["chips"] = 0
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")  # `make demo`, the tests: XLA:CPU, whatever else is here
+    assert chosen() == ("xla", "runtime.backend=auto and PJRT_DEVICE=CPU is set")
+    assert chosen(["runtime.compile=eager"])[0] == "native"  # a native-only setting names the runtime
+    assert chosen(["runtime.backend=native"]) == ("native", "runtime.backend=native")
+
+
+def test_without_torch_xla_auto_is_native_and_xla_is_refused_in_one_line(machine, monkeypatch):
+    """The native environment (a GPU user's torch, TorchTPU's VM) has no torch_xla: auto is native
+    there even where PJRT_DEVICE is set, and runtime.backend=xla says what to install."""
+    machine["xla"] = False
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    assert chosen() == ("native", "runtime.backend=auto and torch_xla is not installed here")
+    with pytest.raises(ConfigError, match=r"runtime.backend=xla: torch_xla is not installed in this environment; "
+                                          r"pip install -e '.\[xla\]'"):
+        chosen(["runtime.backend=xla"])
+
+
+def test_the_resolved_backend_is_checked_as_if_it_had_been_named(machine):
+    """auto resolved to xla refuses the native runtime's settings as runtime.backend=xla does; the
+    config then holds the runtime that runs (what the summary and checkpoints record)."""
+    from finetuning_pipeline.runtime import backend
+
+    config = load_config(DEMO, ["train.scan_layers=true"])
+    machine["gpu"] = True
+    with pytest.raises(ConfigError, match="train.scan_layers=true: the layer scan is torch_xla's"):
+        backend(config)
+    config = load_config(DEMO)
+    said = []
+    chosen_backend = backend(config, say=said.append)
+    assert config.runtime.backend == chosen_backend.name == "native"
+    assert said == ["runtime: native (runtime.backend=auto, a GPU and no TPU here)"]

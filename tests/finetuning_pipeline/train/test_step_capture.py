@@ -9,8 +9,8 @@ from conftest import tiny_causal_lm
 from tolerances import assert_equal_in_exact_arithmetic
 
 from finetuning_pipeline.runtime.xla.micro_batch_loop import summed_over_micro_batches
-from finetuning_pipeline.train.step import micro_batch_gradients
 from finetuning_pipeline.runtime.xla.step_capture import CapturedStep
+from finetuning_pipeline.train.step import micro_batch_gradients
 from lora_logic.adapters import lora_modules, lora_parameters
 from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
