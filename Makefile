@@ -8,11 +8,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LLAMA_CPP := $(VENV)/.llama_cpp
-# The native runtime's second environment: torch in TorchTPU's range, no torch_xla (utils/native_requirements.py).
+# The native runtime's second environment: the project's `native` extra with torch in TorchTPU's
+# range (2.13.0: a CPU build of it lies on this project's CI machines), no torch_xla.
 VENV_NATIVE := .venv-native
+NATIVE_TORCH := 2.13.0
 NATIVE_STAMP := $(VENV_NATIVE)/.installed
 # Its tests: those marked `native` in the files that import no torch_xla.
 NATIVE_TESTS := tests/finetuning_pipeline/runtime tests/lora_logic/test_compile.py tests/e2e/test_native_runtime.py \
+	tests/finetuning_pipeline/test_cli.py tests/finetuning_pipeline/test_runtime_seam.py \
+	tests/utils/test_tpu_install.py \
 	tests/e2e/test_native_processes.py tests/e2e/test_tpu_check.py
 # XLA runs on the host CPU unless told otherwise (on a TPU VM: PJRT_DEVICE=TPU make ...).
 PJRT_DEVICE ?= CPU
@@ -36,10 +40,10 @@ PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 .PHONY: help setup setup-native llama-cpp test test-fast test-native lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-lora-cost bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load bench-gguf-export bench-stop clean
 
 help:
-	@echo "make setup       create .venv with the pinned stack (torch 2.9.0 + torch_xla 2.9.0) and test tools"
+	@echo "make setup       create .venv with the xla extra (torch 2.9.0 + torch_xla 2.9.0) and test tools"
 	@echo "make test        run the test suite on CPU (PJRT_DEVICE=CPU); sets up .venv first if needed"
 	@echo "make test-fast   the unit tests only (no end-to-end runs: pytest -m 'not slow'), for the inner loop"
-	@echo "make setup-native  .venv-native: torch 2.13.0 (TorchTPU's range), no torch_xla, for the native runtime"
+	@echo "make setup-native  .venv-native: the native extra with torch 2.13.0 (TorchTPU's range), no torch_xla"
 	@echo "make test-native the native runtime's tests in .venv-native (sets it up first if needed)"
 	@echo "make lint        ruff: imports, unused code, line length (configured in pyproject.toml; CI runs it)"
 	@echo "make demo        the whole curriculum on the tiny model, on XLA:CPU: base model -> prepare ->"
@@ -78,7 +82,7 @@ $(STAMP): pyproject.toml
 	else \
 		set -e; $(PYTHON) -m venv $(VENV); \
 		$(BIN)/python -m pip install --quiet --upgrade pip; \
-		$(BIN)/python -m pip install --quiet -e '.[test]'; \
+		$(BIN)/python -m pip install --quiet -e '.[xla,test]'; \
 	fi
 	touch $@
 
@@ -91,11 +95,12 @@ $(LLAMA_CPP): $(STAMP) utils/llama_cpp_install.sh
 llama-cpp: $(LLAMA_CPP)
 
 # The native runtime runs without torch_xla, under a torch TorchTPU accepts: a venv of its own,
-# with the project on PYTHONPATH (an editable install would pull in torch_xla and torch 2.9.0).
-$(NATIVE_STAMP): pyproject.toml utils/native_requirements.py
+# the project installed from its `native` extra (a GPU machine: `pip install -e '.[gpu]'` into
+# the environment of its own torch, which is kept).
+$(NATIVE_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV_NATIVE)
 	$(VENV_NATIVE)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV_NATIVE)/bin/python -m pip install --quiet $$($(PYTHON) utils/native_requirements.py)
+	$(VENV_NATIVE)/bin/python -m pip install --quiet torch==$(NATIVE_TORCH) -e '.[native]' 'pytest>=8'
 	touch $@
 
 setup-native: $(NATIVE_STAMP)

@@ -1,7 +1,8 @@
-"""Train LoRA adapters through a curriculum of phases on TPU (or XLA:CPU).
+"""Train LoRA adapters through a curriculum of phases, on a TPU, a GPU or a CPU.
 
-    PJRT_DEVICE=TPU python finetuning_pipeline/main.py [--config CONFIG.yaml] [--phase N|all]
+    tpu-lora train [--config CONFIG.yaml] [--phase N|all]
         [--resume auto|never|CHECKPOINT_DIR] [--force] [--accept-changes] [key=value ...]
+    (or: python finetuning_pipeline/main.py ...)
 
 The config's phases (phase1:, phase2:, phase3:, ...) run in order, each on its own data: raw
 domain text (continued pretraining: every token is trained on) or chat/instruction Q&A
@@ -10,18 +11,23 @@ continued or merged, or a fresh one on the base). Each phase reads data written 
 dataset.prepare` and writes, under output_dir/phaseN/: adapter/ (PEFT layout),
 checkpoints/, metrics.jsonl, summary.json; the run writes output_dir/loss.png.
 
+Two runtimes run the same trainer (runtime.backend, finetuning_pipeline/runtime/): torch_xla
+(`xla`: a TPU, or XLA:CPU rehearsing it) and native PyTorch (`native`: a GPU, a CPU, TorchTPU's
+`tpu` device). The default, auto, takes xla where a TPU is attached or PJRT_DEVICE is set and
+native on a GPU; the run's first lines say which, and why.
+
 Without --config, the config named by $TPU_LORA_CONFIG, else the embedded default (the demo's,
 with its paths under the repository wherever the command is started from; its tiny model and
-data are built first if missing). On a TPU the replicas are started the TPU host's way
+data are built first if missing). On a TPU the XLA runtime's replicas are started the TPU host's way
 (runtime/xla/launch.py: a process per chip, a replica thread per device); `parallel.launcher=tpu` takes
 that same path on a CPU. On a CPU the world is otherwise one replica, run in this process, or
 N replicas started by `PJRT_DEVICE=CPU torchrun --standalone --nproc-per-node N
 finetuning_pipeline/main.py ...` (they talk through gloo on the loopback: collectives.py).
 Everything that can be checked without a device (config, paths, data manifests against the
 tokenizer, sequence length against the model, resume settings) is checked first.
-`runtime.backend=native` trains on plain PyTorch instead (one device in this process: a CPU, a
-GPU, TorchTPU's `tpu`; or N processes under `torchrun --nproc-per-node N`: DDP under
-parallel.mode=dp, FSDP2 under fsdp), with no torch_xla imported (finetuning_pipeline/runtime/).
+The native runtime trains one device in this process (a GPU, a CPU, TorchTPU's `tpu`: on a TPU
+host a process per chip, by torchrun over this command), or N processes under `torchrun
+--nproc-per-node N`: DDP under parallel.mode=dp, FSDP2 under fsdp; it imports no torch_xla.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ from utils.stack_dump import dump_stacks_on_signal
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python finetuning_pipeline/main.py",
+        prog="tpu-lora train",
         description=__doc__.split("\n\n")[0],
         epilog="Overrides are dotted config keys, e.g. train.max_steps=200 lora.r=8 output_dir=outputs/try2. "
         "Unknown keys are an error. Exit status: 0 done (or stopped cleanly), 2 bad config or data, "
@@ -112,16 +118,12 @@ CONFIG_ENV = "TPU_LORA_CONFIG"
 WRITE_ERRNOS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
-# What picks the devices a run has: pasting the printed resume command without it would resume
-# on other devices (a CPU_NUM_DEVICES other than the run's is refused by its global batch).
-DEVICE_ENVIRONMENT = ("PJRT_DEVICE", "CPU_NUM_DEVICES", "TPU_VISIBLE_CHIPS", "TPU_PROCESS_BOUNDS",
-                      "TPU_CHIPS_PER_PROCESS_BOUNDS")
-
-
-def resume_command(args: argparse.Namespace) -> str:
-    """The command as given, with --resume auto and its device environment: without --config
-    it chooses the same config again."""
-    environment = [f"{name}={shlex.quote(os.environ[name])}" for name in DEVICE_ENVIRONMENT if name in os.environ]
+def resume_command(args: argparse.Namespace, device_environment: tuple[str, ...]) -> str:
+    """The command as given, with --resume auto and its device environment (the runtime's
+    Backend.device_environment: pasting the command without it would resume on other devices, and a
+    CPU_NUM_DEVICES other than the run's is refused by its global batch); without --config it
+    chooses the same config again."""
+    environment = [f"{name}={shlex.quote(os.environ[name])}" for name in device_environment if name in os.environ]
     return " ".join([*environment, shlex.join([sys.executable, os.path.relpath(Path(__file__).resolve()),
                                                *(["--config", args.config] if args.config else []),
                                                "--phase", args.phase, "--resume", "auto", *args.overrides])])
@@ -197,7 +199,8 @@ def train(argv: list[str] | None) -> int:
                              started, label=config.train.max_wall_time or "")
     if plans:
         # run_replica on every replica of this process, started the runtime's way (its launcher)
-        runtime.launch(config, run_replica, (config, plans, resume_command(args), budget, runtime))
+        runtime.launch(config, run_replica, (config, plans, resume_command(args, runtime.device_environment), budget,
+                                              runtime))
     return 0
 
 

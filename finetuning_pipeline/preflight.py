@@ -45,6 +45,7 @@ from finetuning_pipeline.planning.phase_plan import (
 from finetuning_pipeline.run.input_checks import check_inputs, phase_data
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import ConfigError, RunConfig, load_config
+from finetuning_pipeline.runtime import backend
 from utils.atomic_io import atomic_write_json
 from utils.hub_models import HubModelError, model_dir
 
@@ -74,9 +75,8 @@ def format_report(report: dict) -> str:
     lines = [f"preflight: {report['config']} on {p['tpu_type']} ({p['parallel_mode']})"]
     for name, check in report["checks"].items():
         lines.append(f"  {check['status']:>7}  {name}: {check.get('detail', '')}")
-    if report.get("runtime") == "native":
-        lines.append("  runtime: native (plain PyTorch): the rehearsal ran it on this CPU; the plan below is the XLA "
-                     "runtime's on a TPU (its compile and kernel figures are torch_xla's; TorchTPU's are unmeasured)")
+    if report.get("runtime_note"):
+        lines.append(f"  {report['runtime_note']}")
     chip = p["chip_figures"]
     lines.append(f"  chip figures: measured by make tpu-check at {chip['checked_at']} ({chip['source']})" if chip
                  else "  chip figures: assumed (tpu.assumed_mfu, tpu.compile_s_*); make tpu-check measures them")
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     checks: dict[str, dict] = {}
     try:
         config = load_config(args.config, args.overrides)
+        runtime = backend(config)  # runtime.backend=auto resolved (on this CPU: xla, the TPU's)
         checks["config"] = {"status": "passed", "detail": "keys and values valid"}
         if not phases_of(config):
             raise ConfigError("phaseN.data: no phase has data set (phase1.data, phase2.data, ...); nothing to plan")
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                                   else f"failed at {result['failed_at']}: {result.get('detail', '')[-500:]}"),
                                **{k: v for k, v in result.items() if k not in ("passed",)}}
     report = {"config": args.config, "overrides": args.overrides, "model_config": str(source), **plan_result,
-              "checks": checks, "runtime": config.runtime.backend}
+              "checks": checks, "runtime": runtime.name, "runtime_note": runtime.plan_note}
     ok = plan_result["fits"] and all(c["status"] != "failed" for c in checks.values())
     report["ok"] = ok
     output_dir.mkdir(parents=True, exist_ok=True)

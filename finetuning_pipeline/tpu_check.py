@@ -40,6 +40,7 @@ from finetuning_pipeline.checks.pod_hosts import HostBarrier, PodCheckError, Pod
 from finetuning_pipeline.planning.phase_plan import layers_scanned, load_architecture, seq_len_of
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import ConfigError, load_config
+from finetuning_pipeline.runtime import backend
 from finetuning_pipeline.runtime.xla.device import choose_device
 from utils.output_guard import OutputConflict, claim_output, mark_written_by
 
@@ -81,6 +82,7 @@ def load_and_claim(args: argparse.Namespace, host: PodHost, barrier: HostBarrier
     failure = None
     try:
         config = load_config(args.config, args.overrides)
+        backend(config)  # runtime.backend=auto resolved: the runtime whose TPU paths are checked
         if config.runtime.backend == "native" and host.hosts > 1:
             raise ConfigError("runtime.backend=native: the native runtime's check runs one process on one host "
                               "(its pod rehearsal is not done yet); run it on one host of the slice")

@@ -117,6 +117,8 @@ class Backend(Protocol):
     """A runtime before a replica exists: the process, the machine the checks judge, the launch."""
 
     name: str
+    device_environment: tuple[str, ...]  # what picks a run's devices: the printed resume command keeps it
+    plan_note: str | None  # what preflight's TPU plan means for this runtime (None: it is its own)
 
     def prepare_process(self, first_process: bool) -> None:
         """Before anything imports transformers (first_process: the first of a host's processes)."""

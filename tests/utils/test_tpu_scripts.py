@@ -223,8 +223,8 @@ def test_clone_installs_the_pinned_stack_in_a_python_3_11_venv_and_checks_the_tp
 
 def test_clone_for_the_native_runtime_installs_torchtpu_without_torch_xla_beside_the_xla_install(fakes, tmp_path):
     """--runtime native: .venv-native (Python 3.11: TorchTPU needs it) with torch 2.13's CPU build,
-    the requirement set of utils/native_requirements.py --tpu-vm (test_tpu_install resolves it),
-    the project without its dependencies (they name torch_xla), and TorchTPU's own device check."""
+    the project with its tpu-native extra (test_tpu_install resolves it; no torch_xla), and
+    TorchTPU's own device check."""
     repo = tmp_path / "r"
     proc, calls = fakes("cloud-clone-public.sh", "--repo", "https://example.com/r.git", "--dir", str(repo),
                         "--runtime", "native")
@@ -233,11 +233,8 @@ def test_clone_for_the_native_runtime_installs_torchtpu_without_torch_xla_beside
     assert calls[3] == ["python", "-m", "uv", "venv", "--seed", "--python", "3.11", str(venv)]
     assert calls[4] == [python, "-m", "pip", "install", "torch==2.13.0", "--index-url",
                         "https://download.pytorch.org/whl/cpu"]
-    requirements = str(venv / "requirements-tpu-vm.txt")
-    assert calls[5] == [python, f"{repo}/utils/native_requirements.py", "--tpu-vm", "--output", requirements]
-    assert calls[6] == [python, "-m", "pip", "install", "-r", requirements]
-    assert calls[7] == [python, "-m", "pip", "install", "--no-deps", "-e", str(repo)]
-    assert calls[8][:2] == [python, "-c"] and "import torch, torch_tpu" in calls[8][2] and len(calls) == 9
+    assert calls[5] == [python, "-m", "pip", "install", "-e", f"{repo}[tpu-native]"]
+    assert calls[6][:2] == [python, "-c"] and "import torch, torch_tpu" in calls[6][2] and len(calls) == 7
     assert not [c for c in calls if any("torch_xla" in a or "[tpu]" in a for a in c)]
     assert (venv / ".tpu").is_file() and not (repo / ".venv").exists()
     assert "runtime.backend=native runtime.device=tpu" in proc.stdout

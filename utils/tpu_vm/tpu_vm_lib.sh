@@ -91,11 +91,9 @@ install_stack() {
 
 # install_native_stack DIR: the native runtime's install (runtime.backend=native runtime.device=tpu),
 # beside the XLA one: DIR/.venv-native with Python $VENV_PYTHON (TorchTPU needs 3.11 or newer),
-# the CPU build of torch $NATIVE_TORCH_VERSION (TorchTPU's range: 2.11 to 2.15), then what
-# utils/native_requirements.py --tpu-vm lists (torch-tpu, which brings its libtpu, and the
-# project's dependencies but torch_xla), then the project itself without its dependencies (they
-# name torch_xla). Marked and stamped as install_stack's venv is; one this script did not make is
-# left alone.
+# the CPU build of torch $NATIVE_TORCH_VERSION (TorchTPU's range: 2.11 to 2.15), then the project
+# with its tpu-native extra (torch-tpu, which brings its libtpu; no torch_xla), which keeps that
+# torch. Marked and stamped as install_stack's venv is; one this script did not make is left alone.
 NATIVE_TORCH_VERSION=2.13.0
 install_native_stack() {
   local dir=$1 python=${PYTHON:-python3} venv=$1/.venv-native
@@ -107,9 +105,7 @@ install_native_stack() {
     run "$python" -m uv venv --seed --python "$VENV_PYTHON" "$venv"
   fi
   run "$venv/bin/python" -m pip install "torch==$NATIVE_TORCH_VERSION" --index-url "$TORCH_CPU_INDEX"
-  run "$venv/bin/python" "$dir/utils/native_requirements.py" --tpu-vm --output "$venv/requirements-tpu-vm.txt"
-  run "$venv/bin/python" -m pip install -r "$venv/requirements-tpu-vm.txt"
-  run "$venv/bin/python" -m pip install --no-deps -e "$dir"
+  run "$venv/bin/python" -m pip install -e "${dir}[tpu-native]"
   run touch "$venv/.tpu" "$venv/.installed"
 }
 

@@ -125,6 +125,9 @@ class NativeBackend:
     """The native runtime before a replica exists (runtime/protocol.py's Backend)."""
 
     name = "native"
+    device_environment = ("CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS")
+    plan_note = ("runtime: native (plain PyTorch): the rehearsal ran it on this CPU; the plan below is the XLA "
+                 "runtime's on a TPU (its compile and kernel figures are torch_xla's; TorchTPU's are unmeasured)")
 
     def prepare_process(self, first_process: bool) -> None:
         """USE_TORCH_XLA=0, which transformers and accelerate read, so that they leave an installed

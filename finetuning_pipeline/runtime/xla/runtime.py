@@ -121,6 +121,9 @@ class XlaBackend:
     """The XLA runtime before a replica exists (runtime/protocol.py's Backend)."""
 
     name = "xla"
+    device_environment = ("PJRT_DEVICE", "CPU_NUM_DEVICES", "TPU_VISIBLE_CHIPS", "TPU_PROCESS_BOUNDS",
+                          "TPU_CHIPS_PER_PROCESS_BOUNDS")
+    plan_note = None  # preflight's plan is this runtime's
 
     def prepare_process(self, first_process: bool) -> None:
         """The PJRT device chosen and said once (by the first process: torchrun's others inherit it)."""

@@ -70,18 +70,28 @@ def test_the_device_choice_and_tpu_without_torch_tpu(monkeypatch):
     assert compiles_layers("eager", torch.device("cuda")) is False
 
 
-def test_the_native_environment_takes_the_projects_dependencies_but_torch_xla_and_a_torch_in_torchtpus_range():
+def test_each_runtime_is_an_extra_and_the_core_pins_no_torch():
+    """pyproject.toml: the core names torch by the range both runtimes run under (no pin, no
+    torch_xla); `xla` pins torch_xla's stack, `gpu`/`native` a range that holds TorchTPU's
+    (2.11 to 2.15) and 2.9, `tpu-native` adds TorchTPU (tests/utils/test_tpu_install.py resolves them)."""
+    import tomllib
     from conftest import REPO
+    from packaging.requirements import Requirement
 
-    from utils.native_requirements import native_requirements
-
-    requirements = native_requirements(REPO / "pyproject.toml")
-    assert not [r for r in requirements if r.startswith(("torch_xla", "torch-xla"))]
-    torch = [r for r in requirements if r.split("==")[0] == "torch"]
-    assert len(torch) == 1
-    version = tuple(int(part) for part in torch[0].split("==")[1].split(".")[:2])
-    assert (2, 11) <= version <= (2, 15)
-    assert "transformers==5.23.0" in requirements and "gguf==0.19.0" in requirements  # the pins, as pyproject's
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    core = {r.name: r for r in map(Requirement, project["dependencies"])}
+    assert "torch_xla" not in core and "torch-xla" not in core
+    assert not any(s.operator == "==" for s in core["torch"].specifier)
+    extras = {name: {r.name: r for r in map(Requirement, requirements)}
+              for name, requirements in project["optional-dependencies"].items()}
+    assert str(extras["xla"]["torch"].specifier) == "==2.9.0" and "torch_xla" in extras["xla"]
+    for name in ("gpu", "native", "tpu-native", None):
+        torch = extras[name]["torch"].specifier if name else core["torch"].specifier
+        for version in ("2.11.0", "2.13.0", "2.15.1"):
+            assert torch.contains(version), (name, version)
+        assert not torch.contains("2.16.0") and (name == "tpu-native") != torch.contains("2.9.0")
+        assert name is None or not {"torch_xla", "torch-xla"} & set(extras[name])
+    assert str(extras["tpu-native"]["torch-tpu"].specifier) == "==0.2.0"
 
 
 def test_the_peak_memory_is_the_accelerators_or_none_where_it_keeps_none(monkeypatch):
