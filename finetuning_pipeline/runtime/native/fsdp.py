@@ -21,6 +21,8 @@ them back as its codes, bit for bit.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from finetuning_pipeline.distributed.parallel import DATA_AXIS, FSDP_AXIS, Parallel, decoder_layers, mesh_shape
@@ -40,8 +42,12 @@ def device_mesh(device: torch.device, processes: int, data: int, fsdp: int):
     return mesh[FSDP_AXIS] if data == 1 else mesh
 
 
+@dataclass
 class NativeFsdp(Parallel):
-    """Parallel for FSDP2: its mesh is torch's DeviceMesh, and placing the model shards it."""
+    """Parallel for FSDP2: its mesh is torch's DeviceMesh (1-D over `fsdp`, or 2-D `data` x `fsdp`),
+    and placing the model shards it."""
+
+    mesh: object = None
 
     def place_model(self, model: torch.nn.Module, device) -> list[str]:
         """Shard each decoder layer's frozen weights onto the device, then move the rest of the
@@ -58,12 +64,6 @@ class NativeFsdp(Parallel):
             fully_shard(layer, mesh=self.mesh, ignored_params={p for p in layer.parameters() if p.requires_grad})
         model.to(device)  # the LoRA weights, embeddings, final norm and LM head (a sharded weight is there already)
         return [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
-
-    def replicate(self, tensors: list[torch.Tensor]) -> None:
-        pass  # (XLA's sharding marks: the LoRA state is whole on every process here)
-
-    def input_sharding(self):
-        return None  # each process feeds its own device
 
     def describe(self) -> dict:
         shape = dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))
