@@ -11,6 +11,8 @@ batch of k*b (a mean of per-micro-batch means would weight short micro-batches m
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from finetuning_pipeline.distributed.collectives import Collectives
@@ -22,7 +24,7 @@ from utils.precision import float64_throughout
 def micro_batch_gradients(model, optimizer, batch: dict[str, torch.Tensor], packed: bool = True,
                           loss_chunk: int = 0) -> list[torch.Tensor]:
     """[flat LoRA gradient of the loss sum, loss sum, label tokens] of one micro-batch; leaves
-    no `.grad` behind, so it can be traced once and looped (micro_batch_loop.py).
+    no `.grad` behind, so it can be traced once and looped (runtime/xla/micro_batch_loop.py).
     batch["lora_seed"] (int32 [1], optional): the seed of its LoRA dropout masks (lora_logic/dropout.py).
     A model of K adapters side by side: loss sum and label tokens per adapter, [K]; the gradient
     of their total is each adapter's own, as its rows reach only its weights."""
@@ -49,26 +51,40 @@ def micro_batch_backward(model, batch: dict[str, torch.Tensor], loss_sums) -> tu
 
 def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, collectives: Collectives | None = None,
                packed: bool = True, loss_chunk: int = 0, seeds: list[int] | None = None,
-               active: torch.Tensor | None = None, seed_rng=None) -> dict[str, torch.Tensor]:
+               active: torch.Tensor | None = None, seed_rng=None, replicated=None) -> dict[str, torch.Tensor]:
     """Accumulate gradients over `micro_batches`, average, clip, step. Returns device tensors:
     loss (mean per label token), tokens (label tokens in the step), grad_norm (before
     clipping) and applied (False when the loss or the gradient norm was not finite: the
     optimizer then skipped the update, on the device). The caller marks the step boundary.
 
-    This is the step traced every time (train.capture_step false, and the reference the
-    captured step is tested against: trainer.Stepper runs the same parts traced once).
+    This is the native runtime's step, and the XLA runtime's traced every time (train.capture_step
+    false: the reference its captured step, runtime/xla/step_execution.py, is tested against).
     seeds, seed_rng: seed_rng(seeds[i]) seeds the RNG the model's own dropout draws from before
-    micro-batch i (the runtime's: Stepper.seed_rng); None leaves the RNG as it is.
-    active: adapters side by side, which of them step (apply_update)."""
+    micro-batch i (the runtime's StepExecution.seed_rng); None leaves the RNG as it is.
+    active: adapters side by side, which of them step (apply_update).
+    replicated: the model's loss under DistributedDataParallel (runtime/native/ddp.py), which sums
+    the LoRA gradients over the replicas in the backward of the step's last micro-batch, as that
+    backward produces them: the micro-batches before it run under its no_sync(), their gradients
+    adding up in the .grads, and the step reads the gradient once; `collectives` then sums the
+    loss sums and label tokens only. The same sums as reading each micro-batch's gradient."""
     sums = None
     for i, batch in enumerate(micro_batches):
         if seeds is not None:
             seed_rng(seeds[i])
-        out = micro_batch_gradients(model, optimizer, batch, packed, loss_chunk)
+        if replicated is None:
+            out = micro_batch_gradients(model, optimizer, batch, packed, loss_chunk)
+        else:
+            with replicated.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                out = micro_batch_backward(model, batch, replicated)
         sums = out if sums is None else [a + b for a, b in zip(sums, out)]
-    grad, loss_total, tokens = sums
-    if collectives is not None:  # sums over the replicas (one collective for all three)
-        grad, loss_total, tokens = collectives.sum_device([grad, loss_total, tokens])
+    if replicated is not None:  # the gradient is already summed over the replicas
+        grad = optimizer.flat_grad()
+        optimizer.zero_grad()
+        loss_total, tokens = collectives.sum_device(sums)
+    else:
+        grad, loss_total, tokens = sums
+        if collectives is not None:  # sums over the replicas (one collective for all three)
+            grad, loss_total, tokens = collectives.sum_device([grad, loss_total, tokens])
     return apply_update(optimizer, grad, loss_total, tokens, max_grad_norm, active)
 
 

@@ -2,8 +2,9 @@
 model, their LoRA gradients summed by PyTorch's DistributedDataParallel.
 
 DDP sums a step's gradients once, in the backward of its last micro-batch, as that backward
-produces them (the micro-batches before it run under `no_sync()` and add to the `.grad`s): the
-reduction overlaps the backward instead of following it. Two things differ from DDP's defaults:
+produces them (the micro-batches before it run under `no_sync()` and add to the `.grad`s: the
+one micro-batch loop, train/step.py's train_step given the DDP module): the reduction overlaps
+the backward instead of following it. Two things differ from DDP's defaults:
 - it sums rather than averages (a comm hook): the step divides by the label tokens of every
   micro-batch of every replica (train/step.py), so k micro-batches on n replicas give the
   gradient of one batch of n*k;
@@ -15,13 +16,14 @@ The loss sums and label tokens are summed with one all-reduce by the replicas' C
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from finetuning_pipeline.errors import ReplicaLost
 from finetuning_pipeline.model.causal_lm_loss import causal_lm_loss_sum
-from finetuning_pipeline.train.step import apply_update, micro_batch_backward
 
 
 class BatchLoss(torch.nn.Module):
@@ -55,32 +57,15 @@ def replicate(model: torch.nn.Module, packed: bool, loss_chunk: int, groups: int
     return ddp
 
 
-def summed_backward(model, batch: dict, ddp: DistributedDataParallel, collectives):
-    """The backward in which DDP sums the gradients; a peer gone then (its sockets closed: a gloo or
-    NCCL error from the reduction) is ReplicaLost, as in the replicas' own collectives."""
+@contextlib.contextmanager
+def lost_replica_named(collectives):
+    """Around a step whose gradients DDP sums: a peer gone then (its sockets closed: a gloo or NCCL
+    error from the reduction) is ReplicaLost, as in the replicas' own collectives; every other
+    error goes through as it is."""
     try:
-        return micro_batch_backward(model, batch, ddp)
+        yield
     except RuntimeError as err:
         if not any(name in str(err) for name in ("gloo", "NCCL")):
             raise
         raise ReplicaLost(f"replica {collectives.rank}: another replica stopped answering in the gradients' sum "
                           f"({err}); the run resumes from its last complete checkpoint with --resume auto") from None
-
-
-def data_parallel_step(ddp: DistributedDataParallel, optimizer, micro_batches: list[dict], *, collectives,
-                       max_grad_norm: float, seeds: list[int], seed_rng, active: torch.Tensor | None) -> dict:
-    """step.train_step's step with DDP summing the gradients: the same results."""
-    model = ddp.module.model
-    sums = None
-    for i, batch in enumerate(micro_batches):
-        seed_rng(seeds[i])
-        if i < len(micro_batches) - 1:
-            with ddp.no_sync():  # the gradients add up in the .grads; the last backward's sum has them all
-                out = micro_batch_backward(model, batch, ddp)
-        else:
-            out = summed_backward(model, batch, ddp, collectives)
-        sums = list(out) if sums is None else [a + b for a, b in zip(sums, out)]
-    grad = optimizer.flat_grad()
-    optimizer.zero_grad()
-    loss_total, tokens = collectives.sum_device(sums)
-    return apply_update(optimizer, grad, loss_total, tokens, max_grad_norm, active)

@@ -19,11 +19,13 @@ forward and backward, not its depth (tested), and the LoRA's shared A products
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from finetuning_pipeline.distributed.parallel import decoder_layers
 from finetuning_pipeline.run_config import TrainConfig
-from finetuning_pipeline.runtime.native.ddp import data_parallel_step, replicate
+from finetuning_pipeline.runtime.native.ddp import lost_replica_named, replicate
 from finetuning_pipeline.train.step import train_step
 from lora_logic.dropout import SeededDropout
 
@@ -45,13 +47,10 @@ class NativeStepExecution:
 
     def run(self, micro_batches: list[dict], seeds: list[int], lr_and_active, lr_examples) -> dict:
         self.optimizer.lr, active = lr_and_active()
-        if self.ddp is None:
+        with lost_replica_named(self.parallel.collectives) if self.ddp is not None else contextlib.nullcontext():
             return train_step(self.model, self.optimizer, micro_batches, max_grad_norm=self.max_grad_norm,
                               collectives=self.parallel.collectives, packed=self.packed, loss_chunk=self.loss_chunk,
-                              seeds=seeds, active=active, seed_rng=self.seed_rng)
-        return data_parallel_step(self.ddp, self.optimizer, micro_batches, collectives=self.parallel.collectives,
-                                  max_grad_norm=self.max_grad_norm, seeds=seeds, seed_rng=self.seed_rng,
-                                  active=active)
+                              seeds=seeds, active=active, seed_rng=self.seed_rng, replicated=self.ddp)
 
 
 def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
