@@ -14,7 +14,7 @@ speed and memory of a step do not depend on the values), LoRA r 16 (alpha 32) on
   peer    transformers.Trainer (adamw_torch, bf16 base) on a peft LoRA of the same rank, targets
           and scaling, on the same token blocks.
 Steps after the first WARMUP_STEPS (the compiles) are timed, from the end of the last warm-up
-step's work to the end of the last step's (torch.accelerator.synchronize). Targets (issue #52):
+step's work to the end of the last step's (torch.accelerator.synchronize). Targets:
 ours >= 1.5x the peer's tokens/s; ours <= 1.10x the frozen step; our peak memory <= 0.75x the
 peer's. `--profile` adds, for ours and the frozen floor, the device time and the kernels of one more
 step under PyTorch's profiler (on a CPU: its ops and their CPU time). `--shape tiny --device cpu`

@@ -85,7 +85,7 @@ def load_and_claim(args: argparse.Namespace, host: PodHost, barrier: HostBarrier
         backend(config)  # runtime.backend=auto resolved: the runtime whose TPU paths are checked
         if config.runtime.backend == "native" and host.hosts > 1:
             raise ConfigError("runtime.backend=native: the native runtime's check runs one process on one host "
-                              "(its pod rehearsal is not done yet); run it on one host of the slice")
+                              "(it has no pod rehearsal); run it on one host of the slice")
         if not any(config.data_dirs(1).values()) and not config.phase(1).seq_len:
             raise ConfigError("phase1.seq_len: the check trains at phase 1's sequence length; set phase1.data (or "
                               "its adapters' data side by side) or phase1.seq_len")

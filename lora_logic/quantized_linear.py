@@ -99,7 +99,7 @@ class _QuantizedMatmul(torch.autograd.Function):
         # The forward's dequantization behind a barrier with its input too: it reads only codes and
         # scales, the same for every micro-batch, and XLA's loop-invariant code motion moved it out
         # of the micro-batch loop (micro_batch_loop.py), keeping every layer's dequantized weight for
-        # the whole step (issue #53.1). Tied to x it is computed where x is, micro-batch by micro-batch.
+        # the whole step. Tied to x it is computed where x is, micro-batch by micro-batch.
         # Not inside the layer scan's trace, where no barrier can be recorded (only copies, which its
         # partitioner would keep for the backward instead of recomputing them), and whose loop over
         # the layers already holds one layer's weight at a time.

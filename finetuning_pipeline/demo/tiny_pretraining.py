@@ -2,7 +2,7 @@
 knows some Romanian and some geography instead of random weights.
 
 Real fine-tuning starts from a pretrained base: LoRA adapts what the base already represents.
-A randomly initialised base leaves LoRA nothing to adapt (the demo used to end at an eval
+A randomly initialised base leaves LoRA nothing to adapt (the demo then ends at an eval
 perplexity of about 430 with a wrong answer). So `tiny_model` trains every weight of its model
 here, in eager PyTorch on the CPU, on the phase-1 corpus only: the base learns the words and
 the facts ("Județul Brașov se află în Transilvania"), never a question and its answer, which

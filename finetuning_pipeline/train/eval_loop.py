@@ -38,7 +38,7 @@ def evaluate_loss(model, data_dir: str, *, micro_batch: int, pad_id: int, packed
     batch runs the same small graph (`boundary`, the runtime's step boundary, after each) and the
     totals are read once, at the end: one host sync per evaluation.
     to_device(batch, device, input_sharding): the runtime's (default: a plain copy).
-    loss_chunk: tokens per loss chunk (None: the model's default, chunked_loss.auto_chunk_tokens).
+    loss_chunk: tokens per loss chunk (None: the model's default, causal_lm_loss.auto_chunk_tokens).
     replicate: marks the running sums' sharding under SPMD (Parallel.replicate)."""
     collectives = collectives or Collectives()
     if max_batches == 0:

@@ -128,9 +128,9 @@ def test_manifest_mismatch_names_both_values(prepared, tiny_model_dir):
     ("fewer blocks", r"train: \d+ blocks of 64 tokens, its manifest says \d+ of 64"),
 ])
 def test_damaged_shards_are_named_where_the_data_is_opened(prepared, tmp_path, damage, message):
-    """Issue #38.8: a truncated shard was a numpy traceback in main.py and evaluate (and preflight
-    passed it), a missing one exit 3 ("fix the disk"). Checked against the manifest when the
-    data is opened, before any training, as a DataError (exit 2) naming the file."""
+    """A truncated or missing shard is checked against the manifest when the data is opened,
+    before any training, as a DataError (exit 2) naming the file: not a numpy traceback in
+    main.py and evaluate, a pass in preflight, or exit 3 ("fix the disk")."""
     import shutil
 
     copy = tmp_path / "copy"

@@ -70,7 +70,7 @@ def test_bad_record_is_reported_with_file_and_line(tmp_path, tiny_model_dir, cap
 
 
 def test_a_file_that_starts_with_a_byte_order_mark_is_read(tmp_path, tiny_model_dir):
-    """Issue #38.11: a UTF-8 BOM (as Windows editors save) made line 1 malformed JSON."""
+    """A UTF-8 BOM (as Windows editors save) is read as no part of line 1's JSON."""
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + (json.dumps({"text": "Ceva."}) + "\n" + json.dumps({"text": "Altceva."}) + "\n")
                      .encode())

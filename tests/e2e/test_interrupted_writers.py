@@ -1,4 +1,4 @@
-"""Every writer stopped mid-write by SIGTERM or SIGINT (issue #54.1): the output never appears,
+"""Every writer stopped mid-write by SIGTERM or SIGINT: the output never appears,
 nothing it staged stays behind, and the command says so in one line and exits 128 + the signal's
 number, with no traceback. The signal is sent by the process to itself from inside the write (a
 patched writer call), so it lands mid-write every time, in the command's own process."""

@@ -186,9 +186,9 @@ def dequantized_shapes(model_dir, fmt: str) -> set[str]:
     ("q8_0", {"train": {"scan_layers": True}}),
 ], ids=["q8_0", "q4_0-checkpointed", "nf4-grad_accum_4", "q8_0-scanned"])
 def test_no_loop_of_the_step_carries_a_dequantized_weight(fmt, sections, tiny_model_dir, data, tmp_path):
-    """Issue #53.1: the micro-batch loop (grad_accum 2, and 4) once carried every decoder Linear's
-    dequantized weight, which XLA's loop-invariant code motion had moved out of it (it reads only
-    codes and scales): the memory the quantization saves, kept for the whole step. The optimized
+    """The micro-batch loop (grad_accum 2, and 4) carries no decoder Linear's dequantized weight,
+    which XLA's loop-invariant code motion would move out of it (it reads only codes and scales):
+    the memory the quantization saves, kept for the whole step. The optimized
     HLO of the trainer's own step, compiled by the real command: no loop holds one (the control:
     the LoRA's A products, [r, in], are there)."""
     import os
@@ -220,8 +220,8 @@ def all_gathered(dump) -> set[str]:
 @pytest.mark.parametrize("fmt, grad_accum, checkpointed", [("q8_0", 1, False), ("q4_0", 4, True), ("nf4", 4, False)])
 def test_fsdp_gathers_a_quantized_weights_codes_and_scales_never_the_dequantized_weight(
         fmt, grad_accum, checkpointed, tiny_model_dir, data, tmp_path):
-    """Issue #53.3: under fsdp (4 devices, codes and scales sharded by rows) the partitioner once
-    dequantized each chip's rows and all-gathered the dequantized weight for the matmul: 2 to 4
+    """Under fsdp (4 devices, codes and scales sharded by rows) the partitioner, left to itself,
+    dequantizes each chip's rows and all-gathers the dequantized weight for the matmul: 2 to 4
     times the bytes of the codes. In the optimized HLO of the trainer's own step, the all-gathers
     now carry the codes (s8 in q8_0, two 4-bit codes a u8 in q4_0 and nf4) and the scales, and no
     float array shaped like a decoder weight (or its blocks); the embedding, not quantized, is

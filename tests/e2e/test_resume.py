@@ -334,7 +334,7 @@ def test_bad_resume_paths_and_changed_settings(tiny_model_dir, data, reference, 
 
 def test_a_base_that_moved_resumes_and_other_weights_at_its_path_are_refused(tiny_model_dir, data, reference,
                                                                           tmp_path, capsys):
-    """Issue #54.2: a resume matches the base by its weights, as lineage.json does, not by its path:
+    """A resume matches the base by its weights, as lineage.json does, not by its path:
     the base copied elsewhere (a run's directories may move) resumes the checkpoint and finishes the
     uninterrupted run bitwise; other weights at that path are refused, naming them."""
     from safetensors.torch import save_file

@@ -190,7 +190,7 @@ def test_evaluate_flags_outside_their_domain_are_usage_errors(argv, message, tin
 
 @pytest.mark.parametrize("prompt", ["", "  \n"])
 def test_an_empty_prompt_is_refused(tiny_model_dir, capsys, prompt):
-    """Issue #54.15: `generate --prompt ""` exited 0 with the chat template's own tokens ("assis")."""
+    """`generate --prompt ""` is refused (it would exit 0 with the chat template's own tokens, "assis")."""
     with pytest.raises(SystemExit) as exit_info:
         generate_main(["--model", str(tiny_model_dir), "--prompt", prompt])
     assert exit_info.value.code == 2 and "--prompt is empty" in capsys.readouterr().err

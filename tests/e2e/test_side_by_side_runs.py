@@ -136,8 +136,8 @@ def test_a_resumed_run_resumes_every_adapter_bitwise(together, tmp_path):
 
 
 def test_a_resume_with_the_adapters_listed_in_another_order_continues_each_adapter(together, tmp_path):
-    """Issue #38.1: the order of the config's adapters is not a resume key. Restored by position,
-    each adapter took the other's optimizer state and drifted (loss 0.808 against 0.751 at step
+    """The order of the config's adapters is not a resume key. Restored by position, each adapter
+    would take the other's optimizer state and drift (loss 0.808 against 0.751 at step
     20); by name, each continues as uninterrupted. The rows' order differs, so the sums may
     round apart: held to float64's bound, as side by side against alone."""
     out, config = together

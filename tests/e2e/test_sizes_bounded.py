@@ -1,7 +1,7 @@
-"""Every size a user types that allocates is bounded before it allocates (issue #54.5, #54.6): a
+"""Every size a user types that allocates is bounded before it allocates: a
 block length over the model's context, a batch over the data, an answer over the context, a rank
-over a layer's side. Each was a traceback or an OOM kill; each is now one line and exit 2 (or, where
-the result is the same either way, capped at the data's size)."""
+over a layer's side. Each is one line and exit 2, not a traceback or an OOM kill (or, where the
+result is the same either way, capped at the data's size)."""
 
 from __future__ import annotations
 

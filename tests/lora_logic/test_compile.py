@@ -1,7 +1,7 @@
 """torch.compile traces a LoRA-wrapped decoder layer whole (no graph break), its A products still
 shared (q, k, v and gate, up: one product each), and computes what eager PyTorch computes: the
-native runtime compiles per decoder layer, as torchtitan does (issue #52). The shared products once
-passed between the layers on the input tensor itself (`x.__dict__`), which dynamo cannot trace."""
+native runtime compiles per decoder layer, as torchtitan does. The shared products are handed
+between the layers by SharedInput, not on the input tensor itself (`x.__dict__`), which dynamo cannot trace."""
 
 from __future__ import annotations
 

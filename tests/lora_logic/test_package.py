@@ -1,4 +1,4 @@
-"""`from lora_logic import LoraConfig, inject_lora` as PEFT's users write it (issue #54.16), and the
+"""`from lora_logic import LoraConfig, inject_lora` as PEFT's users write it, and the
 config still readable without torch."""
 
 from __future__ import annotations

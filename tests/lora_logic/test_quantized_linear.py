@@ -99,8 +99,8 @@ def test_on_the_xla_device_the_backward_dequantizes_behind_a_barrier_with_the_gr
     hlo = torch_xla._XLAC._get_xla_tensors_hlo([out["x.grad"]])
     barriers = [line.split("opt-barrier(")[0] for line in hlo.splitlines() if "opt-barrier(" in line]
     codes, scales = layer.base_layer.codes, layer.base_layer.scales
-    # The backward's, with the incoming gradient; and the forward's, with its input (issue #53.1:
-    # without it XLA moved the forward's dequantization out of the micro-batch loop).
+    # The backward's, with the incoming gradient; and the forward's, with its input (without it
+    # XLA moves the forward's dequantization out of the micro-batch loop).
     assert len(barriers) == 2
     packed = (f"u8[{codes.shape[0]},{codes.shape[1]}]", f"f16[{scales.shape[0]},{scales.shape[1]}]")
     backward = [b for b in barriers if "f32[3,5,48]" in b]
@@ -145,8 +145,8 @@ def test_adapters_side_by_side_over_a_quantized_base_each_give_their_rows_what_a
 
 
 def test_on_the_xla_device_nf4_codes_become_values_by_selects_not_a_per_value_gather():
-    """Issue #53.4: each of the 256 bytes (two nibbles) gives the table's values bit for bit, and
-    the graph that dequantizes holds no gather (the lookup was one gather entry per weight value)."""
+    """Each of the 256 bytes (two nibbles) gives the table's values bit for bit, and the graph
+    that dequantizes holds no gather (a lookup would be one gather entry per weight value)."""
     from lora_logic.quantize import QuantizedWeight, dequantize, nf4_code_tensor
 
     codes = torch.arange(256, dtype=torch.uint8).reshape(8, 32)  # 8 rows of one 64-value block

@@ -42,8 +42,8 @@ except KeyboardInterrupt as err:
 @pytest.mark.parametrize("kind", ["file", "dir"])
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_stop_signal_while_an_output_is_staged_removes_the_staging(tmp_path, kind, sig):
-    """Issue #54.1: SIGTERM used to end the process where it stood, no `finally` ran, and the
-    staging stayed behind (gigabytes for a 7B export)."""
+    """SIGTERM runs the `finally` that removes the staging (left to end the process where it
+    stood, it would leave gigabytes behind for a 7B export)."""
     out = tmp_path / ("model.gguf" if kind == "file" else "merged")
     done = subprocess.run([sys.executable, "-c", STAGE_AND_SIGNAL, str(out), kind, sig], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
@@ -92,7 +92,7 @@ def test_only_the_outputs_own_stagings_are_removed(tmp_path):
 
 @pytest.mark.parametrize("stage", [staged_file, staged_directory])
 def test_a_write_that_fails_takes_back_the_directories_it_made(tmp_path, stage):
-    """Issue #54.14: a failed write left the empty directories made for its output."""
+    """A failed write leaves none of the empty directories made for its output."""
     (tmp_path / "kept").mkdir()
     out = tmp_path / "kept" / "made" / "also made" / "out"
     with pytest.raises(OSError), stage(out):

@@ -115,9 +115,9 @@ def test_on_a_cpu_the_check_takes_the_tpu_hosts_path_unless_told_otherwise(tmp_p
 
 
 def test_the_check_scans_its_two_layers_when_the_full_depth_run_will(tmp_path):
-    """Issue #53.2: the 2-layer copy is below the depth at which `auto` scans, so the check ran the
-    layer loop while a 32-layer run scans: torch_xla's scan on a TPU was never run by the check, nor
-    compile_s_scanned measured. The copy now takes the full run's decision; the pair turns it off."""
+    """The 2-layer copy is below the depth at which `auto` scans, so left to `auto` the check would
+    run the layer loop while a 32-layer run scans, and never run torch_xla's scan on a TPU nor
+    measure compile_s_scanned. The copy takes the full run's decision; the pair turns it off."""
     from transformers import AutoConfig
 
     from finetuning_pipeline.planning.phase_plan import layers_scanned

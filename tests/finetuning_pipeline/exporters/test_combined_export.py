@@ -77,7 +77,7 @@ def test_the_export_writes_a_combined_adapter_peft_loads_and_a_merged_model(adap
     assert run_export("--base", base, "--adapter", adapters / "a1", "--adapter", tmp_path / "other", "--combine",
                       "linear", "--out", tmp_path / "bad") == 2
     assert "adapters of different bases do not combine" in capsys.readouterr().err
-    # Issue #38.9: one base written as a relative and as an absolute path is one base.
+    # One base written as a relative and as an absolute path is one base.
     for name, written_as in (("absolute", str(base.resolve())), ("relative", os.path.relpath(base))):
         (tmp_path / name).mkdir()
         (tmp_path / name / "adapter_model.safetensors").write_bytes((adapters / "a2" / "adapter_model.safetensors")
@@ -93,7 +93,7 @@ def test_the_export_writes_a_combined_adapter_peft_loads_and_a_merged_model(adap
 
 
 def test_adapters_are_matched_to_a_base_by_their_lineage_not_by_its_path(adapters, tmp_path, capsys):
-    """Issue #54.2: two adapters whose lineage.json records the same base weights combine, whatever
+    """Two adapters whose lineage.json records the same base weights combine, whatever
     path each adapter_config.json names (the base moved between the runs); other weights are
     refused, whatever the paths. An adapter without lineage.json is matched by the name it records,
     against any adapter's name."""
@@ -136,9 +136,9 @@ def test_adapters_are_matched_to_a_base_by_their_lineage_not_by_its_path(adapter
 
 
 def test_notes_on_a_combination_name_the_users_adapters_not_a_temporary_directory(adapters, tmp_path, capsys):
-    """Issue #54.13: the combined adapter reaches the writers as a temporary directory; the notes
-    on adapters trained on a quantized base named that directory (combined-adapter-... in the
-    system's temporary folder) instead of the --adapter paths the user gave."""
+    """The combined adapter reaches the writers as a temporary directory; the notes on adapters
+    trained on a quantized base name the --adapter paths the user gave, not that directory
+    (combined-adapter-... in the system's temporary folder)."""
     from finetuning_pipeline.model.lineage import model_lineage, quantized_with, write_lineage
 
     base = base_with_tokenizer(tmp_path)

@@ -80,7 +80,7 @@ def test_an_outtype_the_export_cannot_write_is_refused(llama_files, tmp_path, ca
     assert "f32, f16, bf16, q8_0, q4_0" in line and "llama-quantize model-f16.gguf model-Q4_K_M.gguf Q4_K_M" in line
     line = refused(capsys, "--format", "gguf", "--outtype", "fp8", "--base", base, "--out", tmp_path / "m.gguf")
     assert "--outtype fp8" in line
-    # Issue #54.8: a type the export writes, in capitals, is not sent to llama-quantize as a K-quant.
+    # A type the export writes, in capitals, is not sent to llama-quantize as a K-quant.
     for typed, adapter_only in (("Q8_0", []), ("F16", ["--adapter-only", "--adapter", adapter])):
         line = refused(capsys, "--format", "gguf", "--outtype", typed, *adapter_only, "--base", base, "--out",
                        tmp_path / "m.gguf")
@@ -91,8 +91,8 @@ def test_an_outtype_the_export_cannot_write_is_refused(llama_files, tmp_path, ca
 @pytest.mark.parametrize("name", ["x" * 300 + ".gguf", "x" * 245 + ".gguf", "d" * 300 + "/m.gguf"],
                          ids=["file name over NAME_MAX", "staging name over NAME_MAX", "directory name over NAME_MAX"])
 def test_a_name_the_file_system_refuses_is_bad_input_and_creates_nothing(llama_files, tmp_path, capsys, name):
-    """Issue #54.14: an --out whose name the file system refuses was exit 3 ("Fix it (free space,
-    permissions)") after the directories above it were made, and they stayed."""
+    """An --out whose name the file system refuses is one line, not exit 3 ("Fix it (free space,
+    permissions)"), and the directories made above it do not stay."""
     base, _ = llama_files
     out = tmp_path / "dir with space" / "below" / name
     line = refused(capsys, "--format", "gguf", "--base", base, "--out", out)
@@ -223,7 +223,7 @@ def test_the_gguf_of_a_quantized_base_holds_the_bytes_a_quantized_run_trained_on
 
 
 def test_an_adapter_trained_on_a_quantized_base_says_which_base_serves_it(llama_files, tmp_path, capsys):
-    """Issue #54.3: the base's GGUF in the run's format holds the blocks the adapter trained on only
+    """The base's GGUF in the run's format holds the blocks the adapter trained on only
     when the run quantized the files' own values: its model.dtype the files' dtype, or float32. A
     run in bf16 on fp16 files (or in fp16 on bf16 ones) quantized values rounded first."""
     from finetuning_pipeline.exporters.gguf_tensors import BaseTensors

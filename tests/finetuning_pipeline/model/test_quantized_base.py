@@ -130,8 +130,8 @@ def test_a_shape_a_format_cannot_hold_is_refused_naming_the_key_and_what_to_do()
     assert message.startswith("model.quantize=q4_0: cannot store the decoder's q_proj (its input dimension 48 is "
                               "not a multiple of q4_0's block of 32)")
     assert message.endswith("; no format fits this model: set model.quantize=none")
-    # Issue #54.7: the rule is stated once, as the problem, and the way out names the formats
-    # that fit (the hint used to state another rule, which a refused 96 x 96 weight met).
+    # The rule is stated once, as the problem, and the way out names the formats that fit (a
+    # hint stating another rule would be one a refused 96 x 96 weight meets).
     wider = AutoConfig.for_model("llama", vocab_size=64, hidden_size=96, intermediate_size=192, num_hidden_layers=1,
                                  num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(ValueError) as err:

@@ -215,7 +215,7 @@ MISTRAL_ON_ONE_CHIP = CONFIGS / "mistral7b_v5e1_q8.yaml"
 
 
 # nf4 above q4_0 (the same bytes a weight, nominally): its scale rows of 64 fp32 values (4096 / 64)
-# are padded to 128 lanes on a TPU, 0.28 GiB more (issue #53.5).
+# are padded to 128 lanes on a TPU, 0.28 GiB more.
 @pytest.mark.parametrize("quantize, weights_gib, fits", [("none", 13.5, False), ("q8_0", 8.2, True),
                                                            ("q4_0", 5.0, True), ("nf4", 5.28, True)])
 def test_mistral_7b_fits_one_v5e_chip_with_a_quantized_base(tmp_path, quantize, weights_gib, fits):

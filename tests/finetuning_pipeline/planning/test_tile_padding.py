@@ -1,4 +1,4 @@
-"""Issue #53.5: the plan counts what the TPU's tiled layout pads of a quantized base: scale rows
+"""The plan counts what the TPU's tiled layout pads of a quantized base: scale rows
 shorter than 128 lanes (nf4's 64 on 4096-wide layers; every format's on a model 896 wide)."""
 
 from __future__ import annotations

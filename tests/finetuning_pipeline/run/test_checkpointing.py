@@ -88,8 +88,8 @@ def side_by_side(names: list[str]):
 
 
 def test_optimizer_state_is_kept_by_name_so_adapters_resume_in_any_order(tmp_path):
-    """Issue #38.1: moments restored by position gave each adapter another's state after its
-    adapters were listed in another order. Each moment and step count now goes by its name."""
+    """Each moment and step count is restored by its adapter's name: restored by position, each
+    adapter would take another's state once the adapters are listed in another order."""
     model, optimizer, configs = side_by_side(["sql", "chat"])
     tokens = torch.randint(0, 128, (4, 12), generator=torch.Generator().manual_seed(3))
     model(tokens, labels=tokens, use_cache=False).loss.backward()

@@ -46,8 +46,8 @@ def test_the_config_written_back_is_its_yaml(tmp_path):
 
 
 def test_a_config_has_the_phases_it_writes_and_no_gap(tmp_path):
-    """Issue #38.10: a phase-1-only config ran an empty phase 2 under --phase all ("phase2.data:
-    not set"), and phase1 + phase3 said the same instead of naming the missing phase."""
+    """A phase-1-only config runs phase 1 alone under --phase all (no empty phase 2: "phase2.data:
+    not set"), and phase1 + phase3 names the missing phase."""
     path = tmp_path / "one.yaml"
     path.write_text("model: {path: m}\nphase1: {data: d1}\n")
     assert load_config(path).phase_numbers() == [1]

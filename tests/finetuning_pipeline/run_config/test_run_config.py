@@ -28,8 +28,8 @@ def test_demo_config_loads_and_overrides_apply():
 
 
 def test_overrides_go_before_and_after_the_flags():
-    """Issue #54.9: `--config c.yaml output_dir=X --phase 1 train.max_steps=1` was an argparse
-    error ("unrecognized arguments: train.max_steps=1"): every key=value is an override."""
+    """`--config c.yaml output_dir=X --phase 1 train.max_steps=1`: every key=value is an override,
+    before and after the flags (not argparse's "unrecognized arguments: train.max_steps=1")."""
     args = main.parse_args(["--config", DEMO, "output_dir=X", "--phase", "1", "train.max_steps=1", "--resume",
                             "never", "lora.r=4"])
     assert (args.config, args.phase, args.resume) == (DEMO, "1", "never")
@@ -44,14 +44,14 @@ def test_overrides_go_before_and_after_the_flags():
     (["train.lr=-1", "train.lr=-3"], "override train.lr=-3: train.lr must be > 0, got -3.0"),  # the one that won
 ])
 def test_an_error_in_an_override_names_the_override_not_the_file(overrides, source):
-    """Issue #54.10: the error blamed the YAML file, which held a valid value."""
+    """The error names the override that set the value, not the YAML file (whose value was valid)."""
     with pytest.raises(ConfigError) as err:
         load_config(DEMO, overrides)
     assert str(err.value).startswith(source), str(err.value)
 
 
 def test_phase_one_refuses_to_merge_an_earlier_phase_it_does_not_have(tmp_path):
-    """Issue #54.12: phase1.init=merge was accepted and ignored (phase 1 has no earlier phase)."""
+    """phase1.init=merge is refused, not ignored (phase 1 has no earlier phase)."""
     with pytest.raises(ConfigError, match=r"^override phase1.init=merge: phase1.init=merge: phase 1 has no earlier "
                                           "phase to build on"):
         load_config(DEMO, ["phase1.init=merge"])
@@ -156,7 +156,7 @@ def test_bad_values_name_their_key(override, message):
     (b"# only a comment\n", ["model.path=x"], "the config is empty"),
     (b"train: [1, 2]\n", [], "train: expected a mapping"),
     (b"model: {path: [unclosed\n", [], "invalid YAML"),
-    # Issue #38.2: YAML keeps the last of a key given twice; a second section dropped the first's lr.
+    # YAML keeps the last of a key given twice: a second section would drop the first's lr.
     (b"train:\n  lr: 0.1\nmodel: {}\ntrain:\n  max_steps: 3\n", [],
      "line 1 and line 4 both set 'train' in one mapping; YAML would keep only the second"),
     (b"phase1:\n  adapters:\n    a: {data: d1}\n    b: {data: d2}\n    a: {data: d3}\n", [],
