@@ -57,7 +57,7 @@ from finetuning_pipeline.run.resume_plan import PhasePlan, check_resumable, plan
 from finetuning_pipeline.run.run_layout import OutputLock, RunLayout
 from finetuning_pipeline.run.stop_signal import StopOnSignal, WallClockBudget
 from finetuning_pipeline.run_config import RunConfig, load_config
-from finetuning_pipeline.runtime import backend
+from finetuning_pipeline.runtime import backend, choice_line
 from finetuning_pipeline.train.phase_loop import run_phase
 from utils.durations import parse_duration
 from utils.stack_dump import dump_stacks_on_signal
@@ -187,8 +187,9 @@ def train(argv: list[str] | None) -> int:
     config_path, overrides = choose_config(args.config, args.overrides, args.phase)
     config = load_config(config_path, overrides)
     say = print if launch_rank() == 0 else (lambda *args, **kwargs: None)  # torchrun: said once
-    runtime = backend(config, say=lambda line: say(line, flush=True))
+    runtime = backend(config)
     runtime.prepare_process(first_process=launch_rank() == 0)  # before transformers is imported
+    say(choice_line(runtime, config), flush=True)
     phases = selected_phases(args.phase, config)
     pin_model(config)
     check_inputs(config, phases, machine=runtime.target_machine(config))

@@ -32,12 +32,14 @@ XLA_INSTALL = "pip install -e '.[xla]' (torch 2.9.0 + torch_xla 2.9.0)"
 def choose_backend(runtime: RuntimeConfig) -> tuple[str, str]:
     """runtime.backend -> ("xla" or "native", why), for this machine and environment."""
     setting = runtime.backend
+    if setting == "native":  # (torch_xla is not looked for: a native process never touches it)
+        return setting, "runtime.backend=native"
     has_xla = torch_xla_installed()
-    if setting != "auto":
-        if setting == "xla" and not has_xla:
+    if setting == "xla":
+        if not has_xla:
             raise ConfigError(f"runtime.backend=xla: torch_xla is not installed in this environment; {XLA_INSTALL}, "
                               "or set runtime.backend=native (or auto)")
-        return setting, f"runtime.backend={setting}"
+        return setting, "runtime.backend=xla"
     if not has_xla:
         return "native", "runtime.backend=auto and torch_xla is not installed here"
     named = [f"runtime.{key}={value}" for key, value in (("device", runtime.device), ("compile", runtime.compile))
@@ -55,7 +57,11 @@ def choose_backend(runtime: RuntimeConfig) -> tuple[str, str]:
 
 
 def torch_xla_installed() -> bool:
-    return importlib.util.find_spec("torch_xla") is not None
+    """Whether torch_xla can be imported here (looked up, not imported: importing it takes a device)."""
+    try:
+        return importlib.util.find_spec("torch_xla") is not None
+    except ImportError:
+        return False
 
 
 def gpu_present() -> bool:
@@ -65,19 +71,25 @@ def gpu_present() -> bool:
     return torch.cuda.is_available()
 
 
-def backend(config: RunConfig, say=None):
+def backend(config: RunConfig):
     """The Backend (protocol.py) of config.runtime.backend, resolved in place where it was auto and
-    checked for that runtime (validate_runtime); `say` gets one line: which runtime and why."""
+    checked for that runtime (validate_runtime); its `reason` says why it was chosen."""
     name, why = choose_backend(config.runtime)
     if config.runtime.backend != name:
         config.runtime.backend = name
         validate_runtime(config)
-    if say is not None:
-        say(f"runtime: {name} ({why})")
     if name == "native":
         from finetuning_pipeline.runtime.native.runtime import NativeBackend
 
-        return NativeBackend()
-    from finetuning_pipeline.runtime.xla.runtime import XlaBackend
+        chosen = NativeBackend()
+    else:
+        from finetuning_pipeline.runtime.xla.runtime import XlaBackend
 
-    return XlaBackend()
+        chosen = XlaBackend()
+    chosen.reason = why
+    return chosen
+
+
+def choice_line(chosen, config: RunConfig) -> str:
+    """The run's first line: which runtime on which device, and why (once its process is prepared)."""
+    return f"runtime: {chosen.name} on {chosen.device_name(config)} ({chosen.reason})"

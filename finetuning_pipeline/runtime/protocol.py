@@ -117,6 +117,7 @@ class Backend(Protocol):
     """A runtime before a replica exists: the process, the machine the checks judge, the launch."""
 
     name: str
+    reason: str  # why runtime.backend chose it (runtime/__init__.backend)
     device_environment: tuple[str, ...]  # what picks a run's devices: the printed resume command keeps it
     plan_note: str | None  # what preflight's TPU plan means for this runtime (None: it is its own)
 
@@ -125,6 +126,9 @@ class Backend(Protocol):
 
     def target_machine(self, config: RunConfig) -> TargetMachine:
         """The machine this process's run will train on, for the input checks."""
+
+    def device_name(self, config: RunConfig) -> str:
+        """The device the run takes, in words, for its first line (after prepare_process)."""
 
     def before_run(self, config: RunConfig, command: list[str], script: str) -> None:
         """Before anything of the run is written: where this runtime's launcher is the same command

@@ -23,7 +23,10 @@ def test_without_config_the_embedded_default_runs_from_any_directory(tiny_model_
         timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     default = REPO / "finetuning_pipeline" / "configs" / "demo.yaml"
-    assert f"config: {default} (the embedded default: no --config given" in done.stdout
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"config: {default} (the embedded default: no --config given")
+    # runtime.backend=auto, said with why: PJRT_DEVICE is set, so the XLA runtime, as a TPU would run
+    assert lines[1] == "runtime: xla on PJRT_DEVICE=CPU (runtime.backend=auto and PJRT_DEVICE=CPU is set)"
     assert "building the embedded default" not in done.stdout
     # The budget ran out after step 1: the printed command resumes without --config, as given.
     resume = done.stdout.split("the next session continues with the same command:\n")[1].splitlines()[0]

@@ -140,6 +140,14 @@ class NativeBackend:
     def target_machine(self, config: RunConfig) -> TargetMachine:
         return TargetMachine()  # (the Pallas kernels are torch_xla's)
 
+    def device_name(self, config: RunConfig) -> str:
+        """runtime.device as it resolves, without starting a device (a CUDA context in each of
+        torchrun's processes would sit on GPU 0)."""
+        setting = config.runtime.device
+        if setting == "auto":
+            return f"{'cuda' if torch.cuda.is_available() else 'cpu'} (runtime.device=auto)"
+        return setting
+
     def before_run(self, config: RunConfig, command: list[str], script: str) -> None:
         """On a TPU host, TorchTPU's way to a process per chip: torchrun over this command, before
         anything is written (tpu_launch.py)."""

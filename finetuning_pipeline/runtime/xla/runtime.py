@@ -133,6 +133,9 @@ class XlaBackend:
     def target_machine(self, config: RunConfig) -> TargetMachine:
         return this_machine(config.model.attention)
 
+    def device_name(self, config: RunConfig) -> str:
+        return f"PJRT_DEVICE={os.environ.get('PJRT_DEVICE', 'CPU')}"  # (chosen by prepare_process)
+
     def before_run(self, config: RunConfig, command: list[str], script: str) -> None:
         pass  # (its launcher starts in launch, once the run is planned)
 

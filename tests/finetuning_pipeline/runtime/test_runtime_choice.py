@@ -157,17 +157,20 @@ def test_without_torch_xla_auto_is_native_and_xla_is_refused_in_one_line(machine
         chosen(["runtime.backend=xla"])
 
 
-def test_the_resolved_backend_is_checked_as_if_it_had_been_named(machine):
+def test_the_resolved_backend_is_checked_as_if_it_had_been_named(machine, monkeypatch):
     """auto resolved to xla refuses the native runtime's settings as runtime.backend=xla does; the
     config then holds the runtime that runs (what the summary and checkpoints record)."""
-    from finetuning_pipeline.runtime import backend
+    import torch
+
+    from finetuning_pipeline.runtime import backend, choice_line
 
     config = load_config(DEMO, ["train.scan_layers=true"])
     machine["gpu"] = True
     with pytest.raises(ConfigError, match="train.scan_layers=true: the layer scan is torch_xla's"):
         backend(config)
     config = load_config(DEMO)
-    said = []
-    chosen_backend = backend(config, say=said.append)
-    assert config.runtime.backend == chosen_backend.name == "native"
-    assert said == ["runtime: native (runtime.backend=auto, a GPU and no TPU here)"]
+    chosen = backend(config)
+    assert config.runtime.backend == chosen.name == "native"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (the machine's GPU, without a device started)
+    assert choice_line(chosen, config) == ("runtime: native on cuda (runtime.device=auto) (runtime.backend=auto, a "
+                                           "GPU and no TPU here)")
