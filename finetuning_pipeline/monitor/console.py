@@ -43,11 +43,15 @@ def summary_lines(summary: dict) -> str:
     if ran == 0:
         head += (f" (every step was taken before this resume from step {summary['resumed_from_step']}; this run "
                  "evaluated and wrote the outputs)")
-    elif summary["tokens_per_sec"] is None:  # every step this run took was a warm-up step: nothing timed
+    elif summary["tokens_per_sec"] is None and summary["host_syncs_per_step"] is None:  # only warm-up steps ran
         head += (f", compiles {summary['compiles_total']}; tokens/s and host syncs/step n/a: no step ran after the "
                  "warm-up steps (train.warmup_compiles_steps), which compile and are not timed")
         if counted_on_one_step(summary):
             head += ", nor after the step after them, whose host syncs the runtime counts"
+    elif summary["tokens_per_sec"] is None:  # the one step after the warm-up was the counted one, untimed
+        head += (f", compiles {summary['compiles_total']}; tokens/s n/a: no step ran after the warm-up steps "
+                 "(train.warmup_compiles_steps) and the step after them, whose host syncs the runtime counts; "
+                 f"host syncs/step {host_syncs(summary)}")
     else:
         head += (f", {summary['tokens_per_sec']:,.0f} tokens/s, compiles {summary['compiles_total']} "
                  f"({summary['compiles_after_warmup']} after warm-up), host syncs/step {host_syncs(summary)}")

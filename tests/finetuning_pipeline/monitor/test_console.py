@@ -78,3 +78,14 @@ def test_side_by_side_each_adapter_has_its_own_line_with_its_own_evaluation():
     assert lines[3] == ("  code: 10 steps, eval loss 2.5000 -> nan (perplexity 2.0 -> 1.0); stopped at step 4 on "
                         "non-finite losses (train.max_bad_steps), its weights as after its last good step; adapter "
                         "out/phase1/adapters/code")
+
+
+def test_a_run_whose_only_step_after_warm_up_was_counted_gives_its_syncs_not_n_a():
+    """A native run of 2 steps (or a resume with 2 left): step 1 warms up, step 2 is the one whose host
+    syncs the profiler counts, untimed. Its count is in the summary, and the console says it (it said
+    n/a beside a summary of 0)."""
+    one = {"runtime": "native", "host_syncs_counted": "one step"}
+    line = summary_lines(summary(**one, steps=2, tokens_per_sec=None, host_syncs_per_step=0))
+    assert line.endswith("tokens/s n/a: no step ran after the warm-up steps (train.warmup_compiles_steps) and the "
+                         "step after them, whose host syncs the runtime counts; host syncs/step 0 (one step counted)")
+    assert "host syncs/step n/a" not in line
