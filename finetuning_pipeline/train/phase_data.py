@@ -49,6 +49,7 @@ class PhaseData:
                                           rank=parallel.rank, world_size=parallel.world)
                         for name, d in self.dirs.items()}
         self.eval_micro_batch = (eval.micro_batch or t.micro_batch) * parallel.chips_per_process
+        self.micro_batch, self.grad_accum = t.micro_batch, t.grad_accum
         self.batches_per_step = t.grad_accum * parallel.chips * t.micro_batch  # global blocks per step (per adapter)
         self.tokens_per_step = self.batches_per_step * self.seq_len * len(self.dirs)
         self.chips_changed = None
@@ -60,16 +61,16 @@ class PhaseData:
         if saved_batch != self.batches_per_step:
             raise ConfigError(
                 f"--resume: {resume_from} was saved with a global batch of {saved_batch} sequences, this run has "
-                f"{self.batches_per_step} (train.micro_batch x train.grad_accum x {self.parallel.chips} chips); set "
-                f"them so the product is {saved_batch}"
-            )
+                f"{self.batches_per_step} (train.micro_batch {self.micro_batch} x train.grad_accum {self.grad_accum} "
+                f"x {self.parallel.chips} devices); "
+                + global_batch_advice(saved_batch, self.parallel.chips, self.micro_batch))
         saved_chips = state.get("chips", self.parallel.chips)
         if saved_chips != self.parallel.chips:
             self.chips_changed = {"saved_on": saved_chips, "resumed_on": self.parallel.chips}
             if self.parallel.master:
                 print(
-                    f"note: {resume_from} was saved on {saved_chips} chips, resuming on {self.parallel.chips} with the "
-                    f"same global batch of {saved_batch}: the data continues at global block "
+                    f"note: {resume_from} was saved on {saved_chips} devices, resuming on {self.parallel.chips} with "
+                    f"the same global batch of {saved_batch}: the data continues at global block "
                     f"{start_step * saved_batch}",
                     flush=True,
                 )
@@ -84,3 +85,17 @@ class PhaseData:
             return
         for parts in zip(*self.loaders.values()):
             yield {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+
+
+def global_batch_advice(saved_batch: int, devices: int, micro_batch: int) -> str:
+    """How a run on `devices` devices (chips, or processes each with its own) gets a checkpoint's
+    global batch back: train.micro_batch x train.grad_accum x devices must equal it, which needs
+    `devices` to divide it."""
+    if saved_batch % devices:
+        counts = ", ".join(str(n) for n in range(1, saved_batch + 1) if saved_batch % n == 0)
+        return (f"{saved_batch} is not a multiple of {devices} devices: resume on a number of devices that divides "
+                f"it ({counts})")
+    per_device = saved_batch // devices
+    fitting = max(n for n in range(1, min(micro_batch, per_device) + 1) if per_device % n == 0)
+    return (f"set train.micro_batch x train.grad_accum to {per_device} on {devices} devices (e.g. "
+            f"train.micro_batch={fitting} train.grad_accum={per_device // fitting})")

@@ -115,7 +115,7 @@ def test_resume_on_another_number_of_chips_with_the_same_global_batch(torchrun_a
     summary = json.loads((out / "phase1" / "summary.json").read_text())
     assert summary["resumed_from_step"] == 3
     assert summary["resumed_on_other_chips"] == {"saved_on": 2, "resumed_on": 1}
-    assert "saved on 2 chips, resuming on 1 with the same global batch of 8" in capsys.readouterr().out
+    assert "saved on 2 devices, resuming on 1 with the same global batch of 8" in capsys.readouterr().out
     resumed, original = dict(train_losses(out)), dict(train_losses(two))
     assert sorted(resumed) == [4, 5, 6]
     assert_equal_in_exact_arithmetic([resumed[s] for s in (4, 5, 6)], [original[s] for s in (4, 5, 6)],
