@@ -72,7 +72,11 @@ class NativeRuntime:
         if self.compile_layers:
             compile_decoder_layers(model, COMPILE_BACKENDS[device.type])
         _, why = choose_attention(config.model.attention, model.config, tpu=None, spmd_mesh=False, seq_len=seq_len)
-        return Parallelized(sharded, description=f"{why}; {self.layers_note()}")
+        notes = [why, self.layers_note()]
+        if parallel.mode == "fsdp" and parallel.world == 1:
+            notes.append("parallel.mode=fsdp in one process shards nothing: FSDP2 shards over torchrun's processes "
+                         "(torchrun --nproc-per-node N); this run holds the whole base, as dp's one process does")
+        return Parallelized(sharded, description="; ".join(notes))
 
     def step_execution(self, model, optimizer, **settings) -> NativeStepExecution:
         return NativeStepExecution(model, optimizer, **settings)
