@@ -29,6 +29,9 @@ DEMO_CONFIG := finetuning_pipeline/configs/demo.yaml
 CONFIG ?= $(DEMO_CONFIG)
 ARGS ?=
 DEMO := outputs/demo
+# Where `make demo` trains: the demo config's output_dir, or the one ARGS sets (output_dir=DIR);
+# the merge, the questions and the GGUF read that run's adapter and write beside it.
+DEMO_RUN = $(or $(patsubst output_dir=%,%,$(lastword $(filter output_dir=%,$(ARGS)))),$(DEMO))
 DEMO_BASE := $(DEMO)/base/config.json
 DEMO_DATA := $(DEMO)/data/phase1/manifest.json $(DEMO)/data/phase2/manifest.json
 SAMPLES := dataset/samples
@@ -138,24 +141,24 @@ demo-data: $(DEMO_DATA)
 
 demo: $(DEMO_DATA)
 	$(BIN)/python finetuning_pipeline/main.py --config $(DEMO_CONFIG) --resume never --force $(ARGS)
-	$(BIN)/python -m finetuning_pipeline.export --base $(DEMO)/base --adapter $(DEMO)/phase2/adapter --out $(DEMO)/merged --force
+	$(BIN)/python -m finetuning_pipeline.export --base $(DEMO)/base --adapter $(DEMO_RUN)/phase2/adapter --out $(DEMO_RUN)/merged --force
 	@echo "--- a question from the bundled chat data: $(DEMO_QUESTION)"
 	@echo "    (its answer there: $(DEMO_ANSWER))"
 	@set -e; \
 	before=$$($(BIN)/python -m finetuning_pipeline.generate --model $(DEMO)/base --prompt "$(DEMO_QUESTION)"); \
-	after=$$($(BIN)/python -m finetuning_pipeline.generate --model $(DEMO)/merged --prompt "$(DEMO_QUESTION)"); \
+	after=$$($(BIN)/python -m finetuning_pipeline.generate --model $(DEMO_RUN)/merged --prompt "$(DEMO_QUESTION)"); \
 	echo "base model (pretrained on the domain text): $$before"; \
 	echo "after phase 1 + phase 2 (merged model):     $$after"
 	$(BIN)/python -m finetuning_pipeline.export --format gguf --outtype q8_0 --base $(DEMO)/base \
-		--adapter $(DEMO)/phase2/adapter --out $(DEMO)/merged-q8_0.gguf --force
+		--adapter $(DEMO_RUN)/phase2/adapter --out $(DEMO_RUN)/merged-q8_0.gguf --force
 	@set -e; \
 	if $(BIN)/python -c "import llama_cpp" 2>/dev/null; then \
-		answer=$$($(BIN)/python -m finetuning_pipeline.generate --model $(DEMO)/merged-q8_0.gguf --prompt "$(DEMO_QUESTION)"); \
+		answer=$$($(BIN)/python -m finetuning_pipeline.generate --model $(DEMO_RUN)/merged-q8_0.gguf --prompt "$(DEMO_QUESTION)"); \
 		echo "llama.cpp on the Q8_0 GGUF:                $$answer"; \
 	else \
 		echo "(llama.cpp is not installed here: make llama-cpp, then make demo again, asks the GGUF the same question)"; \
 	fi
-	@echo "--- outputs in $(DEMO)/: phase1/ phase2/ (adapter, checkpoints, metrics.jsonl, summary.json), merged/,"
+	@echo "--- outputs in $(DEMO_RUN)/: phase1/ phase2/ (adapter, checkpoints, metrics.jsonl, summary.json), merged/,"
 	@echo "    merged-q8_0.gguf (llama.cpp, Ollama, LM Studio), loss.png"
 
 # phase1, phase2, phase3, ...: that phase of CONFIG's curriculum.
