@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import errno
 import os
-import shlex
 import shutil
 import sys
 import time
@@ -46,16 +45,17 @@ if __package__ in (None, ""):  # run as a script: python finetuning_pipeline/mai
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from finetuning_pipeline.demo.inputs import DEMO_CONFIG, REPO, anchored_paths, ensure_demo_inputs
-from finetuning_pipeline.distributed.collectives import launch_rank
+from finetuning_pipeline.distributed.collectives import launch_rank, torchrun_world
 from finetuning_pipeline.distributed.host_agreement import check_hosts_agree
 from finetuning_pipeline.errors import ConfigError, OutputWriteError, run_command
 from finetuning_pipeline.monitor.console import summary_lines
 from finetuning_pipeline.monitor.metrics_log import plot_losses
 from finetuning_pipeline.run.checkpointing import complete_checkpoints
 from finetuning_pipeline.run.input_checks import check_inputs, pin_model
+from finetuning_pipeline.run.resume_command import resume_command
 from finetuning_pipeline.run.resume_plan import PhasePlan, check_resumable, plan_phases
 from finetuning_pipeline.run.run_layout import OutputLock, RunLayout
-from finetuning_pipeline.run.stop_signal import StopOnSignal, WallClockBudget
+from finetuning_pipeline.run.stop_signal import StopOnSignal, WallClockBudget, watch_parent
 from finetuning_pipeline.run_config import RunConfig, load_config
 from finetuning_pipeline.runtime import backend, choice_line
 from finetuning_pipeline.train.phase_loop import run_phase
@@ -118,26 +118,31 @@ CONFIG_ENV = "TPU_LORA_CONFIG"
 WRITE_ERRNOS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
-def resume_command(args: argparse.Namespace, device_environment: tuple[str, ...]) -> str:
-    """The command as given, with --resume auto and its device environment (the runtime's
-    Backend.device_environment: pasting the command without it would resume on other devices, and a
-    CPU_NUM_DEVICES other than the run's is refused by its global batch); without --config it
-    chooses the same config again."""
-    environment = [f"{name}={shlex.quote(os.environ[name])}" for name in device_environment if name in os.environ]
-    return " ".join([*environment, shlex.join([sys.executable, os.path.relpath(Path(__file__).resolve()),
-                                               *(["--config", args.config] if args.config else []),
-                                               "--phase", args.phase, "--resume", "auto", *args.overrides])])
+def resume_arguments(args: argparse.Namespace) -> list[str]:
+    """The command's arguments as given, with --resume auto: without --config it chooses the same
+    config again."""
+    return [*(["--config", args.config] if args.config else []), "--phase", args.phase, "--resume", "auto",
+            *args.overrides]
 
 
-def run_replica(config: RunConfig, plans: list[PhasePlan], resume_command: str, budget, backend) -> None:
+def run_replica(config: RunConfig, plans: list[PhasePlan], notes: list[str], resume_command: str, budget, backend,
+                launcher: int) -> None:
     """Entry point of each replica (one per chip under dp, one per host under fsdp), on the
     main thread of its process or on a launcher's worker thread. Every replica runs the same
-    phases and stops after the same one."""
+    phases and stops after the same one. notes: what the plan says (a phase resumed, one
+    skipped), said by the master once it holds output_dir, so that a second command on the same
+    output_dir is refused before it says anything of the run. launcher: torchrun's agent, the
+    parent of each of its processes, watched by them."""
     runtime, parallel, device = backend.start(config)
     layout = RunLayout(config.output_dir)
     finished = False
     try:
         with StopOnSignal(budget) as stop, output_dir_lock(layout, parallel):
+            if torchrun_world() > 1:  # torchrun killed (SIGKILL, the OOM killer): its processes stop with it
+                watch_parent(launcher, stop.signals, "torchrun's exit")
+            if parallel.master:
+                for note in notes:
+                    print(note, flush=True)
             check_hosts_agree(layout, plans, parallel.collectives, config.lineage)
             for plan in plans:
                 if plan.replace and parallel.master:
@@ -182,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(argv: list[str] | None) -> int:
     started = time.time()  # a session budget (train.max_wall_time) counts from here
+    launcher = os.getppid()  # (under torchrun, its agent: watched by each replica)
     args = parse_args(argv)
     dump_stacks_on_signal()  # kill -USR1 PID: where each thread is (utils/stack_dump.py)
     config_path, overrides = choose_config(args.config, args.overrides, args.phase)
@@ -194,14 +200,19 @@ def train(argv: list[str] | None) -> int:
     pin_model(config)
     check_inputs(config, phases, machine=runtime.target_machine(config))
     runtime.before_run(config, sys.argv[1:] if argv is None else list(argv), str(Path(__file__).resolve()))
-    plans = plan_phases(config, phases, args.resume, args.force, say)
-    check_resumable(config, plans, args.accept_changes, say)
+    notes: list[str] = []  # the plan's, said once the run holds output_dir (run_replica)
+    plans = plan_phases(config, phases, args.resume, args.force, notes.append)
+    check_resumable(config, plans, args.accept_changes, notes.append)
     budget = WallClockBudget(parse_duration(config.train.max_wall_time) if config.train.max_wall_time else None,
                              started, label=config.train.max_wall_time or "")
-    if plans:
-        # run_replica on every replica of this process, started the runtime's way (its launcher)
-        runtime.launch(config, run_replica, (config, plans, resume_command(args, runtime.device_environment), budget,
-                                              runtime))
+    if not plans:  # every phase finished: nothing is written
+        for note in notes:
+            say(note)
+        return 0
+    # run_replica on every replica of this process, started the runtime's way (its launcher)
+    resume = resume_command(Path(__file__).resolve(), resume_arguments(args), runtime.device_environment)
+    runtime.launch(config, run_replica, (config, plans, notes if launch_rank() == 0 else [], resume, budget, runtime,
+                                         launcher))
     return 0
 
 

@@ -18,6 +18,7 @@ process reads the same flag.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -113,6 +114,19 @@ def on_a_thread_leaving_signals_here(fn, *args) -> None:
         PROCESS_SIGNALS.restore()
     if failure:
         raise failure[0]
+
+
+def watch_parent(parent: int, signals: ProcessSignals, reason: str, every_s: float = 1.0) -> None:
+    """When the process that started this one (`parent`: the TPU launcher, torchrun's agent) dies
+    without passing a signal on (SIGKILL, the out-of-memory killer, a closed terminal's SIGHUP to
+    it alone), this process is re-parented: its replicas then stop as on SIGTERM, checkpoint and
+    exit, instead of training on unwatched and holding the devices from the next run."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        signals.request(reason)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
 class StopOnSignal:

@@ -17,10 +17,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
+from conftest import REPO
 from native_helpers import NATIVE, assert_runs_equal, sections_with, side_by_side
 from replica_helpers import (
     HANG,
@@ -37,9 +40,12 @@ from tolerances import assert_equal_in_exact_arithmetic
 from trainer_helpers import (
     adapter_tensors,
     assert_same_run,
+    child_pids,
+    process_alive,
     thread_kill,
     thread_signals,
     train_losses,
+    wait_for_step,
     write_run_config,
 )
 
@@ -134,6 +140,41 @@ def test_sigterm_stops_every_process_with_one_checkpoint_and_the_run_resumes_bit
     ours, theirs = adapter_tensors(out_of(config)), adapter_tensors(reference)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in theirs)
     assert dict(train_losses(out_of(config)))[STEPS] == dict(train_losses(reference))[STEPS]
+
+
+def test_torchrun_killed_leaves_no_process_and_its_printed_command_resumes_the_run(tiny_model_dir, data, reference,
+                                                                                  tmp_path):
+    """SIGKILL to torchrun itself (the OOM killer, kill -9 on the user's command): its processes, re-parented,
+    stop as on SIGTERM with one checkpoint, none trains on; the resume command the master printed, pasted
+    as a user would (torchrun with its process count), finishes the run bitwise as the uninterrupted one."""
+    config = config_for(tmp_path, tiny_model_dir, data, model={"dtype": "float64"}, checkpoint={"every": 0})
+    log = tmp_path / "torchrun.log"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "finetuning_pipeline/main.py", "--config", str(config), "--phase", "1", *NATIVE]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    with log.open("w") as output:
+        proc = subprocess.Popen(command, cwd=REPO, stdout=output, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    wait_for_step([proc], out_of(config), 3, timeout=HANG, output=log.read_text)
+    workers = child_pids(proc.pid)
+    assert len(workers) == 2, log.read_text()
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + HANG
+    while any(process_alive(pid) for pid in workers) and time.time() < deadline:
+        time.sleep(0.2)
+    text = log.read_text()
+    assert not any(process_alive(pid) for pid in workers), text
+    stopped = checkpoint_steps(out_of(config))
+    assert len(stopped) == 1 and stopped[0] < STEPS, text
+    assert f"stopped on torchrun's exit after a checkpoint at step {stopped[0]} of phase 1; resume with:" in text
+    printed = text.split("resume with:\n")[1].splitlines()[0].strip()
+    assert " -m torch.distributed.run --standalone --nproc-per-node 2 finetuning_pipeline/main.py --config " in printed
+    resumed = subprocess.run(printed, shell=True, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert json.loads((out_of(config) / "phase1" / "summary.json").read_text())["resumed_from_step"] == stopped[0]
+    ours, theirs = adapter_tensors(out_of(config)), adapter_tensors(reference)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in theirs)
 
 
 def test_a_killed_process_stops_the_other_in_bounded_time_naming_it_and_the_run_resumes(tiny_model_dir, data, reference,

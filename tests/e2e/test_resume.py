@@ -486,3 +486,28 @@ def test_a_data_shard_that_fails_to_read_mid_run_exits_3_naming_it(tiny_model_di
     latest = tmp_path / "out" / "phase1" / "checkpoints" / "step_00000004"
     assert f"error: cannot access {shard}: Input/output error. The last intact checkpoint is {latest}" in err
     assert "Traceback" not in err and "StopIteration" not in err
+
+
+def test_a_second_command_on_a_run_that_holds_its_output_dir_is_refused_before_saying_it_resumes(
+        tiny_model_dir, data, tmp_path, capsys):
+    """A run in progress (here: its lock held) and the same command started again (a user who thinks
+    it died, or its torchrun's orphans still training): refused in one line, exit 2, and nothing of
+    the plan ("phase 1: resuming from step 2") said first; once the lock is free it resumes."""
+    from finetuning_pipeline.run.run_layout import OutputLock, RunLayout
+
+    config = config_for(tmp_path, tiny_model_dir, data, train={"max_steps": 4})
+    assert main.main(["--config", str(config), "--phase", "1"]) == 0
+    phase = tmp_path / "out" / "phase1"  # made unfinished: its checkpoint at step 2 the newest
+    (phase / "summary.json").unlink()
+    shutil.rmtree(phase / "checkpoints" / "step_00000004")
+    capsys.readouterr()
+    held = OutputLock(RunLayout(tmp_path / "out"))
+    held.acquire()
+    try:
+        assert main.main(["--config", str(config), "--phase", "1"]) == 2
+    finally:
+        held.release()
+    said = capsys.readouterr()
+    assert "is in use by another run" in said.err and "resuming" not in said.out, said
+    assert main.main(["--config", str(config), "--phase", "1"]) == 0
+    assert "phase 1: resuming from step 2" in capsys.readouterr().out

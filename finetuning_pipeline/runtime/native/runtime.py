@@ -129,7 +129,7 @@ class NativeBackend:
     """The native runtime before a replica exists (runtime/protocol.py's Backend)."""
 
     name = "native"
-    device_environment = ("CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS")
+    device_environment = ("CUDA_VISIBLE_DEVICES",)
     plan_note = ("runtime: native (plain PyTorch): the rehearsal ran it on this CPU; the plan below is the XLA "
                  "runtime's on a TPU (its compile and kernel figures are torch_xla's; TorchTPU's are unmeasured)")
 

@@ -18,6 +18,7 @@ import os
 import sys
 
 from finetuning_pipeline.errors import ConfigError
+from finetuning_pipeline.run.resume_command import BECAME_TORCHRUN
 from finetuning_pipeline.runtime.native.device import import_torch_tpu
 
 
@@ -53,4 +54,5 @@ def become_torchrun_on_tpu(script: str, argv: list[str]) -> None:
         return
     print(f"runtime.device=tpu: {command[command.index('--nproc-per-node') + 1]} processes on this host under "
           f"torchrun ({os.environ.get('NNODES', '1')} hosts)", flush=True)
+    os.environ[BECAME_TORCHRUN] = "1"  # its processes resume as this command, which becomes torchrun again
     os.execv(command[0], command)

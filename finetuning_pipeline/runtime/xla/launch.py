@@ -39,7 +39,11 @@ import time
 
 from finetuning_pipeline.distributed.whole_lines import whole_lines_on_stdout_and_stderr
 from finetuning_pipeline.errors import ConfigError, ReplicaLost
-from finetuning_pipeline.run.stop_signal import PROCESS_SIGNALS, threads_started_here_leave_signals_to_this_one
+from finetuning_pipeline.run.stop_signal import (
+    PROCESS_SIGNALS,
+    threads_started_here_leave_signals_to_this_one,
+    watch_parent,
+)
 from finetuning_pipeline.runtime.xla.compile_cache import use_compile_cache
 from finetuning_pipeline.runtime.xla.device import device_kind
 from utils.stack_dump import dump_stacks_on_signal
@@ -240,7 +244,7 @@ def _start_replicas(local: int, *, launcher: int, processes: int, replica, args:
 
     PROCESS_SIGNALS.install()
     dump_stacks_on_signal()  # a fresh interpreter: kill -USR1 shows its replica threads too
-    watch_launcher(launcher, PROCESS_SIGNALS)
+    watch_parent(launcher, PROCESS_SIGNALS, "its launching process's exit")
     use_compile_cache(compile_cache, mode, local)
     failures: dict[int, BaseException] = {}
     outcome: dict[str, BaseException] = {}
@@ -261,18 +265,6 @@ def _start_replicas(local: int, *, launcher: int, processes: int, replica, args:
     replicas = threading.Thread(target=run_replicas, name="replicas", daemon=True)
     replicas.start()
     return replicas, failures, outcome
-
-
-def watch_launcher(launcher: int, signals, every_s: float = 1.0) -> None:
-    """When the launching process dies without passing a signal on (SIGKILL, the out-of-memory
-    killer), this worker is re-parented: its replicas then stop as on SIGTERM, checkpoint and
-    exit, instead of training on unwatched and holding the chips from the next run."""
-    def watch() -> None:
-        while os.getppid() == launcher:
-            time.sleep(every_s)
-        signals.request("its launching process's exit")
-
-    threading.Thread(target=watch, name="watch-launcher", daemon=True).start()
 
 
 @contextlib.contextmanager
