@@ -215,6 +215,24 @@ def test_a_checkpoint_of_two_processes_resumes_on_one_with_the_same_global_batch
     assert "global batch of 8 sequences, this run has 4" in capsys.readouterr().err
 
 
+def test_a_resume_on_another_process_count_with_lora_dropout_says_its_masks_differ(tiny_model_dir, data, tmp_path,
+                                                                                  capsys):
+    """LoRA dropout's masks follow how the global batch is split: a resume on another count continues,
+    but not as the uninterrupted run would have, and says so (without dropout it says nothing more)."""
+    runs = {}
+    for name, micro_batch in (("two", 2), ("one", 4)):
+        sections = sections_with(train={"micro_batch": micro_batch}, lora={"dropout": 0.1})
+        runs[name] = write_run_config(tmp_path / f"{name}.yaml", tiny_model_dir, data, tmp_path / name, **sections)
+    torchrun(2, runs["two"], "--phase", "1", *NATIVE)
+    checkpoint = tmp_path / "two" / "phase1" / "checkpoints" / "step_00000003"
+    capsys.readouterr()
+    assert main.main(["--config", str(runs["one"]), "--phase", "1", "--resume", str(checkpoint), *NATIVE]) == 0
+    said = capsys.readouterr().out
+    assert "saved on 2 devices, resuming on 1 with the same global batch of 8" in said
+    assert "note: lora.dropout > 0: its masks follow how the global batch is split over devices and micro-batches, " \
+           "so on 1 devices the run continues with other masks than it would have drawn on 2" in said
+
+
 def test_processes_that_disagree_on_the_plan_all_stop_before_the_first_step(tiny_model_dir, data, tmp_path):
     config = config_for(tmp_path, tiny_model_dir, data, model={"dtype": "float64"})
     replicas = run_replicas(2, config, tmp_path / "logs", *NATIVE, rank_args=lambda rank: ["--phase", "all"] * rank)
