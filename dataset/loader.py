@@ -9,7 +9,10 @@ global blocks consumed, equal on every replica, so a resumed run sees exactly th
 would have seen.
 
 Batches are dicts of CPU int32 tensors [micro_batch, seq_len] ("input_ids", "labels",
-"position_ids"); int32 halves the host-to-device bytes, the trainer widens on device.
+"position_ids"); int32 halves the host-to-device bytes, the trainer widens on device. A training
+batch also says where each of its blocks stands in the global stream ("stream_position", int32
+[micro_batch, 1], modulo 2**31): what the trainer keys a sequence's LoRA dropout masks to, so that
+they do not depend on which replica or micro-batch holds it.
 """
 
 from __future__ import annotations
@@ -96,9 +99,13 @@ class ShardLoader:
         """Epochs completed, fractional (for logging)."""
         return self.position / self.rows
 
+    def next_positions(self) -> np.ndarray:
+        """The global stream positions of this replica's next batch (not advancing the cursor)."""
+        return self.position + self.rank + self.world_size * np.arange(self.micro_batch)
+
     def next_indices(self) -> np.ndarray:
         """Block indices of this replica's next batch; advances the shared cursor by one global batch."""
-        positions = self.position + self.rank + self.world_size * np.arange(self.micro_batch)
+        positions = self.next_positions()
         epochs, offsets = np.divmod(positions, self.rows)
         indices = np.empty(self.micro_batch, dtype=np.int64)
         for epoch in np.unique(epochs):
@@ -108,8 +115,10 @@ class ShardLoader:
         return indices
 
     def next_batch(self) -> dict[str, torch.Tensor]:
+        positions = self.next_positions() % 2**31
         indices = self.next_indices()
-        return {name: torch.from_numpy(np.asarray(self.arrays[name][indices])) for name in ARRAYS}
+        batch = {name: torch.from_numpy(np.asarray(self.arrays[name][indices])) for name in ARRAYS}
+        return {**batch, "stream_position": torch.from_numpy(positions.astype(np.int32).reshape(-1, 1))}
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:

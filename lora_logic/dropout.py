@@ -5,8 +5,12 @@ replayed (finetuning_pipeline/runtime/xla/step_capture.py) cannot advance it, an
 restores it before recomputing a layer by making a new seed in the graph for each restore.
 Here the mask is a hash of (seed, layer salt, element index), as JAX's explicit keys are: the
 same seed gives the same mask on any device, in a recomputation, and in a replayed graph,
-where the seed is just an input. The trainer sets one seed per micro-batch
-(`set_dropout_seed`); without one (`seed` None) the module is `nn.Dropout`'s RNG dropout.
+where the seed is just an input. The seed is one number, or one per sequence ([rows, 1]: each
+row's mask then a hash of its own seed and the element's index within the row), which the
+trainer derives from each sequence's place in the global stream of blocks (train/step.py's
+dropout_seeds): a sequence draws its masks wherever it lands, whatever process or micro-batch
+holds it, so any split of the global batch trains the same run (`set_dropout_seed`); without
+a seed (`seed` None) the module is `nn.Dropout`'s RNG dropout.
 
 The hash is murmur3's 32-bit finaliser on int32 tensors (XLA and PyTorch both wrap int32
 products); an element is kept when its low 24 bits are at least p * 2**24, so a mask keeps
@@ -52,12 +56,23 @@ def _as_data(index: torch.Tensor) -> torch.Tensor:
 
 
 def keep_mask(seed: torch.Tensor, salt: int | torch.Tensor, shape: torch.Size, p: float) -> torch.Tensor:
-    """Boolean mask of `shape`, True where dropout keeps the element; `seed` an int32 tensor [1];
-    `salt` an int, or an int32 tensor of one (the same mask)."""
-    key = _fmix(seed.to(torch.int32).reshape(()) * _GOLDEN + salt)
-    index = torch.arange(shape.numel(), dtype=torch.int32, device=seed.device).view(shape)
+    """Boolean mask of `shape`, True where dropout keeps the element. `seed`: an int32 tensor of one
+    element, or of one per row ([rows] or [rows, 1]): the mask's leading dimension is the rows
+    ([rows, seq, in], or the tokens of those rows flattened, [rows * seq, in]: the same mask), each
+    row's part a hash of its seed and the element's index within the row. `salt` an int, or an
+    int32 tensor of one (the same mask)."""
+    seed = seed.to(torch.int32).reshape(-1)
+    rows = seed.shape[0]
+    if rows == 1:
+        key = _fmix(seed.reshape(()) * _GOLDEN + salt)
+        index = torch.arange(shape.numel(), dtype=torch.int32, device=seed.device).view(shape)
+    else:
+        if shape.numel() % rows:
+            raise ValueError(f"LoRA dropout: {rows} sequence seeds for an input of shape {tuple(shape)}")
+        key = _fmix(seed * _GOLDEN + salt).view(rows, 1)
+        index = torch.arange(shape.numel() // rows, dtype=torch.int32, device=seed.device).view(1, -1)
     bits = _fmix(_as_data(index) * _GOLDEN ^ key) & ((1 << _BITS) - 1)
-    return bits >= int(round(p * (1 << _BITS)))
+    return (bits >= int(round(p * (1 << _BITS)))).view(shape)
 
 
 class SeededDropout(nn.Module):
@@ -80,20 +95,28 @@ class SeededDropout(nn.Module):
         layers). The masks are the same; torch_xla's graphs keep the int as a constant."""
         self.salt_data = torch.tensor(self.salt, dtype=torch.int32, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, group: tuple[int, int] | None = None) -> torch.Tensor:
+        """group (k, count): x is the k-th of `count` equal row groups of the batch (adapters side
+        by side: lora_logic/layer.py), which take the k-th part of a seed per row."""
         if not self.training or self.p == 0:
             return x
         if self.seed is None:
             return F.dropout(x, self.p, training=True)
         salt = self.salt if self.salt_data is None else self.salt_data
-        return x * keep_mask(self.seed, salt, x.shape, self.p).to(x.dtype) * (1.0 / (1.0 - self.p))
+        seed = self.seed
+        if group is not None and seed.numel() > 1:
+            k, count = group
+            rows = seed.shape[0] // count
+            seed = seed[k * rows:(k + 1) * rows]
+        return x * keep_mask(seed, salt, x.shape, self.p).to(x.dtype) * (1.0 / (1.0 - self.p))
 
     def extra_repr(self) -> str:
         return f"p={self.p}, salt={self.salt}"
 
 
 def set_dropout_seed(model: nn.Module, seed: torch.Tensor | None) -> None:
-    """Seed every SeededDropout in `model` (an int32 tensor [1] on the model's device); None
+    """Seed every SeededDropout in `model` (an int32 tensor on the model's device: [1], or [rows, 1]
+    a seed per sequence of the batch); None
     returns them to RNG dropout. Reaches the template of scanned layers too (any module with
     `seeded_dropouts()`: finetuning_pipeline/runtime/xla/layer_scan.py)."""
     for module in model.modules():

@@ -155,13 +155,14 @@ class LoRALinear(nn.Module):
         for k, name in enumerate(self.groups):
             y_k = y[k * rows:(k + 1) * rows]
             if name in self.lora_A:
-                y_k = y_k + self._update(name, x, slice(k * rows, (k + 1) * rows)).view(y_k.shape)
+                y_k = y_k + self._update(name, x, (k, len(self.groups))).view(y_k.shape)
             out.append(y_k)
         return torch.cat(out)
 
-    def _update(self, name: str, x: torch.Tensor, rows: slice | None) -> torch.Tensor:
-        """scaling * B A dropout(x) of one adapter on its rows of x (None: all), [rows*seq, out]."""
-        h = self._down(name, x, rows)  # [rows*seq, r]
+    def _update(self, name: str, x: torch.Tensor, group: tuple[int, int] | None) -> torch.Tensor:
+        """scaling * B A dropout(x) of one adapter on its rows of x (group (k, count): the k-th of
+        count equal row groups; None: all), [rows*seq, out]."""
+        h = self._down(name, x, group)  # [rows*seq, r]
         # Scale the thin [rows*seq, r] product, not the [rows*seq, out] one (an activation-sized
         # multiplication fewer, forward and backward) nor B: with B scaled, the shared product's
         # slices are kernels of their own in every layer; scaled, each slice joins its
@@ -169,14 +170,18 @@ class LoRALinear(nn.Module):
         h = (h * getattr(self, scaling_buffer(name))).to(h.dtype)
         return _ThinProduct.apply(h, self.lora_B[name].weight.to(h.dtype))
 
-    def _down(self, name: str, x: torch.Tensor, rows: slice | None) -> torch.Tensor:
+    def _down(self, name: str, x: torch.Tensor, group: tuple[int, int] | None) -> torch.Tensor:
         """A dropout(x) of one adapter on its rows of x, [rows*seq, r]: its part of the siblings'
         one product when they share it (see the module's docstring)."""
-        part = x if rows is None else x[rows]
+        part = x
+        if group is not None:
+            rows = x.shape[0] // group[1]
+            part = x[group[0] * rows:(group[0] + 1) * rows]
         shared = self._shared_input
         sharing = [k for k, m in enumerate(shared.layers) if name in m.lora_A and not _drops(m.lora_dropout[name])]
         if len(sharing) < 2 or self._sibling_index not in sharing:
-            h = self.lora_dropout[name](part)
+            dropout = self.lora_dropout[name]
+            h = dropout(part, group) if isinstance(dropout, SeededDropout) else dropout(part)
             # Two 2-D products on the activations flattened once: F.linear on [batch, seq, in]
             # flattens and restores around each product, operations that XLA traces on the host
             # at every step, forward and backward (14 wrapped 64-wide layers: 6.6 -> 5.2 ms of tracing).

@@ -26,7 +26,7 @@ class PhaseData:
     one after another, in the adapters' order (the row groups of lora_logic/layer.py)."""
 
     def __init__(self, data_dirs: dict[str, str], *, train: TrainConfig, eval: EvalConfig,
-                 parallel: Parallel) -> None:
+                 parallel: Parallel, phase: int) -> None:
         """data_dirs: the phase's prepared data, {adapter: its dir}, in the adapters' order
         (RunConfig.data_dirs); train: the batch shape and the data order's seed; eval: the
         evaluation batch."""
@@ -50,6 +50,7 @@ class PhaseData:
                         for name, d in self.dirs.items()}
         self.eval_micro_batch = (eval.micro_batch or t.micro_batch) * parallel.chips_per_process
         self.micro_batch, self.grad_accum = t.micro_batch, t.grad_accum
+        self.seed, self.phase = t.seed, phase
         self.batches_per_step = t.grad_accum * parallel.chips * t.micro_batch  # global blocks per step (per adapter)
         self.tokens_per_step = self.batches_per_step * self.seq_len * len(self.dirs)
         self.chips_changed = None
@@ -79,12 +80,22 @@ class PhaseData:
         return start_step
 
     def batches(self):
-        """The replica's micro-batches on the host: each adapter's rows one after another."""
-        if len(self.loaders) == 1:
-            yield from next(iter(self.loaders.values()))
-            return
+        """The replica's micro-batches on the host: each adapter's rows one after another, each row
+        with the seed of its LoRA dropout masks ("lora_seed", lora_dropout_seeds)."""
         for parts in zip(*self.loaders.values()):
-            yield {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+            batch = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+            positions = batch.pop("stream_position")
+            yield {**batch, "lora_seed": lora_dropout_seeds(positions, self.seed, self.phase)}
+
+
+def lora_dropout_seeds(positions: torch.Tensor, seed: int, phase: int) -> torch.Tensor:
+    """The seeds of a batch's LoRA dropout masks (lora_logic/dropout.py): int32 [rows, 1], each
+    sequence's from its place in the global stream of blocks (dataset/loader.py's "stream_position")
+    and the phase's key (train.seed, phase). A sequence then draws the same masks whichever replica
+    and micro-batch hold it: 1, 2 or 4 processes, dp or fsdp, any micro-batch and accumulation, and
+    a resume on another count train one run; a sequence side by side draws its adapter-alone run's."""
+    key = ((seed * 3 + phase) * 1_000_003 + 7) % (2**31 - 1)
+    return positions.to(torch.int32) ^ key
 
 
 def global_batch_advice(saved_batch: int, devices: int, micro_batch: int) -> str:

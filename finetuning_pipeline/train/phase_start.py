@@ -168,7 +168,7 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
                                 collectives=parallel.collectives, base_model=config.model.path, lora_config=lora_config,
                                 sync=runtime.step_boundary)
     checkpointer.clean()
-    data = PhaseData(config.data_dirs(phase), train=t, eval=config.eval, parallel=parallel)
+    data = PhaseData(config.data_dirs(phase), train=t, eval=config.eval, parallel=parallel, phase=phase)
     parallelized = runtime.parallelize(model, config, parallel, device, data.seq_len)
     if parallel.master:
         print(f"phase {phase}: {parallelized.description}", flush=True)
@@ -184,10 +184,6 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     if resume_from:
         load_optimizer_state(resume_from, model=model, optimizer=optimizer)
     start_step = data.resume(state, resume_from)
-    if data.chips_changed and parallel.master and any(a.dropout > 0 for a in lora_config.values()):
-        print(f"note: lora.dropout > 0: its masks follow how the global batch is split over devices and micro-batches, "
-              f"so on {parallel.chips} devices the run continues with other masks than it would have drawn on "
-              f"{data.chips_changed['saved_on']}: near the uninterrupted run, not equal to it", flush=True)
     guard.resume_at(start_step)
     monitor = DivergenceMonitor(device, t.max_bad_steps, adapters=adapters or None)
     monitor.load_state_dict(state, device)

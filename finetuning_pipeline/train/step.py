@@ -25,7 +25,8 @@ def micro_batch_gradients(model, optimizer, batch: dict[str, torch.Tensor], pack
                           loss_chunk: int = 0) -> list[torch.Tensor]:
     """[flat LoRA gradient of the loss sum, loss sum, label tokens] of one micro-batch; leaves
     no `.grad` behind, so it can be traced once and looped (runtime/xla/micro_batch_loop.py).
-    batch["lora_seed"] (int32 [1], optional): the seed of its LoRA dropout masks (lora_logic/dropout.py).
+    batch["lora_seed"] (int32 [1] or [rows, 1], optional): the seeds of its LoRA dropout masks
+    (lora_logic/dropout.py; the trainer's: one per sequence, train/phase_data.py's lora_dropout_seeds).
     A model of K adapters side by side: loss sum and label tokens per adapter, [K]; the gradient
     of their total is each adapter's own, as its rows reach only its weights."""
     # The optimizer's groups are the model's adapters (one per adapter side by side): known, not

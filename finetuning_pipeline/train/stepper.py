@@ -22,7 +22,7 @@ def step_seed(seed: int, phase: int, rank: int, step: int) -> int:
 
 def micro_batch_seeds(seed: int, phase: int, rank: int, step: int, count: int) -> list[int]:
     """The seed of each micro-batch of a step: the runtime's RNG seed for it (the model's own
-    dropout) and, mod 2**31, its LoRA dropout masks' (lora_logic/dropout.py)."""
+    dropout, which draws from the device's RNG: it follows the split of the global batch)."""
     first = step_seed(seed, phase, rank, step)
     return [(first * 1_000_003 + i) % (2**63 - 1) for i in range(count)]
 
@@ -112,14 +112,12 @@ class Stepper:
         return [torch.zeros(adapters, dtype=self.schedule.dtype), torch.zeros(adapters, dtype=torch.bool)]
 
     def __call__(self, step: int, micro_batches: list[dict]) -> dict:
-        # The random numbers of step k (LoRA and the model's dropout) depend on (seed, phase,
-        # rank, k) and the micro-batch only, so a resumed run draws the masks the uninterrupted
-        # one drew: restoring torch_xla's saved RNG state did not (same state read back,
-        # different masks: verified with lora.dropout 0.1). New seeds each step are data for
-        # the graph, not a recompile.
+        # LoRA dropout's masks come with the batch, a seed per sequence from its place in the
+        # global stream (phase_data.py); the model's own dropout draws from the runtime's RNG,
+        # seeded from (seed, phase, rank, step k) and the micro-batch: so a resumed run draws the
+        # masks the uninterrupted one drew (restoring torch_xla's saved RNG state did not: same
+        # state read back, different masks). New seeds each step are data, not a recompile.
         seeds = micro_batch_seeds(self.seed, self.phase, self.parallel.rank, step, len(micro_batches))
-        micro_batches = [{**batch, "lora_seed": torch.tensor([seed % 2**31], dtype=torch.int32).to(self.device)}
-                         for batch, seed in zip(micro_batches, seeds)]
         results = self.execution.run(micro_batches, seeds, self.lr_and_active, self.lr_examples)
         if self.grouped:
             # Per-adapter results are sums over batch-sharded rows: under SPMD, propagation shards

@@ -6,12 +6,14 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from dataset import prepare
 from dataset.errors import DataError
 from dataset.loader import ShardLoader, iter_eval_batches, open_prepared
 from dataset.manifest import tokenizer_fingerprint
 from dataset.samples import CHAT_QA
+from dataset.shards import ARRAYS
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +37,11 @@ def prepared(tiny_model_dir, tmp_path_factory):
 def test_batches_have_one_shape_and_cross_epochs(prepared):
     loader = ShardLoader(prepared, micro_batch=5, seed=0)
     rows = loader.rows
-    for _ in range(2 * rows // 5 + 1):  # more than two epochs
+    for step in range(2 * rows // 5 + 1):  # more than two epochs
         batch = loader.next_batch()
-        assert {k: tuple(v.shape) for k, v in batch.items()} == {k: (5, 64) for k in batch}
+        positions = batch.pop("stream_position")  # where each block stands in the global stream
+        assert {k: tuple(v.shape) for k, v in batch.items()} == {k: (5, 64) for k in ARRAYS}
+        assert positions.dtype == torch.int32 and positions.reshape(-1).tolist() == list(range(5 * step, 5 * step + 5))
     assert loader.epoch > 2
 
 

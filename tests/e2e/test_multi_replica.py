@@ -53,12 +53,13 @@ trainer.save_adapters = late
 
 @pytest.fixture(scope="module")
 def torchrun_and_single(tiny_model_dir, data, tmp_path_factory):
-    """No dropout (its masks depend on the replica), the same global batch of 8: 2 replicas
+    """LoRA dropout on (each sequence's masks from its place in the global stream, whichever replica
+    holds it), the same global batch of 8: 2 replicas
     through torchrun (micro-batch 2, both phases, the master slow to write its adapters, W&B
     on, offline), 4 replicas (micro-batch 1, phase 1, the base named by a Hub id, read from a
     Hub-layout cache), and 1 replica (micro-batch 4)."""
     root = tmp_path_factory.mktemp("torchrun")
-    common = {"train": {"max_steps": 6}, "lora": {"dropout": 0.0}, "checkpoint": {"every": 3, "keep": 3},
+    common = {"train": {"max_steps": 6}, "lora": {"dropout": 0.1}, "checkpoint": {"every": 3, "keep": 3},
               "model": {"dtype": "float64"}}  # equal in exact arithmetic: float64 (tests/tolerances.py)
     two = config_for(root, tiny_model_dir, data, "two", **common,
                      logging={"wandb": {"project": "tpu-lora-tests", "mode": "offline"}})
@@ -130,10 +131,10 @@ def test_resume_on_another_number_of_chips_with_the_same_global_batch(torchrun_a
 # -- fsdp with several hosts: one SPMD process per host, two virtual chips each -------------------
 @pytest.fixture(scope="module")
 def fsdp_runs(tiny_model_dir, data, tmp_path_factory):
-    """Phase 1, no dropout: one dp replica (micro-batch 4) and two fsdp "hosts" of two chips
+    """Phase 1, LoRA dropout on: one dp replica (micro-batch 4) and two fsdp "hosts" of two chips
     each (micro-batch 1 per chip): the same global batch of 8."""
     root = tmp_path_factory.mktemp("fsdp-hosts")
-    common = {"train": {"max_steps": 12}, "lora": {"dropout": 0.0}, "model": {"dtype": "float64"}}
+    common = {"train": {"max_steps": 12}, "lora": {"dropout": 0.1}, "model": {"dtype": "float64"}}
     single = config_for(
         root, tiny_model_dir, data, "single", **{**common, "train": {"max_steps": 12, "micro_batch": 4}}
     )

@@ -62,3 +62,34 @@ def test_without_a_seed_it_is_rng_dropout():
     torch.manual_seed(1)
     assert not torch.equal(first, model[0](x))  # torch's RNG, not a seed
     assert abs((first == 0).float().mean().item() - 0.5) < 0.03
+
+
+def test_a_seed_per_row_gives_each_row_its_own_mask_whatever_rows_surround_it():
+    """The trainer's seeds are one per sequence ([rows, 1], from its place in the global stream): a row's
+    mask is the same alone, among other rows, in another order, and with its tokens flattened
+    ([rows * seq, in], as an expert layer sees them); rows with other seeds get other masks."""
+    shape, p, salt = torch.Size([4, 6, 8]), 0.3, 17
+    seeds = torch.tensor([[11], [22], [33], [44]], dtype=torch.int32)
+    together = keep_mask(seeds, salt, shape, p)
+    for row in range(4):
+        alone = keep_mask(seeds[row:row + 1], salt, torch.Size([1, 6, 8]), p)
+        assert torch.equal(alone[0], together[row])
+    reordered = keep_mask(seeds.flip(0), salt, shape, p)
+    assert torch.equal(reordered, together.flip(0))
+    assert torch.equal(keep_mask(seeds, salt, torch.Size([24, 8]), p).view(shape), together)
+    assert not torch.equal(together[0], together[1])
+    assert abs(together.float().mean().item() - (1 - p)) < 0.1
+
+
+def test_adapters_side_by_side_take_their_group_of_the_row_seeds():
+    """A layer of K adapters gives dropout the k-th of K row groups: it takes the k-th part of the
+    seeds, the masks its rows draw in a run of that adapter alone."""
+    dropout = SeededDropout(0.5, salt=3).train()
+    x = torch.ones(4, 5, 6)
+    seeds = torch.arange(4, dtype=torch.int32).reshape(4, 1) + 100
+    dropout.seed = seeds
+    together = dropout(x)
+    dropout.seed = seeds[2:]  # the second adapter's rows, alone
+    assert torch.equal(dropout(x[2:]), together[2:])
+    dropout.seed = seeds
+    assert torch.equal(dropout(x[2:], group=(1, 2)), together[2:])

@@ -175,7 +175,7 @@ class ScannedLayers(nn.Module):
         return out
 
     def _dropout_inputs(self) -> dict:
-        """{"seed": the micro-batch's dropout seed per layer [layers, 1], "salts": each dropout's
+        """{"seed": the micro-batch's dropout seeds per layer [layers, 1 or rows], "salts": each dropout's
         salt per layer}, or {} when no LoRA dropout is live (eval, or p 0)."""
         live = [m for m in self.seeded_dropouts() if m.training and m.p > 0]
         if not live:
@@ -184,7 +184,8 @@ class ScannedLayers(nn.Module):
         if seed is None:
             raise RuntimeError("ScannedLayers: LoRA dropout needs a seed per micro-batch (set_dropout_seed) when "
                                "the layers run as one loop; random draws cannot be traced into it")
-        return {"seed": seed.to(torch.int32).reshape(1, 1).expand(self.count, 1),
+        seed = seed.to(torch.int32).reshape(1, -1)  # one, or one per sequence
+        return {"seed": seed.expand(self.count, seed.shape[1]),
                 "salts": {name: getattr(self, key) for name, key in self.salt_keys.items()}}
 
     def extra_repr(self) -> str:
