@@ -56,6 +56,15 @@ class OutputWriteError(RunError):
 class ReplicaLost(RunError):
     """A host collective failed: another replica died, or stopped answering."""
 
+    @classmethod
+    def of(cls, rank: int, where: str, err: BaseException) -> "ReplicaLost":
+        """The one line a replica says when a collective failed because a peer is gone: its rank,
+        where, and the backend's own first line (gloo's and NCCL's messages run on for lines of
+        their C++ call sites)."""
+        said = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        return cls(f"replica {rank}: another replica stopped answering{where} ({said[:300]}); the run resumes "
+                   "from its last complete checkpoint with --resume auto")
+
 
 BAD_INPUT = (ConfigError, DataError, ModelLoadError, OutputConflict, TokenizerError, HubModelError)
 

@@ -10,6 +10,7 @@ paths are anchored at the repository, and what is missing is built first.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import sys
 from pathlib import Path
 
@@ -62,8 +63,17 @@ def build(what: str, force: bool = False) -> int:
 def ensure_demo_inputs(config, phases: list[int]) -> None:
     """Build the demo inputs this run reads and that are missing: the base, and the data of
     the phases it runs, prepared with that base's tokenizer (so only on the demo's own base).
-    Paths overridden to somewhere else are the user's own, left alone."""
+    Paths overridden to somewhere else are the user's own, left alone. The processes of one
+    command (torchrun's) build one at a time: the first builds, the others find it built."""
     paths = demo_paths()
+    lock = paths["base"].parent / ".inputs.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes
+        build_missing(config, phases, paths)
+
+
+def build_missing(config, phases: list[int], paths: dict[str, Path]) -> None:
     ours = Path(config.model.path) == paths["base"]
     needed = {"base": ours and not (paths["base"] / "config.json").is_file()}
     for phase in phases:

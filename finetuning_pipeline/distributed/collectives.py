@@ -103,8 +103,7 @@ class Collectives:
         try:
             collective().wait()
         except RuntimeError as err:  # gloo: "Connection closed by peer", a timeout, ...
-            raise ReplicaLost(f"replica {self.rank}: another replica stopped answering ({err}); the run "
-                              "resumes from its last complete checkpoint with --resume auto") from None
+            raise ReplicaLost.of(self.rank, "", err) from None
 
     def any(self, flag: bool) -> bool:
         """True on every replica if it is True on any."""

@@ -67,5 +67,4 @@ def lost_replica_named(collectives):
     except RuntimeError as err:
         if not any(name in str(err) for name in ("gloo", "NCCL")):
             raise
-        raise ReplicaLost(f"replica {collectives.rank}: another replica stopped answering in the gradients' sum "
-                          f"({err}); the run resumes from its last complete checkpoint with --resume auto") from None
+        raise ReplicaLost.of(collectives.rank, " in the gradients' sum", err) from None
