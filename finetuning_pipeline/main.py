@@ -47,12 +47,12 @@ if __package__ in (None, ""):  # run as a script: python finetuning_pipeline/mai
 from finetuning_pipeline.demo.inputs import DEMO_CONFIG, REPO, anchored_paths, ensure_demo_inputs
 from finetuning_pipeline.distributed.collectives import launch_rank, torchrun_world
 from finetuning_pipeline.distributed.host_agreement import check_hosts_agree
+from finetuning_pipeline.distributed.resume_command import resume_command
 from finetuning_pipeline.errors import ConfigError, OutputWriteError, run_command
 from finetuning_pipeline.monitor.console import summary_lines
 from finetuning_pipeline.monitor.metrics_log import plot_losses
 from finetuning_pipeline.run.checkpointing import complete_checkpoints
 from finetuning_pipeline.run.input_checks import check_inputs, pin_model
-from finetuning_pipeline.run.resume_command import resume_command
 from finetuning_pipeline.run.resume_plan import PhasePlan, check_resumable, plan_phases
 from finetuning_pipeline.run.run_layout import OutputLock, RunLayout
 from finetuning_pipeline.run.stop_signal import StopOnSignal, WallClockBudget, watch_parent
@@ -201,8 +201,13 @@ def train(argv: list[str] | None) -> int:
     check_inputs(config, phases, machine=runtime.target_machine(config))
     runtime.before_run(config, sys.argv[1:] if argv is None else list(argv), str(Path(__file__).resolve()))
     notes: list[str] = []  # the plan's, said once the run holds output_dir (run_replica)
-    plans = plan_phases(config, phases, args.resume, args.force, notes.append)
-    check_resumable(config, plans, args.accept_changes, notes.append)
+    try:
+        plans = plan_phases(config, phases, args.resume, args.force, notes.append)
+        check_resumable(config, plans, args.accept_changes, notes.append)
+    except Exception:  # a refused plan: what it found before the refusal is part of the answer
+        for note in notes:
+            say(note)
+        raise
     budget = WallClockBudget(parse_duration(config.train.max_wall_time) if config.train.max_wall_time else None,
                              started, label=config.train.max_wall_time or "")
     if not plans:  # every phase finished: nothing is written

@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 import sys
 
+from finetuning_pipeline.distributed.resume_command import BECAME_TORCHRUN
 from finetuning_pipeline.errors import ConfigError
-from finetuning_pipeline.run.resume_command import BECAME_TORCHRUN
 from finetuning_pipeline.runtime.native.device import import_torch_tpu
 
 

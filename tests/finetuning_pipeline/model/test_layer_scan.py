@@ -103,7 +103,11 @@ def test_a_captured_step_over_two_micro_batches_gives_the_layer_loop_losses():
                           lr=config.lr(1), max_steps=config.max_steps(1), activation_checkpointing=False,
                           parallel=Parallel("dp"), device=device, start_step=0, packed=True,
                           runtime=XlaRuntime())
-        micro_batches = [{k: v.to(device) for k, v in batch(packed=True).items()} for _ in range(2)]
+        micro_batches = []
+        for i in range(2):  # each sequence with its dropout seed, as the phase's data gives them
+            rows = batch(packed=True)
+            seeds = (torch.arange(rows["input_ids"].shape[0]) + 100 * i).reshape(-1, 1).to(torch.int32)
+            micro_batches.append({k: v.to(device) for k, v in {**rows, "lora_seed": seeds}.items()})
         losses = []
         for step in range(4):
             results = stepper(step, micro_batches)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from finetuning_pipeline.run.resume_command import BECAME_TORCHRUN, resume_command, torchrun_prefix
+from finetuning_pipeline.distributed.resume_command import BECAME_TORCHRUN, resume_command, torchrun_prefix
 
 pytestmark = pytest.mark.native
 MAIN = Path(__file__).resolve().parents[3] / "finetuning_pipeline" / "main.py"
