@@ -60,6 +60,12 @@ def torchrun_prefix(command: list[str] | None, script: Path) -> list[str] | None
     return None
 
 
+def torchrun_launcher(rendezvous: list[str], per_node: int | str) -> list[str]:
+    """torchrun as this interpreter runs it (`python -m torch.distributed.run`), with its rendezvous
+    arguments and a process per device of this node; the script and its arguments follow."""
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node", str(per_node)]
+
+
 def torchrun_from_environment(environ) -> list[str]:
     """torchrun's command rebuilt from the environment it gives its processes (LOCAL_WORLD_SIZE;
     on several nodes GROUP_WORLD_SIZE, GROUP_RANK and MASTER_ADDR:MASTER_PORT)."""
@@ -71,4 +77,4 @@ def torchrun_from_environment(environ) -> list[str]:
         rendezvous = ["--nnodes", str(nodes), "--node-rank", environ.get("GROUP_RANK", "0"),
                       "--rdzv-backend", "c10d", "--rdzv-endpoint",
                       f"{environ.get('MASTER_ADDR', 'localhost')}:{environ.get('MASTER_PORT', '29400')}"]
-    return [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node", per_node]
+    return torchrun_launcher(rendezvous, per_node)

@@ -15,9 +15,8 @@ it builds are tested from environments shaped as set_tpu_launch_env leaves them.
 from __future__ import annotations
 
 import os
-import sys
 
-from finetuning_pipeline.distributed.resume_command import BECAME_TORCHRUN
+from finetuning_pipeline.distributed.resume_command import BECAME_TORCHRUN, torchrun_launcher
 from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.runtime.native.device import import_torch_tpu
 
@@ -39,8 +38,7 @@ def torchrun_command(script: str, argv: list[str], environ) -> list[str] | None:
     else:
         rendezvous = ["--nnodes", str(hosts), "--node-rank", environ["NODE_RANK"],
                       "--master-addr", environ["MASTER_ADDR"], "--master-port", environ["MASTER_PORT"]]
-    return [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node", str(per_host),
-            script, *argv]
+    return [*torchrun_launcher(rendezvous, per_host), script, *argv]
 
 
 def become_torchrun_on_tpu(script: str, argv: list[str]) -> None:
