@@ -20,10 +20,15 @@ PROCESS_GROUP_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "tpu": "tpu_dist"}
 COMPILE_BACKENDS = {"cpu": "inductor", "cuda": "inductor", "tpu": "tpu"}
 
 
+def auto_device_type() -> str:
+    """runtime.device=auto: a CUDA GPU where PyTorch sees one (no device is started), else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def native_device(setting: str) -> torch.device:
     """runtime.device -> the torch device, or a ConfigError naming what is missing."""
     if setting == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(auto_device_type())
     if setting == "cpu":
         return torch.device("cpu")
     if setting == "cuda":

@@ -24,6 +24,7 @@ from finetuning_pipeline.run_config import RunConfig
 from finetuning_pipeline.runtime.native.device import (
     COMPILE_BACKENDS,
     PROCESS_GROUP_BACKENDS,
+    auto_device_type,
     compiles_layers,
     native_device,
 )
@@ -149,7 +150,7 @@ class NativeBackend:
         torchrun's processes would sit on GPU 0)."""
         setting = config.runtime.device
         if setting == "auto":
-            return f"{'cuda' if torch.cuda.is_available() else 'cpu'} (runtime.device=auto)"
+            return f"{auto_device_type()} (runtime.device=auto)"
         return setting
 
     def before_run(self, config: RunConfig, command: list[str], script: str) -> None:
