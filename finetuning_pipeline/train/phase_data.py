@@ -83,7 +83,7 @@ class PhaseData:
         """The replica's micro-batches on the host: each adapter's rows one after another, each row
         with the seed of its LoRA dropout masks ("lora_seed", lora_dropout_seeds)."""
         for parts in zip(*self.loaders.values()):
-            batch = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+            batch = parts[0] if len(parts) == 1 else {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
             positions = batch.pop("stream_position")
             yield {**batch, "lora_seed": lora_dropout_seeds(positions, self.seed, self.phase)}
 
