@@ -55,6 +55,7 @@ def set_tpu_launch_env(*, nnodes=None, nproc_per_node=None):
 def is_available():
     print(f"worker {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')}, {os.environ.get('TORCH_TPU_TOPOLOGY')}",
           flush=True)
+    print(f"resumes as main.py: {os.environ.get('TPU_LORA_BECAME_TORCHRUN')}", flush=True)
     return False
 
 
@@ -86,4 +87,6 @@ def test_main_becomes_torchrun_whose_processes_run_main_with_the_same_arguments(
     workers = set(re.findall(r"worker (\d) of 2, 1,2,1", output))
     assert workers and workers <= {"0", "1"}, output
     assert "TorchTPU is installed but finds no TPU on this machine" in output, output
+    # the user's command was main.py: a stopped worker's resume command is it, not torchrun's (resume_command)
+    assert "resumes as main.py: 1" in output, output
     assert proc.returncode != 0 and not (out / "phase1").exists(), output  # nothing written before the launch
