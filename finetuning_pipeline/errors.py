@@ -14,7 +14,10 @@ a user sees `error: <what, where, what to do>` and never a traceback for these.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import sys
+import time
 from pathlib import Path
 
 from dataset.errors import DataError
@@ -90,15 +93,30 @@ def run_command(main, *args, own_stop_signals: bool = False) -> int:
         with contextlib.nullcontext() if own_stop_signals else stop_signals_unwind():
             return main(*args)
     except (*BAD_INPUT, RunError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        say_error(f"error: {err}")
         return exit_code_of(err)
     except KeyboardInterrupt as err:  # SIGINT, or SIGTERM (utils/interrupts.py): what was staged is removed
         return report_interrupted(err, command_name(main))
     except OSError as err:
         where = f"{err.filename}: " if err.filename else ""
-        print(f"error: {where}{err.strerror or err}; nothing half-written was left. Fix it (free space, permissions) "
-              "and run the same command again", file=sys.stderr, flush=True)
+        say_error(f"error: {where}{err.strerror or err}; nothing half-written was left. Fix it (free space, "
+                  "permissions) and run the same command again")
         return 3
+
+
+# Set by main.py for the processes of the torchrun agent it runs itself (distributed/torchrun_agent.py).
+ERRORS_TO_AGENT = "TPU_LORA_ERRORS_TO_AGENT"
+
+
+def say_error(line: str) -> None:
+    """`line` on stderr; in a process of main.py's own torchrun agent, in the error file torchrun
+    gave it (TORCHELASTIC_ERROR_FILE, in the form its ProcessFailure reads), from which the agent
+    says each process's line once: a refusal every process made is one line, not one a process."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") if os.environ.get(ERRORS_TO_AGENT) else None
+    if error_file:
+        Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+        return
+    print(line, file=sys.stderr, flush=True)
 
 
 def command_name(main) -> str:

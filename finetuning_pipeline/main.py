@@ -26,8 +26,9 @@ finetuning_pipeline/main.py ...` (they talk through gloo on the loopback: collec
 Everything that can be checked without a device (config, paths, data manifests against the
 tokenizer, sequence length against the model, resume settings) is checked first.
 The native runtime trains one device in this process (a GPU, a CPU, TorchTPU's `tpu`: on a TPU
-host a process per chip, by torchrun over this command), or N processes under `torchrun
---nproc-per-node N`: DDP under parallel.mode=dp, FSDP2 under fsdp; it imports no torch_xla.
+host a process per chip, by torchrun's agent over this command), or N processes under
+`--nproc-per-node N` (torchrun's agent run by this command: distributed/torchrun_agent.py) or
+`torchrun --nproc-per-node N`: DDP under parallel.mode=dp, FSDP2 under fsdp; it imports no torch_xla.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ if __package__ in (None, ""):  # run as a script: python finetuning_pipeline/mai
 from finetuning_pipeline.demo.inputs import DEMO_CONFIG, REPO, anchored_paths, ensure_demo_inputs
 from finetuning_pipeline.distributed.collectives import launch_rank, torchrun_world
 from finetuning_pipeline.distributed.host_agreement import check_hosts_agree
-from finetuning_pipeline.distributed.resume_command import resume_command
+from finetuning_pipeline.distributed.resume_command import BECAME_TORCHRUN, resume_command
+from finetuning_pipeline.distributed.torchrun_agent import run_torchrun_agent
 from finetuning_pipeline.errors import ConfigError, OutputWriteError, run_command
 from finetuning_pipeline.monitor.console import summary_lines
 from finetuning_pipeline.monitor.metrics_log import plot_losses
@@ -74,7 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the same step and exits 0; the same command then resumes. SIGUSR1 to any of its processes: each of its "
         "threads prints its stack (a run that seems hung), and the run carries on; a crash prints them too. "
         "Several replicas on a CPU, started the TPU host's way: CPU_NUM_DEVICES=N ... parallel.launcher=tpu; "
-        "or as processes: PJRT_DEVICE=CPU torchrun --standalone --nproc-per-node N finetuning_pipeline/main.py ...",
+        "or as processes: --nproc-per-node N (or PJRT_DEVICE=CPU torchrun --standalone --nproc-per-node N "
+        "finetuning_pipeline/main.py ..., whose own tracebacks and exit status 1 follow a refusal or a stop).",
     )
     parser.add_argument("--config", help=f"YAML run config (see finetuning_pipeline/configs/); default: ${CONFIG_ENV}, "
                         "else the embedded default (configs/demo.yaml, its paths under the repository)")
@@ -90,6 +93,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "warmup, decay, clipping, max_steps, ...: after a divergence, say); the run is then no longer "
                         "the one an uninterrupted run would give, and its summary records the changes. Model, LoRA, "
                         "data and seed changes are refused even so")
+    parser.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                        help="start N processes of this command on this machine, as torchrun --standalone "
+                        "--nproc-per-node N would (a GPU each; on a CPU, N processes), with torchrun's own agent run "
+                        "here: a refusal is said once, a clean stop (SIGINT, SIGTERM) exits 0, and the exit status is "
+                        "this command's (distributed/torchrun_agent.py). Default 1: this process. Under torchrun (on "
+                        "several machines) leave it out")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return parser.parse_intermixed_args(argv)  # key=value overrides before and after the flags
 
@@ -121,8 +130,9 @@ WRITE_ERRNOS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 def resume_arguments(args: argparse.Namespace) -> list[str]:
     """The command's arguments as given, with --resume auto: without --config it chooses the same
     config again."""
-    return [*(["--config", args.config] if args.config else []), "--phase", args.phase, "--resume", "auto",
-            *args.overrides]
+    return [*(["--config", args.config] if args.config else []),
+            *(["--nproc-per-node", str(args.nproc_per_node)] if args.nproc_per_node > 1 else []),
+            "--phase", args.phase, "--resume", "auto", *args.overrides]
 
 
 def run_replica(config: RunConfig, plans: list[PhasePlan], notes: list[str], resume_command: str, budget, backend,
@@ -189,9 +199,13 @@ def train(argv: list[str] | None) -> int:
     started = time.time()  # a session budget (train.max_wall_time) counts from here
     launcher = os.getppid()  # (under torchrun, its agent: watched by each replica)
     args = parse_args(argv)
+    check_process_count(args.nproc_per_node)
     dump_stacks_on_signal()  # kill -USR1 PID: where each thread is (utils/stack_dump.py)
     config_path, overrides = choose_config(args.config, args.overrides, args.phase)
     config = load_config(config_path, overrides)
+    command, script = sys.argv[1:] if argv is None else list(argv), str(Path(__file__).resolve())
+    if args.nproc_per_node > 1 and torchrun_world() == 1:  # its processes run this command and say the rest
+        return run_torchrun_agent(["--standalone"], args.nproc_per_node, script, command)
     say = print if launch_rank() == 0 else (lambda *args, **kwargs: None)  # torchrun: said once
     runtime = backend(config)
     runtime.prepare_process(first_process=launch_rank() == 0)  # before transformers is imported
@@ -199,7 +213,9 @@ def train(argv: list[str] | None) -> int:
     phases = selected_phases(args.phase, config)
     pin_model(config)
     check_inputs(config, phases, machine=runtime.target_machine(config))
-    runtime.before_run(config, sys.argv[1:] if argv is None else list(argv), str(Path(__file__).resolve()))
+    launched = runtime.before_run(config, command, script)  # (TorchTPU on a TPU host: a process per chip)
+    if launched is not None:  # the run ran in the processes this one started
+        return launched
     notes: list[str] = []  # the plan's, said once the run holds output_dir (run_replica)
     try:
         plans = plan_phases(config, phases, args.resume, args.force, notes.append)
@@ -221,6 +237,17 @@ def train(argv: list[str] | None) -> int:
     return 0
 
 
+def check_process_count(given: int) -> None:
+    """--nproc-per-node: at least 1, and under torchrun (its own agent's processes included) the
+    process count it started on this node."""
+    if given < 1:
+        raise ConfigError(f"--nproc-per-node {given}: expected a count of processes, 1 or more")
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if given > 1 and local is not None and int(local) != given:
+        raise ConfigError(f"--nproc-per-node {given}: this process is one of torchrun's {local} on this node; leave "
+                          "the flag out under torchrun (its own --nproc-per-node counts the processes)")
+
+
 def selected_phases(given: str, config: RunConfig) -> list[int]:
     """--phase: every phase of the config in order ("all"), or the one numbered."""
     numbers = config.phase_numbers()
@@ -239,10 +266,12 @@ def choose_config(given: str | None, overrides: list[str], phase: str = "all") -
     phases `phase` selects are built if missing. Says which config it chose when none was named."""
     if given:
         return Path(given), overrides
+    # said by the command the user typed: torchrun's first process, or main.py running torchrun's agent itself
+    say = print if launch_rank() == 0 and not os.environ.get(BECAME_TORCHRUN) else (lambda *args, **kwargs: None)
     if os.environ.get(CONFIG_ENV):
-        print(f"config: {os.environ[CONFIG_ENV]} (from ${CONFIG_ENV})", flush=True)
+        say(f"config: {os.environ[CONFIG_ENV]} (from ${CONFIG_ENV})", flush=True)
         return Path(os.environ[CONFIG_ENV]), overrides
-    print(f"config: {DEMO_CONFIG} (the embedded default: no --config given and ${CONFIG_ENV} unset)", flush=True)
+    say(f"config: {DEMO_CONFIG} (the embedded default: no --config given and ${CONFIG_ENV} unset)", flush=True)
     anchored = anchored_paths(DEMO_CONFIG, REPO)
     demo = load_config(DEMO_CONFIG, anchored + overrides)
     backend(demo).prepare_process(first_process=launch_rank() == 0)  # (building the demo's base imports transformers)

@@ -7,8 +7,9 @@ GPU machine's system), and keeps it up to main.py: `torchrun --nproc-per-node N 
 typed it, its process count and rendezvous included, so the resumed run has the global batch the
 checkpoint was saved with. Where that command cannot be read, torchrun's environment gives one
 (`torch.distributed.run --standalone --nproc-per-node LOCAL_WORLD_SIZE`, with the node count and
-this node's rank on several). A torchrun that main.py itself became (TorchTPU on a TPU host:
-runtime/native/tpu_launch.py) resumes as the plain command, which becomes torchrun again.
+this node's rank on several). Processes of the torchrun agent main.py runs itself (`main.py
+--nproc-per-node N`, TorchTPU on a TPU host: distributed/torchrun_agent.py) resume as main.py's
+command, which runs the agent again.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from finetuning_pipeline.distributed.collectives import torchrun_world
 
-# Set by main.py where it replaces itself with torchrun (runtime/native/tpu_launch.py): the user's
+# Set by main.py where it runs torchrun's agent itself (distributed/torchrun_agent.py): the user's
 # command is then main.py's, not torchrun's.
 BECAME_TORCHRUN = "TPU_LORA_BECAME_TORCHRUN"
 

@@ -130,10 +130,10 @@ class Backend(Protocol):
     def device_name(self, config: RunConfig) -> str:
         """The device the run takes, in words, for its first line (after prepare_process)."""
 
-    def before_run(self, config: RunConfig, command: list[str], script: str) -> None:
+    def before_run(self, config: RunConfig, command: list[str], script: str) -> int | None:
         """Before anything of the run is written: where this runtime's launcher is the same command
-        run again under another process (TorchTPU's torchrun), this process becomes it (script:
-        main.py's path; command: its arguments) and does not return."""
+        run again in other processes (TorchTPU's torchrun), this process runs them (script: main.py's
+        path; command: its arguments) and returns the run's exit status; None where it trains itself."""
 
     def launch(self, config: RunConfig, replica: Callable, args: tuple) -> None:
         """replica(*args) on every replica this process starts (its launcher's processes and

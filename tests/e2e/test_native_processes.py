@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,6 +178,72 @@ def test_torchrun_killed_leaves_no_process_and_its_printed_command_resumes_the_r
     assert json.loads((out_of(config) / "phase1" / "summary.json").read_text())["resumed_from_step"] == stopped[0]
     ours, theirs = adapter_tensors(out_of(config)), adapter_tensors(reference)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in theirs)
+
+
+def main_running_torchruns_agent(config: Path, log: Path, *args: str) -> subprocess.Popen:
+    """`main.py --nproc-per-node 2`: torchrun's agent run by main.py itself (distributed/torchrun_agent.py)."""
+    command = [sys.executable, "finetuning_pipeline/main.py", "--nproc-per-node", "2", "--config", str(config),
+               "--phase", "1", *NATIVE, *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    with log.open("w") as output:
+        return subprocess.Popen(command, cwd=REPO, stdout=output, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+
+def test_main_running_torchruns_agent_stops_on_sigint_with_exit_0_and_its_printed_command_resumes(
+        tiny_model_dir, data, reference, tmp_path):
+    """SIGINT (Ctrl-C) to `main.py --nproc-per-node 2`: its processes, each in a session of its own
+    (torchrun's), get it from main.py, checkpoint one step and exit 0, and so does main.py, with
+    none of torchrun's tracebacks; the resume command printed is main.py's own, which, pasted,
+    finishes the run bitwise as the uninterrupted one."""
+    config = config_for(tmp_path, tiny_model_dir, data, model={"dtype": "float64"}, checkpoint={"every": 0})
+    log = tmp_path / "main.log"
+    proc = main_running_torchruns_agent(config, log)
+    wait_for_step([proc], out_of(config), 3, timeout=HANG, output=log.read_text)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(HANG) == 0, log.read_text()
+    text = log.read_text()
+    assert "Traceback" not in text and "SignalException" not in text, text
+    stopped = checkpoint_steps(out_of(config))
+    assert len(stopped) == 1 and stop_lines_in(text) == [stopped[0]] * 2 and stopped[0] < STEPS, text
+    printed = text.split("resume with:\n")[1].splitlines()[0].strip()
+    assert "finetuning_pipeline/main.py --config " in printed and " --nproc-per-node 2 " in printed, printed
+    assert "torch.distributed.run" not in printed, printed
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    resumed = subprocess.run(printed, shell=True, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert json.loads((out_of(config) / "phase1" / "summary.json").read_text())["resumed_from_step"] == stopped[0]
+    ours, theirs = adapter_tensors(out_of(config)), adapter_tensors(reference)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in theirs)
+
+
+def stop_lines_in(text: str) -> list[int]:
+    return sorted(int(line.split("stopped after step ")[1].split()[0]) for line in text.splitlines()
+                  if line.startswith("replica ") and "stopped after step " in line)
+
+
+def test_main_running_torchruns_agent_says_a_refusal_once_and_a_killed_process_by_its_rank(
+        tiny_model_dir, data, reference, tmp_path):
+    """The same processes refusing a plan (an existing run restarted with --resume never and no
+    --force): one line, exit 2. One process SIGKILLed mid-run: one line naming it, exit 3; none of
+    torchrun's ChildFailedError block either time."""
+    config = config_for(tmp_path, tiny_model_dir, data, model={"dtype": "float64"})
+    log = tmp_path / "main.log"
+    proc = main_running_torchruns_agent(config, log)
+    wait_for_step([proc], out_of(config), 3, timeout=HANG, output=log.read_text)
+    workers = child_pids(proc.pid)
+    assert len(workers) == 2, log.read_text()
+    os.kill(workers[1], signal.SIGKILL)
+    assert proc.wait(HANG) == 3, log.read_text()
+    said = [line for line in log.read_text().splitlines() if line.startswith("error:")]
+    assert len(said) == 1 and re.fullmatch(r"error: process [01] of 2 was killed by SIGKILL; the run resumes from "
+                                           r"its last complete checkpoint with --resume auto", said[0]), said
+    assert "ChildFailedError" not in log.read_text() and "Traceback" not in log.read_text(), log.read_text()
+    refused = main_running_torchruns_agent(config, tmp_path / "refused.log", "--resume", "never")
+    assert refused.wait(HANG) == 2, (tmp_path / "refused.log").read_text()
+    text = (tmp_path / "refused.log").read_text()
+    said = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(said) == 1 and "--force" in said[0] and "ChildFailedError" not in text, text
 
 
 def test_a_killed_process_stops_the_other_in_bounded_time_naming_it_and_the_run_resumes(tiny_model_dir, data, reference,

@@ -32,7 +32,7 @@ from finetuning_pipeline.runtime.native.device_sum import TorchAllReduce
 from finetuning_pipeline.runtime.native.fsdp import NativeFsdp, device_mesh
 from finetuning_pipeline.runtime.native.host_syncs import HostSyncCount, start_profiler_on_this_thread
 from finetuning_pipeline.runtime.native.step import NativeStepExecution, compile_decoder_layers
-from finetuning_pipeline.runtime.native.tpu_launch import become_torchrun_on_tpu
+from finetuning_pipeline.runtime.native.tpu_launch import run_processes_on_tpu
 from finetuning_pipeline.runtime.protocol import Parallelized
 
 
@@ -153,11 +153,12 @@ class NativeBackend:
             return f"{auto_device_type()} (runtime.device=auto)"
         return setting
 
-    def before_run(self, config: RunConfig, command: list[str], script: str) -> None:
-        """On a TPU host, TorchTPU's way to a process per chip: torchrun over this command, before
-        anything is written (tpu_launch.py)."""
+    def before_run(self, config: RunConfig, command: list[str], script: str) -> int | None:
+        """On a TPU host, TorchTPU's way to a process per chip: torchrun's agent over this command,
+        before anything is written (tpu_launch.py); its exit status, or None on one chip."""
         if config.runtime.device == "tpu" and torchrun_world() == 1:
-            become_torchrun_on_tpu(script, command)
+            return run_processes_on_tpu(script, command)
+        return None
 
     def launch(self, config: RunConfig, replica, args: tuple) -> None:
         """The one replica of this process, on a thread that leaves the stop signals to this main

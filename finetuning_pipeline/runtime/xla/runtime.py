@@ -137,7 +137,7 @@ class XlaBackend:
         return f"PJRT_DEVICE={os.environ.get('PJRT_DEVICE', 'CPU')}"  # (chosen by prepare_process)
 
     def before_run(self, config: RunConfig, command: list[str], script: str) -> None:
-        pass  # (its launcher starts in launch, once the run is planned)
+        return None  # (its launcher starts in launch, once the run is planned)
 
     def launch(self, config: RunConfig, replica, args: tuple) -> None:
         """The TPU host's launcher (a process per chip, a replica per device on a worker thread), or

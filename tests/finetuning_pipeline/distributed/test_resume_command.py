@@ -53,7 +53,7 @@ def test_the_command_is_rebuilt_from_torchruns_environment_where_its_line_cannot
 
 
 def test_a_torchrun_main_py_became_resumes_as_main_py(under_torchrun):
-    """TorchTPU on a TPU host: the user ran main.py, which became torchrun; pasted again, it does so again."""
+    """TorchTPU on a TPU host: the user ran main.py, which ran torchrun's agent; pasted again, it does so again."""
     agent = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(MAIN)]
     command = shlex.split(resume_command(MAIN, ARGS, (), environ={BECAME_TORCHRUN: "1"}, parent_command=agent))
     assert command == [sys.executable, SCRIPT, *ARGS]
