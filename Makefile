@@ -17,6 +17,7 @@ NATIVE_STAMP := $(VENV_NATIVE)/.installed
 NATIVE_TESTS := tests/finetuning_pipeline/runtime tests/lora_logic/test_compile.py tests/e2e/test_native_runtime.py \
 	tests/finetuning_pipeline/test_cli.py tests/finetuning_pipeline/test_runtime_seam.py \
 	tests/finetuning_pipeline/train/test_phase_data.py tests/finetuning_pipeline/distributed/test_resume_command.py \
+	tests/finetuning_pipeline/distributed/test_torchrun_agent.py \
 	tests/utils/test_tpu_install.py \
 	tests/e2e/test_native_processes.py tests/e2e/test_tpu_check.py
 # XLA runs on the host CPU unless told otherwise (on a TPU VM: PJRT_DEVICE=TPU make ...).

@@ -7,8 +7,9 @@ parameters: hold_codes_as), and the weight in the compute dtype exists only
 inside the step, where XLA fuses the dequantization into its consumer. The matmul's backward
 dequantizes again rather than keep the forward's dequantized weight (what `F.linear`'s autograd
 would save, layer after layer, until the backward: the memory quantization saves, given back),
-as bitsandbytes' 4-bit matmul does. torch_xla's own quantized
-matmul cannot stand in: on the XLA device it has no autograd kernel, so the input's gradient is
+as bitsandbytes' 4-bit matmul does; under torch.compile the forward's dequantization is marked
+for recompute instead (recomputed_for_backward), which torch.compile's partitioner keeps to.
+torch_xla's own quantized matmul cannot stand in: on the XLA device it has no autograd kernel, so the input's gradient is
 None after backward and the LoRA beneath would get no gradient.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lora_logic.quantize import QuantizedWeight, dequantize, nf4_code_tensor, quantize
 from utils.device_ops import barrier_copies
@@ -76,6 +78,10 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layout = (self.format, (self.out_features, self.in_features), self.compute_dtype, self.gather_codes)
+        if torch.compiler.is_dynamo_compiling():  # (the native runtime's compiled layers)
+            weight = recomputed_for_backward(_dequantized, self._codes(), self.scales, getattr(self, "nf4_code", None),
+                                             layout)
+            return F.linear(x, weight, self.bias)
         return _QuantizedMatmul.apply(x, self._codes(), self.scales, getattr(self, "nf4_code", None), self.bias, layout)
 
     def extra_repr(self) -> str:
@@ -110,12 +116,27 @@ class _QuantizedMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        fmt, shape, dtype, gather = ctx.layout
         codes, scales, nf4_code = ctx.saved_tensors
         grad_output, codes, scales = barrier_copies(grad_output, codes, scales)
-        codes, scales = _whole(gather, codes, scales)
-        weight = dequantize(QuantizedWeight(fmt, shape, codes, scales), dtype, nf4_code)
-        return grad_output.matmul(weight), None, None, None, None, None
+        return grad_output.matmul(_dequantized(codes, scales, nf4_code, ctx.layout)), None, None, None, None, None
+
+
+def recomputed_for_backward(function, *args):
+    """function(*args) in a region torch.compile traces, marked for its partitioner to recompute in
+    the backward rather than save (torch.utils.checkpoint's tags: MUST_RECOMPUTE for min-cut, which
+    inductor uses, and which the default partitioner switches to once a graph carries them).
+    _QuantizedMatmul's own backward does not survive there: AOTAutograd traces both its
+    dequantizations, merges them as one expression (CSE), and its min-cut partitioner then saves
+    the dequantized weight of every layer for the backward (it does not recompute what feeds a
+    matmul), as much memory as the unquantized weights, given back (tested: what a compiled layer
+    saves, by saved_tensors_hooks)."""
+    return checkpoint(function, *args, use_reentrant=False)
+
+
+def _dequantized(codes: torch.Tensor, scales: torch.Tensor, nf4_code: torch.Tensor | None, layout) -> torch.Tensor:
+    fmt, shape, dtype, gather = layout
+    codes, scales = _whole(gather, codes, scales)
+    return dequantize(QuantizedWeight(fmt, shape, codes, scales), dtype, nf4_code)
 
 
 def _whole(gather, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

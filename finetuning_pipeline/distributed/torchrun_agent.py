@@ -70,7 +70,10 @@ def report_failures(failures: dict, processes: int) -> int:
     failures: torchrun's ChildFailedError.failures, {global rank: ProcessFailure}."""
     said: list[str] = []
     statuses = []
-    for rank, failure in sorted(failures.items()):
+    # A process ended by SIGTERM beside another failure was stopped by the agent itself (it ends the
+    # others when one fails; by torch 2.13 it also reports them): the failure is the other one.
+    others = {rank: f for rank, f in failures.items() if f.exitcode != -signal.SIGTERM}
+    for rank, failure in sorted((others or failures).items()):
         if failure.exitcode < 0:
             line = (f"error: process {rank} of {processes} was killed by {failure.signal_name()}; the run resumes "
                     "from its last complete checkpoint with --resume auto")

@@ -51,8 +51,9 @@ def replicate(model: torch.nn.Module, packed: bool, loss_chunk: int, groups: int
     frozen = [name for name, p in module.named_parameters() if not p.requires_grad]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         module, frozen + [name for name, _ in module.named_buffers()])
-    ddp = DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None,
-                                  broadcast_buffers=False)
+    # (every buffer is ignored above, so DDP has none to broadcast at each forward: its broadcast_buffers,
+    # deprecated from torch 2.13, is left at its default)
+    ddp = DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None)
     ddp.register_comm_hook(None, summed)
     return ddp
 

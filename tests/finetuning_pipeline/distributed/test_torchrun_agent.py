@@ -14,6 +14,8 @@ from finetuning_pipeline import main
 from finetuning_pipeline.distributed.torchrun_agent import report_failures
 from finetuning_pipeline.errors import ERRORS_TO_AGENT, ConfigError, run_command
 
+pytestmark = pytest.mark.native  # (make test-native: under torch 2.13 too)
+
 
 def failure(tmp_path, rank: int, exitcode: int, line: str | None = None) -> ProcessFailure:
     error_file = tmp_path / f"error-{rank}-{exitcode}.json"
@@ -37,6 +39,12 @@ def test_a_killed_process_is_named_and_the_first_failure_gives_the_status(tmp_pa
     assert report_failures({0: failure(tmp_path, 0, 1)}, 4) == 1
     assert capsys.readouterr().err.splitlines() == ["error: process 0 of 4 exited with status 1 (its output is above)"]
     assert report_failures({}, 2) == 0
+    # the agent's own SIGTERM to the others, once one failed, is not theirs to answer for
+    assert report_failures({0: failure(tmp_path, 0, -signal.SIGTERM), 1: failure(tmp_path, 1, -signal.SIGKILL)}, 2) == 3
+    assert capsys.readouterr().err.splitlines() == ["error: process 1 of 2 was killed by SIGKILL; the run resumes "
+                                                    "from its last complete checkpoint with --resume auto"]
+    assert report_failures({0: failure(tmp_path, 0, -signal.SIGTERM)}, 2) == 3  # (alone: a `kill` of it)
+    assert "process 0 of 2 was killed by SIGTERM" in capsys.readouterr().err
 
 
 def test_a_process_of_the_agent_hands_its_line_to_torchruns_error_file_and_says_nothing(tmp_path, monkeypatch,
