@@ -9,8 +9,8 @@ dequantizes again rather than keep the forward's dequantized weight (what `F.lin
 would save, layer after layer, until the backward: the memory quantization saves, given back),
 as bitsandbytes' 4-bit matmul does; under torch.compile the forward's dequantization is marked
 for recompute instead (recomputed_for_backward), which torch.compile's partitioner keeps to.
-torch_xla's own quantized matmul cannot stand in: on the XLA device it has no autograd kernel, so the input's gradient is
-None after backward and the LoRA beneath would get no gradient.
+torch_xla's own quantized matmul cannot stand in: on the XLA device it has no autograd kernel,
+so the input's gradient is None after backward and the LoRA beneath would get no gradient.
 """
 
 from __future__ import annotations
