@@ -179,7 +179,7 @@ class LoRALinear(nn.Module):
             part = x[group[0] * rows:(group[0] + 1) * rows]
         shared = self._shared_input
         sharing = [k for k, m in enumerate(shared.layers) if name in m.lora_A and not _drops(m.lora_dropout[name])]
-        if len(sharing) < 2 or self._sibling_index not in sharing:
+        if len(sharing) < 2 or self._sibling_index not in sharing or shared.suspended:
             dropout = self.lora_dropout[name]
             h = dropout(part, group) if isinstance(dropout, SeededDropout) else dropout(part)
             # Two 2-D products on the activations flattened once: F.linear on [batch, seq, in]
@@ -285,6 +285,8 @@ class SharedInput:
 
     def __init__(self, layers: list[LoRALinear]) -> None:
         self.layers = list(layers)
+        # Set while the siblings run where nothing may be handed between them (suspended_sharing).
+        self.suspended = False
         self._input: torch.Tensor | None = None  # the tensor the parts below were computed from
         self._parts: dict[str, dict[int, torch.Tensor]] = {}  # adapter -> {sibling index: [rows*seq, r]}
 
@@ -309,6 +311,12 @@ class SharedInput:
     def pending(self) -> int:
         """How many parts wait for their layer (0 once every sibling took its own)."""
         return sum(len(parts) for parts in self._parts.values())
+
+
+def shared_inputs(module: nn.Module) -> list[SharedInput]:
+    """The SharedInput of each LoRALinear inside `module` (a decoder layer; siblings' is one, named
+    once a sibling: by identity only, no id() that torch.compile would guard on, layer by layer)."""
+    return [m._shared_input for m in module.modules() if isinstance(m, LoRALinear)]
 
 
 def share_input(layers: list[LoRALinear]) -> None:

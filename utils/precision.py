@@ -88,3 +88,42 @@ def keeping_float64(function):
             return function(*args, **kwargs)
 
     return run
+
+
+def compiled_in_float64(backend):
+    """A torch.compile backend that compiles a float64 graph as `backend` (a name or a backend)
+    would, with float64_throughout's rules applied to the graph first: for the regions dynamo
+    traces without the torch-function modes around them (a checkpoint's, whose body it traces as
+    a subgraph of its own: a compiled layer's RMSNorm there computed in fp32, 1e-7 off)."""
+    from torch._dynamo import lookup_backend
+
+    compile_graph = lookup_backend(backend) if isinstance(backend, str) else backend
+
+    def compile_float64(graph_module: torch.fx.GraphModule, example_inputs):
+        for module in graph_module.modules():  # the graph, and the subgraphs of its regions
+            if isinstance(module, torch.fx.GraphModule):
+                _keep_float64_in(module)
+        return compile_graph(graph_module, example_inputs)
+
+    return compile_float64
+
+
+def _keep_float64_in(graph_module: torch.fx.GraphModule) -> None:
+    """_KeepFloat64's casts, on the graph's nodes by the dtype dynamo recorded for their first
+    argument: a float64 tensor made fp32 (`.float()`, `.to(torch.float32)`, a softmax's dtype)
+    stays float64, and integers made fp32 by `.float()` become float64."""
+    def widened(value):
+        return torch.float64 if value is torch.float32 else value
+
+    for node in graph_module.graph.nodes:
+        source = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        value = source.meta.get("example_value") if source is not None else None
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.dtype == torch.float64:
+            node.args = torch.fx.node.map_aggregate(node.args, widened)
+            node.kwargs = torch.fx.node.map_aggregate(node.kwargs, widened)
+        if node.op == "call_method" and node.target == "float" and (
+                value.dtype == torch.float64 or not (value.is_floating_point() or value.is_complex())):
+            node.target = "double"
+    graph_module.recompile()

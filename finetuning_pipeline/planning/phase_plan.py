@@ -130,7 +130,7 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
     measured = measured_figures(config) or {}
     return PlanInputs(mode=mode or config.parallel.mode, dtype=config.model.dtype, micro_batch=config.train.micro_batch,
                       grad_accum=config.train.grad_accum, seq_len=seq_len_of(config, phase),
-                      checkpointing=config.model.activation_checkpointing, lora_r=config.lora.r,
+                      checkpointing=bool(config.model.activation_checkpointing), lora_r=config.lora.r,
                       lora_targets=list(config.lora.target_modules), lora_dropout=config.lora.dropout,
                       steps=config.max_steps(phase), adapters=max(1, len(config.phase(phase).adapters)),
                       quantize=config.model.quantize, fsdp_axis=fsdp_axis, loss_chunk=loss_chunk,

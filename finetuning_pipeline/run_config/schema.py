@@ -18,6 +18,7 @@ from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
 Dtype = Literal["bfloat16", "float32", "float16", "float64"]
 Attention = Literal["auto", "dense", "splash", "flash"]
 Quantize = Literal["none", "q8_0", "q4_0", "nf4"]
+Checkpointing = Literal[False, True, "full", "selective"]
 RecompilePolicy = Literal["error", "warn"]
 WandbMode = Literal["online", "offline", "disabled"]
 ParallelMode = Literal["dp", "fsdp"]
@@ -40,7 +41,10 @@ class ModelConfig:
         for the tests' equality proofs on a CPU (the LoRA and the loss then float64 too; a TPU
         refuses it).
     activation_checkpointing: recompute each decoder layer's activations in the backward (less
-        HBM, ~30% more compute); `model.gradient_checkpointing`, its old name, is accepted.
+        memory, more compute): false (default); "full" (or true) recomputes the whole layer;
+        "selective" (native runtime only) keeps its matmuls' and attention's outputs and recomputes
+        the rest (more memory than full, less recompute). `model.gradient_checkpointing`, its old
+        name, is accepted. See finetuning_pipeline/model/activation_checkpointing.py.
     attention: "auto" (a Pallas kernel on TPU where it covers the model: splash under
         parallel.mode=fsdp, flash under dp for models without window or soft-cap; dense
         elsewhere, and the log says why), "dense", "splash" or "flash" (TPU only; refused where
@@ -55,7 +59,7 @@ class ModelConfig:
     revision: str | None = None
     tokenizer: str | None = None
     dtype: Dtype = "bfloat16"
-    activation_checkpointing: bool = False
+    activation_checkpointing: Checkpointing = False
     attention: Attention = "auto"
     quantize: Quantize = "none"
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from finetuning_pipeline.distributed.parallel import Parallel
-from finetuning_pipeline.model.activation_checkpointing import enable_activation_checkpointing
+from finetuning_pipeline.model.activation_checkpointing import checkpointing_mode, enable_activation_checkpointing
 from finetuning_pipeline.model.lineage import lineage_with, quantized_with
 from finetuning_pipeline.model.loading import DTYPES, load_model
 from finetuning_pipeline.model.quantized_base import quantized_summary
@@ -77,7 +77,7 @@ def build_model(model_settings: ModelConfig, adapters: dict[str, LoraConfig], *,
     model, continued_config = load_model(files, earlier, dtype, keep_last=continued is not None,
                                          quantize=model_settings.quantize)
     if model_settings.activation_checkpointing:
-        enable_activation_checkpointing(model)
+        enable_activation_checkpointing(model, checkpointing_mode(model_settings.activation_checkpointing))
     if continued is not None:
         return model, continued_config
     inject_lora(model, adapters)

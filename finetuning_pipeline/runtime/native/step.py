@@ -28,6 +28,7 @@ from finetuning_pipeline.run_config import TrainConfig
 from finetuning_pipeline.runtime.native.ddp import lost_replica_named, replicate
 from finetuning_pipeline.train.step import train_step
 from lora_logic.dropout import SeededDropout
+from utils.precision import compiled_in_float64
 
 
 class NativeStepExecution:
@@ -60,6 +61,8 @@ def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor") ->
     the trainer's forward passes use_cache=False, as a KV cache's per-layer state would compile
     each layer anew until dynamo's cache limit (8) left the rest eager."""
     layers = decoder_layers(model)
+    if any(p.dtype == torch.float64 for p in model.parameters()):  # (one backend: the layers share its graphs)
+        backend = compiled_in_float64(backend)
     for layer in layers:
         if getattr(layer, "_compiled_call_impl", None) is None:
             device = next(layer.parameters()).device
