@@ -42,8 +42,8 @@ class ModelConfig:
         refuses it).
     activation_checkpointing: recompute each decoder layer's activations in the backward (less
         memory, more compute): false (default); "full" (or true) recomputes the whole layer;
-        "selective" (native runtime only) keeps its matmuls' and attention's outputs and recomputes
-        the rest (more memory than full, less recompute). `model.gradient_checkpointing`, its old
+        "selective" (native runtime only) keeps its attention kernel's outputs and recomputes the
+        rest (a little more memory than full, no attention recompute). `model.gradient_checkpointing`, its old
         name, is accepted. See finetuning_pipeline/model/activation_checkpointing.py.
     attention: "auto" (a Pallas kernel on TPU where it covers the model: splash under
         parallel.mode=fsdp, flash under dp for models without window or soft-cap; dense

@@ -141,6 +141,10 @@ def validate_runtime(config: RunConfig) -> None:
                 raise ConfigError(f"runtime.{key}={value} is the native runtime's setting; with runtime.backend=xla "
                                   "PJRT_DEVICE picks the device and the step is always compiled. Set "
                                   f"runtime.backend=native, or leave runtime.{key} auto")
+        if config.model.activation_checkpointing == "selective":
+            raise ConfigError("model.activation_checkpointing=selective is PyTorch's selective checkpoint, the native "
+                              "runtime's; the XLA runtime recomputes whole layers: set it to full (or true), or "
+                              "runtime.backend=native")
         return
     p = config.parallel
     if p.launcher == "tpu":

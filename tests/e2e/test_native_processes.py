@@ -5,7 +5,7 @@ their loss sums and host decisions go through torch.distributed (gloo on a CPU).
 float64 one process with the same global batch of 8 sequences (micro-batch 4, 2 or 1, two
 micro-batches a step): dp over 2 processes and both demo phases, 4 processes, adapters side by
 side, a q8_0 base with recomputed layers and the chunked loss; fsdp over 2 processes and both
-phases, 1x4 and 2x2 meshes, adapters side by side with recomputed layers, a q8_0 base. LoRA
+phases, 1x4 and 2x2 meshes, adapters side by side with selectively recomputed layers, a q8_0 base. LoRA
 dropout is on (0.1): each sequence draws its masks from its place in the global stream, whichever
 process and micro-batch hold it.
 Then what the XLA runtime's processes are held to: a SIGTERM to one or to all (dp and fsdp)
@@ -67,7 +67,7 @@ CASES = {  # name: (processes, --phase, the sections that differ)
     "fsdp_1x4": (4, "1", lambda data: FSDP),
     "fsdp_2x2": (4, "1", lambda data: {"parallel": {"mode": "fsdp", "mesh": {"data": 2, "fsdp": 2}}}),
     "fsdp_side_by_side_2_recomputed": (2, "1", lambda data: {**side_by_side(data), **FSDP, "model": {
-        "dtype": "float64", "activation_checkpointing": True}}),
+        "dtype": "float64", "activation_checkpointing": "selective"}}),
     "fsdp_q8_0_2": (2, "1", lambda data: {**FSDP, "model": {"dtype": "float64", "quantize": "q8_0"}}),
     "fsdp_nf4_recomputed_1x4": (4, "1", lambda data: {**FSDP, "model": {"dtype": "float64", "quantize": "nf4",
                                                                          "activation_checkpointing": True}}),

@@ -79,18 +79,20 @@ def with_attention_dropout(model_dir: Path, root: Path) -> Path:
 
 @pytest.mark.native
 def test_the_models_own_dropout_is_replayed_when_a_layer_is_recomputed(tiny_model_dir, data, tmp_path):
-    """Attention dropout (torch's RNG, seeded per micro-batch) under activation checkpointing: the
-    recomputed layers draw the masks of their forward, so the run equals the one that keeps its
-    activations (float64); had the recompute drawn new masks, the gradients would differ."""
+    """Attention dropout (torch's RNG, seeded per micro-batch) under activation checkpointing, full
+    and selective: the recomputed layers draw the masks of their forward, so the run equals the
+    one that keeps its activations (float64); had the recompute drawn new masks, the gradients
+    would differ."""
     model = with_attention_dropout(tiny_model_dir, tmp_path)
     outs = {}
-    for recomputed in (True, False):
+    for recomputed in ("full", "selective", False):
         out = tmp_path / f"recomputed_{recomputed}"
         config = write_run_config(tmp_path / f"{recomputed}.yaml", model, data, out,
                                   **sections_with(model={"activation_checkpointing": recomputed}))
         assert main.main(["--config", str(config), "--phase", "1", *NATIVE]) == 0
         outs[recomputed] = out
-    assert_runs_equal(outs[True], outs[False], [1])
+    assert_runs_equal(outs["full"], outs[False], [1])
+    assert_runs_equal(outs["selective"], outs[False], [1])
     eager = metric_records(outs[False])
     assert eager[-1]["loss"] < eager[0]["loss"]
 

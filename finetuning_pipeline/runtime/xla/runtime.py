@@ -137,10 +137,6 @@ class XlaBackend:
         return f"PJRT_DEVICE={os.environ.get('PJRT_DEVICE', 'CPU')}"  # (chosen by prepare_process)
 
     def before_run(self, config: RunConfig, command: list[str], script: str) -> None:
-        if config.model.activation_checkpointing == "selective":
-            raise ConfigError("model.activation_checkpointing=selective: PyTorch's selective checkpoint, the native "
-                              "runtime's; the XLA runtime recomputes whole layers: set it to full (or true), or "
-                              "runtime.backend=native")
         return None  # (its launcher starts in launch, once the run is planned)
 
     def launch(self, config: RunConfig, replica, args: tuple) -> None:

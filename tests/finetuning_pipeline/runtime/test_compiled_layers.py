@@ -44,3 +44,95 @@ def graphs_compiled(layers: int) -> int:
 def test_the_layers_share_their_compiled_graphs_whatever_the_depth():
     shallow, deep = graphs_compiled(2), graphs_compiled(12)  # 12: beyond dynamo's cache limit of 8
     assert 1 <= shallow == deep <= 3
+
+
+def checkpointed_run(layers: int, quantize: str, checkpointing: str | None, compiled: bool):
+    """Two training steps of a float64 LoRA model (dropout on: each step its own seed) under
+    `checkpointing` (None: off), its decoder layers compiled or eager: (losses, the LoRA's
+    gradients, dynamo's counters)."""
+    from torch._dynamo.utils import counters
+
+    from finetuning_pipeline.model.activation_checkpointing import enable_activation_checkpointing
+    from finetuning_pipeline.model.quantized_base import quantize_base
+    from utils.precision import float64_throughout
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=128)).double()
+    if quantize != "none":
+        quantize_base(model, quantize)
+    inject_lora(model, LoraConfig(r=4, alpha=8, dropout=0.1))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # nonzero B: A's gradients are not trivially zero
+            torch.nn.init.normal_(param, std=0.1)
+    if checkpointing:
+        assert enable_activation_checkpointing(model, checkpointing) == layers
+    if compiled:
+        compile_decoder_layers(model, backend="aot_eager")
+    tokens = torch.randint(3, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    losses, grads = [], []
+    model.train()
+    for seed in (1, 2):
+        set_dropout_seed(model, torch.tensor([seed], dtype=torch.int32))
+        for param in model.parameters():
+            param.grad = None
+        with float64_throughout(torch.float64):
+            loss, _ = causal_lm_loss_sum(model, {"input_ids": tokens, "labels": tokens}, packed=False)
+            loss.backward()
+        losses.append(loss.detach())
+        grads += [param.grad.clone() for param in model.parameters() if param.requires_grad]
+    return losses, grads, {key: dict(value) for key, value in counters.items()}
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_checkpointed_layers_compile_to_one_graph_and_equal_the_unchecked_eager_run(quantize):
+    """Activation checkpointing inside the compiled layers (transformers checkpoints in the layer's
+    forward): no graph break (the LoRA's shared A products, a side effect dynamo refuses inside the
+    checkpoint, left every layer eager before), no recompile at 12 layers (beyond dynamo's limit of
+    8), the layers' graphs shared; full and selective both give the unchecked eager run's losses
+    and gradients in float64, LoRA dropout and a quantized base included."""
+    losses, grads, _ = checkpointed_run(12, quantize, None, compiled=False)
+    for checkpointing in ("full", "selective"):
+        ours, our_grads, counters = checkpointed_run(12, quantize, checkpointing, compiled=True)
+        assert not counters.get("graph_break") and not counters.get("recompiles"), counters
+        assert 1 <= counters["stats"]["unique_graphs"] <= 3, counters["stats"]
+        for index, (a, b) in enumerate(zip([*ours, *our_grads], [*losses, *grads], strict=True)):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"{checkpointing}: loss or gradient {index}")
+
+
+def test_a_compiled_checkpoint_keeps_less_for_the_backward_full_least():
+    """What the compiled layers keep for their backward beyond the model's own weights (bytes, by
+    saved_tensors_hooks), with inductor's partitioner (its code generation left out): full keeps
+    each layer's input, selective that and the attention's outputs, unchecked far more (the
+    checkpoint traced with the layer recomputes: it is not only traced)."""
+    from finetuning_pipeline.model.activation_checkpointing import enable_activation_checkpointing
+
+    saved = {}
+    for checkpointing in (None, "full", "selective"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = MistralForCausalLM(MistralConfig(vocab_size=256, hidden_size=256, intermediate_size=896,
+                                                 num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                                                 max_position_embeddings=256))
+        inject_lora(model, LoraConfig(r=8, alpha=16))
+        model.train()
+        if checkpointing:
+            enable_activation_checkpointing(model, checkpointing)
+        compile_decoder_layers(model, backend="aot_eager_decomp_partition")
+        owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        kept: list[int] = []
+
+        def pack(t, kept=kept, owned=owned):
+            if t.untyped_storage().data_ptr() not in owned:
+                kept.append(t.numel() * t.element_size())
+            return t
+
+        tokens = torch.randint(3, 256, (1, 256), generator=torch.Generator().manual_seed(1))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss, _ = causal_lm_loss_sum(model, {"input_ids": tokens, "labels": tokens}, packed=False)
+        loss.backward()
+        saved[checkpointing] = sum(kept)
+    assert saved["full"] < saved["selective"] < saved[None] / 2, saved

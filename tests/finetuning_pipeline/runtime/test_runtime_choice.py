@@ -27,6 +27,14 @@ def test_each_environment_is_the_one_it_claims():
         assert version == (2, 9) and importlib.util.find_spec("torch_xla") is not None
 
 
+def test_activation_checkpointing_is_off_full_or_selective_and_true_is_full():
+    from finetuning_pipeline.model.activation_checkpointing import checkpointing_mode
+
+    for value, mode in (("false", None), ("true", "full"), ("full", "full"), ("selective", "selective")):
+        setting = load_config(DEMO, ["runtime.backend=native", f"model.activation_checkpointing={value}"]).model
+        assert checkpointing_mode(setting.activation_checkpointing) == mode
+
+
 def test_the_default_runtime_is_auto_and_each_is_an_override():
     assert load_config(DEMO).runtime.backend == "auto"
     assert load_config(DEMO, ["runtime.backend=xla"]).runtime.backend == "xla"
@@ -44,6 +52,9 @@ def test_the_default_runtime_is_auto_and_each_is_an_override():
     (["runtime.backend=native", "runtime.compile=layers", "model.dtype=float64"],
      r"runtime.compile=layers with model.dtype=float64: the float64 proofs run eagerly"),
     (["runtime.backend=jax"], r"runtime.backend must be"),
+    (["runtime.backend=xla", "model.activation_checkpointing=selective"],
+     r"model.activation_checkpointing=selective is PyTorch's selective checkpoint, the native runtime's"),
+    (["model.activation_checkpointing=some"], r"model.activation_checkpointing must be False, True, full or selective"),
 ])
 def test_what_the_native_runtime_cannot_do_is_refused_by_its_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
