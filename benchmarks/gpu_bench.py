@@ -45,10 +45,15 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 RANK, ALPHA, LR = 16, 32, 1e-4
 WARMUP_STEPS = 2
 DTYPES = {"cuda": "bfloat16", "cpu": "float32"}  # a CPU's bf16 matmuls are emulated: fp32 there
+QUANTIZE = ["none", "q8_0", "q4_0", "nf4"]
+CHECKPOINTING = ["off", "full", "selective"]
+TABLE_QUANTIZE = ["none", "q8_0", "nf4"]
+LONG_CONTEXT = 16_384  # the long-context row's tokens (batch 1), at most the shape's positions
 
 
-def build_model(shape: str, device: str, dtype):
-    """Random weights of the shape, made on the device (a 7B model never passes through the host)."""
+def build_model(shape: str, device: str, dtype, bitsandbytes_4bit: bool = False):
+    """Random weights of the shape, made on the device (a 7B model never passes through the host);
+    bitsandbytes_4bit: its decoder Linears quantized by bitsandbytes as they move there (QLoRA's nf4)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -56,6 +61,15 @@ def build_model(shape: str, device: str, dtype):
     config = (AutoConfig.from_pretrained(spec.parent) if isinstance(spec, Path)
               else AutoConfig.for_model(**spec))
     config.use_cache = False
+    if bitsandbytes_4bit:
+        from transformers import BitsAndBytesConfig
+        from transformers.integrations import replace_with_bnb_linear
+
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                          bnb_4bit_compute_dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"], quantization_config=quantization)
+        return model.to(device)  # (bitsandbytes quantizes each Linear's weight as it moves to the GPU)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model
@@ -111,11 +125,13 @@ def profiled(device: str, run_step, step: int) -> dict:
 
 
 def measure_ours(shape: str, device: str, batch: int, seq_len: int, steps: int, compile_layers: str,
-                 profile: bool = False) -> dict:
+                 profile: bool = False, quantize: str = "none", checkpointing: str = "off") -> dict:
     import torch
 
     from finetuning_pipeline.distributed.collectives import Collectives
     from finetuning_pipeline.distributed.parallel import Parallel
+    from finetuning_pipeline.model.activation_checkpointing import enable_activation_checkpointing
+    from finetuning_pipeline.model.quantized_base import quantize_base
     from finetuning_pipeline.run_config import TrainConfig
     from finetuning_pipeline.runtime.native.runtime import NativeRuntime
     from finetuning_pipeline.runtime.native.step import compile_decoder_layers
@@ -127,6 +143,9 @@ def measure_ours(shape: str, device: str, batch: int, seq_len: int, steps: int, 
 
     total = steps + profile  # (the profiled step is one more: the stepper's LR table counts it)
     model = build_model(shape, device, getattr(torch, DTYPES[device]))
+    quantize_base(model, quantize)  # (as phase_start does: quantized before the LoRA, checkpointed before compiled)
+    if checkpointing != "off":
+        enable_activation_checkpointing(model, checkpointing)
     inject_lora(model, LoraConfig(r=RANK, alpha=ALPHA, target_modules=TARGETS))
     model.to(device)
     model.train()
@@ -134,7 +153,8 @@ def measure_ours(shape: str, device: str, batch: int, seq_len: int, steps: int, 
     if compile_layers == "layers":  # (what the runtime's parallelize does)
         compile_decoder_layers(model)
     stepper = Stepper(model, MaskedAdamW(lora_parameters(model), lr=LR), train, phase=1, lr=LR,
-                      max_steps=total, activation_checkpointing=False, parallel=Parallel("dp", Collectives()),
+                      max_steps=total, activation_checkpointing=checkpointing != "off",
+                      parallel=Parallel("dp", Collectives()),
                       device=torch.device(device), start_step=0, packed=False,
                       runtime=NativeRuntime(torch.device(device), compile_layers == "layers"))
     blocks = [{"input_ids": ids.to(device), "labels": ids.to(device)}
@@ -151,7 +171,8 @@ def measure_ours(shape: str, device: str, batch: int, seq_len: int, steps: int, 
 
 
 def measure_frozen(shape: str, device: str, batch: int, seq_len: int, steps: int, compile_layers: str,
-                   profile: bool = False) -> dict:
+                   profile: bool = False, quantize: str = "none", checkpointing: str = "off") -> dict:
+    """The floor of the plain bf16 base without checkpointing, whatever the row (the settings are ours')."""
     import torch
     import torch.nn.functional as F
 
@@ -177,15 +198,19 @@ def measure_frozen(shape: str, device: str, batch: int, seq_len: int, steps: int
 
 
 def measure_peer(shape: str, device: str, batch: int, seq_len: int, steps: int, compile_layers: str,
-                 profile: bool = False) -> dict:
+                 profile: bool = False, quantize: str = "none", checkpointing: str = "off") -> dict:
+    """HF Trainer + PEFT; checkpointing other than off: with its gradient_checkpointing; quantize=nf4:
+    QLoRA, the base loaded 4-bit by bitsandbytes (nf4, bf16 compute) and prepare_model_for_kbit_training."""
     import tempfile
 
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    model = get_peft_model(build_model(shape, device, getattr(torch, DTYPES[device])),
-                           LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0))
+    base = build_model(shape, device, getattr(torch, DTYPES[device]), bitsandbytes_4bit=quantize == "nf4")
+    if quantize == "nf4":
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=checkpointing != "off")
+    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0))
     blocks = token_blocks(model.config.vocab_size, batch, seq_len, steps)
     rows = [{"input_ids": row, "labels": row} for block in blocks for row in block]
     ends: list[float] = []
@@ -201,7 +226,9 @@ def measure_peer(shape: str, device: str, batch: int, seq_len: int, steps: int, 
         args = TrainingArguments(out, per_device_train_batch_size=batch, max_steps=steps, learning_rate=LR,
                                  optim="adamw_torch", lr_scheduler_type="constant", logging_steps=steps,
                                  save_strategy="no", report_to=[], dataloader_num_workers=0,
-                                 use_cpu=device == "cpu", disable_tqdm=True)
+                                 use_cpu=device == "cpu", disable_tqdm=True,
+                                 gradient_checkpointing=checkpointing != "off",
+                                 gradient_checkpointing_kwargs={"use_reentrant": False})
         Trainer(model=model, args=args, train_dataset=rows, callbacks=[StepEnds()]).train()
     synchronize(device)
     ends[-1] = time.perf_counter()
@@ -213,10 +240,11 @@ def measure_peer(shape: str, device: str, batch: int, seq_len: int, steps: int, 
 MEASURES = {"ours": measure_ours, "frozen": measure_frozen, "peer": measure_peer}
 
 
-def in_subprocess(kind: str, args: argparse.Namespace) -> dict:
+def in_subprocess(kind: str, args: argparse.Namespace, quantize: str = "none", checkpointing: str = "off") -> dict:
     command = [sys.executable, "-m", "benchmarks.gpu_bench", "--measure", kind, "--shape", args.shape, "--device",
                args.device, "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-               "--compile", args.compile] + (["--profile"] if args.profile else [])
+               "--compile", args.compile, "--quantize", quantize, "--checkpointing", checkpointing,
+               ] + (["--profile"] if args.profile else [])
     env = {**os.environ, "USE_TORCH_XLA": "0", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, check=False)
     if proc.returncode != 0:
@@ -236,15 +264,26 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-peer", action="store_true", help="skip HF Trainer + PEFT")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one step of ours and of the frozen floor: the device's time and kernels")
+    parser.add_argument("--quantize", choices=QUANTIZE, default="none",
+                        help="ours: model.quantize; the peer: nf4 is QLoRA (bitsandbytes), the others its bf16 base")
+    parser.add_argument("--checkpointing", choices=CHECKPOINTING, default="off",
+                        help="ours: model.activation_checkpointing; the peer: its gradient_checkpointing")
+    parser.add_argument("--table", action="store_true",
+                        help="the memory/speed table: ours for every --quantize of TABLE_QUANTIZE x --checkpointing, "
+                        "one long-context row, and the peers with checkpointing (QLoRA where bitsandbytes is)")
     parser.add_argument("--out", default="outputs/bench/gpu_bench.json")
+    parser.add_argument("--long-context", type=int, default=LONG_CONTEXT,
+                        help="--table's long-context row: batch 1 x this many tokens, nf4, full checkpointing")
     parser.add_argument("--measure", choices=sorted(MEASURES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be more than the {WARMUP_STEPS} warm-up steps")
     if args.measure:  # a child process: one measurement, printed as JSON
         print(json.dumps(MEASURES[args.measure](args.shape, args.device, args.batch, args.seq_len, args.steps,
-                                                args.compile, args.profile)))
+                                                args.compile, args.profile, args.quantize, args.checkpointing)))
         return {}
+    if args.table:
+        return table(args)
     import torch
 
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
@@ -252,8 +291,9 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"device": device_name, "torch": torch.__version__, "shape": args.shape, "batch": args.batch,
               "seq_len": args.seq_len, "steps": args.steps, "compile": args.compile, "dtype": DTYPES[args.device],
               "rank": RANK, "targets": TARGETS}
+    result.update(quantize=args.quantize, checkpointing=args.checkpointing)
     for kind in ("ours", "frozen") + (() if args.no_peer else ("peer",)):
-        result[kind] = {**in_subprocess(kind, args)}
+        result[kind] = {**in_subprocess(kind, args, *(() if kind == "frozen" else (args.quantize, args.checkpointing)))}
         result[kind]["tokens_per_sec"] = round(tokens / result[kind]["step_time_s"], 1)
     result["lora_step_vs_frozen"] = round(result["ours"]["step_time_s"] / result["frozen"]["step_time_s"], 3)
     if "peer" in result:
@@ -262,6 +302,48 @@ def main(argv: list[str] | None = None) -> dict:
             result["peak_memory_vs_peer"] = round(result["ours"]["peak_memory_bytes"]
                                                   / result["peer"]["peak_memory_bytes"], 3)
     update_results(Path(args.out), f"{args.shape}_{args.device}", result)
+    print(json.dumps(result, indent=1))
+    return result
+
+
+def table(args: argparse.Namespace) -> dict:
+    """ours for each base x checkpointing, one long-context row (batch 1 x LONG_CONTEXT, nf4, full
+    checkpointing), against the frozen floor and the peers: each its step, tokens/s, step over the
+    floor and peak memory (bitsandbytes' QLoRA only where it is installed, on a GPU)."""
+    import importlib.util
+
+    import torch
+
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    tokens = args.batch * args.seq_len
+    floor = in_subprocess("frozen", args)
+    rows = []
+
+    def row(kind: str, run_args: argparse.Namespace, quantize: str, checkpointing: str) -> None:
+        figures = in_subprocess(kind, run_args, quantize, checkpointing)
+        rows.append({"who": kind, "quantize": quantize, "checkpointing": checkpointing, "batch": run_args.batch,
+                     "seq_len": run_args.seq_len, **figures,
+                     "tokens_per_sec": round(run_args.batch * run_args.seq_len / figures["step_time_s"], 1),
+                     "step_vs_frozen": round(figures["step_time_s"] / floor["step_time_s"], 3)
+                     if run_args is args else None})
+
+    for quantize in TABLE_QUANTIZE:
+        for checkpointing in CHECKPOINTING:
+            row("ours", args, quantize, checkpointing)
+    long_context = argparse.Namespace(**{**vars(args), "batch": 1, "seq_len": args.long_context})
+    row("ours", long_context, "nf4", "full")
+    skipped = {}
+    if not args.no_peer:
+        row("peer", args, "none", "full")
+        if args.device == "cuda" and importlib.util.find_spec("bitsandbytes"):
+            row("peer", args, "nf4", "full")
+        else:
+            skipped["qlora_peer"] = "bitsandbytes needs a GPU and its wheel (not installed here)"
+    result = {"device": device_name, "torch": torch.__version__, "shape": args.shape, "steps": args.steps,
+              "compile": args.compile, "dtype": DTYPES[args.device], "rank": RANK, "targets": TARGETS,
+              "frozen": {**floor, "tokens_per_sec": round(tokens / floor["step_time_s"], 1)}, "rows": rows,
+              "skipped": skipped}
+    update_results(Path(args.out), f"{args.shape}_{args.device}_table", result)
     print(json.dumps(result, indent=1))
     return result
 

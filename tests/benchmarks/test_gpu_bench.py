@@ -32,3 +32,22 @@ def test_the_gpu_benchmark_runs_its_three_measurements_on_a_cpu(tmp_path):
         assert profiled["activity"] == "cpu" and profiled["time_ms"] > 0 and profiled["kernels"] > 0
     # the LoRA step runs more ops than the frozen forward and backward (its products, its update)
     assert result["ours"]["profiled_step"]["kernels"] > result["frozen"]["profiled_step"]["kernels"]
+
+
+def test_the_memory_table_runs_every_base_and_checkpointing_row_on_a_cpu(tmp_path):
+    """--table: ours for {bf16, q8_0, nf4} x {off, full, selective}, the long-context row, the
+    checkpointed HF + PEFT peer; bitsandbytes' QLoRA peer said to be skipped where no GPU is."""
+    out = tmp_path / "gpu_bench.json"
+    result = gpu_bench.main(["--shape", "tiny", "--device", "cpu", "--batch", "2", "--seq-len", "64", "--steps", "3",
+                             "--compile", "eager", "--table", "--long-context", "256", "--out", str(out)])
+    assert json.loads(out.read_text())["tiny_cpu_table"] == result
+    ours = [(r["quantize"], r["checkpointing"], r["seq_len"]) for r in result["rows"] if r["who"] == "ours"]
+    assert ours == [(q, c, 64) for q in ("none", "q8_0", "nf4") for c in ("off", "full", "selective")] + [
+        ("nf4", "full", 256)]
+    assert [(r["quantize"], r["checkpointing"]) for r in result["rows"] if r["who"] == "peer"] == [("none", "full")]
+    assert "bitsandbytes" in result["skipped"]["qlora_peer"]
+    for row in result["rows"]:
+        assert row["step_time_s"] > 0 and row["tokens_per_sec"] == pytest.approx(
+            row["batch"] * row["seq_len"] / row["step_time_s"], rel=1e-3)
+        assert row["step_vs_frozen"] is None or row["step_vs_frozen"] == pytest.approx(
+            row["step_time_s"] / result["frozen"]["step_time_s"], rel=1e-2)
