@@ -72,8 +72,11 @@ def report_failures(failures: dict, processes: int) -> int:
     statuses = []
     # A process ended by SIGTERM beside another failure was stopped by the agent itself (it ends the
     # others when one fails; by torch 2.13 it also reports them): the failure is the other one.
-    others = {rank: f for rank, f in failures.items() if f.exitcode != -signal.SIGTERM}
-    for rank, failure in sorted((others or failures).items()):
+    others = {rank: f for rank, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
+    # A process killed by a signal (SIGKILL, the OOM killer) is the cause; its peers' lines (another
+    # replica stopped answering) are what followed from it, which torch 2.13 reports too.
+    killed = {rank: f for rank, f in others.items() if f.exitcode < 0}
+    for rank, failure in sorted((killed or others).items()):
         if failure.exitcode < 0:
             line = (f"error: process {rank} of {processes} was killed by {failure.signal_name()}; the run resumes "
                     "from its last complete checkpoint with --resume auto")
