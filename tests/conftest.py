@@ -3,6 +3,7 @@ runtime's environment (`make test-native`: no torch_xla) the same fixtures, with
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from pathlib import Path
@@ -59,6 +60,22 @@ def tiny_causal_lm(arch: str, seed: int = 0) -> torch.nn.Module:
     model_cls = Gemma3ForCausalLM if arch == "gemma3" else AutoModelForCausalLM
     model = model_cls.from_config(config) if model_cls is AutoModelForCausalLM else model_cls(config)
     return model.float().eval()
+
+
+@contextlib.contextmanager
+def saved_for_backward(model: torch.nn.Module):
+    """Within the block, the bytes of each tensor autograd saves for the backward that is not one of
+    `model`'s own parameters or buffers (by storage): the activations a backward keeps alive."""
+    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    kept: list[int] = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in owned:
+            kept.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield kept
 
 
 def random_tokens(batch: int = 2, seq: int = 12, seed: int = 1) -> torch.Tensor:

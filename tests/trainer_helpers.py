@@ -16,6 +16,7 @@ import yaml
 
 from dataset.prepare import PrepareOptions, prepare
 from dataset.samples import ALPACA, CHAT_QA, DOMAIN_TEXT
+from finetuning_pipeline.distributed.torchrun_agent import child_pids
 
 SEQ_LEN = 64
 
@@ -274,18 +275,6 @@ def descendants(pid: int) -> list[int]:
     for child in child_pids(pid):
         found += [child, *descendants(child)]
     return found
-
-
-def child_pids(pid: int) -> list[int]:
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # (state, ppid, ...) after the name
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(stat.parent.name))
-    return children
 
 
 # -- reading a run's outputs (the trainer's, the resume and the multi-replica tests) -----------

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from conftest import VOCAB, random_tokens, tiny_causal_lm
+from conftest import VOCAB, random_tokens, saved_for_backward, tiny_causal_lm
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -136,16 +136,8 @@ def test_a_compiled_quantized_layer_saves_for_its_backward_what_the_full_precisi
         hidden = torch.randn(2, 64, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(1),
                              requires_grad=True)
         rotary = model.model.rotary_emb(hidden, torch.arange(64)[None].expand(2, -1))
-        owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-        kept: list[int] = []
-
-        def pack(t, kept=kept, owned=owned):
-            if t.untyped_storage().data_ptr() not in owned:
-                kept.append(t.numel() * t.element_size())
-            return t
-
         run = torch.compile(layer, backend="aot_eager_decomp_partition", fullgraph=True) if compiled else layer
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_for_backward(model) as kept:
             results[quantize, compiled] = forward_backward(run, hidden, rotary)
         saved[quantize, compiled] = sum(kept)
     assert saved[fmt, True] <= saved["none", True], f"{fmt}: {saved[fmt, True]} bytes saved, full precision " \

@@ -1,10 +1,12 @@
 """runtime.compile=layers compiles one layer's graphs, not the model's depth: the decoder layers
-of the trainer's own loss (causal_lm_loss_sum) share them, in training and in evaluation."""
+of the trainer's own loss (causal_lm_loss_sum) share them, in training and in evaluation, and
+with activation checkpointing (full, selective) traced inside them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import saved_for_backward
 from transformers import MistralConfig, MistralForCausalLM
 
 from finetuning_pipeline.model.causal_lm_loss import causal_lm_loss_sum
@@ -122,16 +124,8 @@ def test_a_compiled_checkpoint_keeps_less_for_the_backward_full_least():
         if checkpointing:
             enable_activation_checkpointing(model, checkpointing)
         compile_decoder_layers(model, backend="aot_eager_decomp_partition")
-        owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-        kept: list[int] = []
-
-        def pack(t, kept=kept, owned=owned):
-            if t.untyped_storage().data_ptr() not in owned:
-                kept.append(t.numel() * t.element_size())
-            return t
-
         tokens = torch.randint(3, 256, (1, 256), generator=torch.Generator().manual_seed(1))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_for_backward(model) as kept:
             loss, _ = causal_lm_loss_sum(model, {"input_ids": tokens, "labels": tokens}, packed=False)
         loss.backward()
         saved[checkpointing] = sum(kept)
