@@ -13,13 +13,19 @@ LLAMA_CPP := $(VENV)/.llama_cpp
 VENV_NATIVE := .venv-native
 NATIVE_TORCH := 2.13.0
 NATIVE_STAMP := $(VENV_NATIVE)/.installed
-# Its tests: those marked `native` in the files that import no torch_xla.
+# Its tests: those marked `native` in the files that import no torch_xla. Its end-to-end runs
+# (native and slow) run here only, under TorchTPU's torch; `make test` runs its unit tests too,
+# under torch 2.9.0.
 NATIVE_TESTS := tests/finetuning_pipeline/runtime tests/lora_logic/test_compile.py tests/e2e/test_native_runtime.py \
 	tests/finetuning_pipeline/test_cli.py tests/finetuning_pipeline/test_runtime_seam.py \
 	tests/finetuning_pipeline/train/test_phase_data.py tests/finetuning_pipeline/distributed/test_resume_command.py \
 	tests/finetuning_pipeline/distributed/test_torchrun_agent.py \
 	tests/utils/test_tpu_install.py \
 	tests/e2e/test_native_processes.py tests/e2e/test_tpu_check.py
+# The tests run on every core, a file to a worker (pytest-xdist: a file's module fixtures, its
+# reference runs, are built once); PARALLEL= runs them in this one process.
+XDIST := pytest-xdist==3.8.0
+PARALLEL ?= -n auto --dist loadfile
 # XLA runs on the host CPU unless told otherwise (on a TPU VM: PJRT_DEVICE=TPU make ...).
 PJRT_DEVICE ?= CPU
 export PJRT_DEVICE
@@ -46,7 +52,8 @@ PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 
 help:
 	@echo "make setup       create .venv with the xla extra (torch 2.9.0 + torch_xla 2.9.0) and test tools"
-	@echo "make test        run the test suite on CPU (PJRT_DEVICE=CPU); sets up .venv first if needed"
+	@echo "make test        run the test suite on CPU (PJRT_DEVICE=CPU), on every core (PARALLEL= : one process);"
+	@echo "                 sets up .venv first if needed; the native runtime's end-to-end runs are test-native's"
 	@echo "make test-fast   the unit tests only (no end-to-end runs: pytest -m 'not slow'), for the inner loop"
 	@echo "make setup-native  .venv-native: the native extra with torch 2.13.0 (TorchTPU's range), no torch_xla"
 	@echo "make test-native the native runtime's tests in .venv-native (sets it up first if needed)"
@@ -105,20 +112,20 @@ llama-cpp: $(LLAMA_CPP)
 $(NATIVE_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV_NATIVE)
 	$(VENV_NATIVE)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV_NATIVE)/bin/python -m pip install --quiet torch==$(NATIVE_TORCH) -e '.[native]' 'pytest>=8'
+	$(VENV_NATIVE)/bin/python -m pip install --quiet torch==$(NATIVE_TORCH) -e '.[native]' 'pytest>=8' $(XDIST)
 	touch $@
 
 setup-native: $(NATIVE_STAMP)
 
 test-native: $(NATIVE_STAMP)
-	PYTHONPATH=$(CURDIR) TPU_LORA_NATIVE_ENV=1 $(VENV_NATIVE)/bin/python -m pytest -m native $(NATIVE_TESTS)
+	PYTHONPATH=$(CURDIR) TPU_LORA_NATIVE_ENV=1 $(VENV_NATIVE)/bin/python -m pytest $(PARALLEL) -m native $(NATIVE_TESTS)
 
 # The tests of GGUF files fail, rather than skip, when llama.cpp is missing here.
 test: $(STAMP) $(LLAMA_CPP)
-	PJRT_DEVICE=CPU REQUIRE_LLAMA_CPP=1 $(BIN)/python -m pytest --durations=25
+	PJRT_DEVICE=CPU REQUIRE_LLAMA_CPP=1 $(BIN)/python -m pytest $(PARALLEL) -m "not (native and slow)" --durations=25
 
 test-fast: $(STAMP) $(LLAMA_CPP)
-	PJRT_DEVICE=CPU REQUIRE_LLAMA_CPP=1 $(BIN)/python -m pytest -m "not slow"
+	PJRT_DEVICE=CPU REQUIRE_LLAMA_CPP=1 $(BIN)/python -m pytest $(PARALLEL) -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
