@@ -20,6 +20,7 @@ NATIVE_TESTS := tests/finetuning_pipeline/runtime tests/lora_logic/test_compile.
 	tests/finetuning_pipeline/test_cli.py tests/finetuning_pipeline/test_runtime_seam.py \
 	tests/finetuning_pipeline/train/test_phase_data.py tests/finetuning_pipeline/distributed/test_resume_command.py \
 	tests/finetuning_pipeline/distributed/test_torchrun_agent.py \
+	tests/finetuning_pipeline/planning/test_gpu_plan.py \
 	tests/utils/test_tpu_install.py \
 	tests/e2e/test_native_processes.py tests/e2e/test_tpu_check.py
 # The tests run on every core, a file to a worker (pytest-xdist: a file's module fixtures, its
@@ -63,7 +64,8 @@ help:
 	@echo "make phase1      phase 1 of CONFIG (default: the demo config); extra overrides in ARGS=\"k=v ...\""
 	@echo "make phase2      phase 2 of CONFIG (make phase3, phase4, ... for a longer curriculum)"
 	@echo "make preflight   check CONFIG and plan its TPU time (HBM, step time, TPU-hours) on this CPU, with a"
-	@echo "                 rehearsal on a shrunken model; ARGS=\"tpu.type=v5e-8 parallel.mode=fsdp\" (preflight.json)"
+	@echo "                 rehearsal on a shrunken model; ARGS=\"tpu.type=v5e-8 parallel.mode=fsdp\" (preflight.json);"
+	@echo "                 a GPU's memory and GPU-hours with ARGS=\"runtime.backend=native gpu.type=l4 gpu.count=1\""
 	@echo "make tpu-check   the first command on a TPU VM (PJRT_DEVICE=TPU make tpu-check CONFIG=...): every"
 	@echo "                 TPU-only path of CONFIG on a 2-layer copy of its model, one line each (tpu_check.json)"
 	@echo "make tiny-model  build and pretrain the tiny demo base model + tokenizer (outputs/demo/base)"

@@ -11,6 +11,8 @@
    step time and tokens/s at tpu.assumed_mfu, compile time (tpu.compile_s_*), wall time
    and TPU-hours per phase (compiles included), and when it
    does not fit, the overrides that make it fit (finetuning_pipeline/planning/tpu_plan.py has the model).
+   Under runtime.backend=native (off TorchTPU's runtime.device=tpu) the same for gpu.type x gpu.count:
+   each GPU's allocator peak for compiled layers (planning/gpu_plan.py), at gpu.assumed_mfu.
 3. Rehearsal (skip with --no-rehearsal): the real trainer on XLA:CPU with a shrunken model of
    the same architecture (2 layers, hidden 64) under the same LoRA, parallel mode and
    checkpointing settings: a few steps of each phase with the recompile guard on, a
@@ -70,28 +72,38 @@ def check_data(config: RunConfig) -> dict:
     return {"status": "passed", "detail": f"tokenizer fingerprint and seq_len match for phases {phases}"}
 
 
+GPU_NOTE = ("runtime: native on gpu.type: the rehearsal ran it on this CPU; memory is the allocator's peak "
+            "with compiled layers (planning/gpu_plan.py); gpu.assumed_mfu and gpu.compile_s are assumptions")
+
+
 def format_report(report: dict) -> str:
     p = report
-    lines = [f"preflight: {report['config']} on {p['tpu_type']} ({p['parallel_mode']})"]
+    gpu = p["target"] == "gpu"
+    memory, device, hours = ("memory", "GPU", "GPU-hours") if gpu else ("HBM", "chip", "TPU-hours")
+    lines = [f"preflight: {report['config']} on {p['device_type']} ({p['parallel_mode']})"]
     for name, check in report["checks"].items():
         lines.append(f"  {check['status']:>7}  {name}: {check.get('detail', '')}")
     if report.get("runtime_note"):
         lines.append(f"  {report['runtime_note']}")
     chip = p["chip_figures"]
-    lines.append(f"  chip figures: measured by make tpu-check at {chip['checked_at']} ({chip['source']})" if chip
-                 else "  chip figures: assumed (tpu.assumed_mfu, tpu.compile_s_*); make tpu-check measures them")
+    if gpu:
+        lines.append("  GPU figures: assumed (gpu.assumed_mfu, gpu.compile_s)")
+    else:
+        lines.append(f"  chip figures: measured by make tpu-check at {chip['checked_at']} ({chip['source']})" if chip
+                     else "  chip figures: assumed (tpu.assumed_mfu, tpu.compile_s_*); make tpu-check measures them")
     for name, phase in p["phases"].items():
         b = phase["hbm_breakdown_gib"]
         scanned = phase["inputs"]["scanned_layers"]
-        compile_setting = ("layers scanned: tpu.compile_s_scanned" if scanned
+        compile_setting = ("gpu.compile_s" if gpu else "layers scanned: tpu.compile_s_scanned" if scanned
                            else "tpu.compile_s_fixed + tpu.compile_s_per_layer x layers")
         lines.append(
-            f"  {name}: HBM {phase['hbm_per_chip_gib']:.1f} of {phase['hbm_capacity_gib']:.1f} GiB per chip "
+            f"  {name}: {memory} {phase['hbm_per_chip_gib']:.1f} of {phase['hbm_capacity_gib']:.1f} GiB per {device} "
             f"({'fits' if phase['fits'] else 'DOES NOT FIT'}; weights {b['weights']}, LoRA+optimizer "
             f"{b['lora_and_optimizer']}, activations {b['activations']}, logits {b['logits']}), "
             f"{phase['step_time_s']:.2f} s/step, {phase['tokens_per_sec']:,.0f} tokens/s at MFU {p['assumed_mfu']}, "
             f"compile ~{phase['compile_s']:.0f} s a session ({compile_setting}), "
-            f"{phase['tpu_hours']:.2f} TPU-hours with compiles ({phase['chip_hours']:.1f} chip-hours)"
+            f"{phase['tpu_hours']:.2f} {hours} with compiles"
+            + ("" if gpu else f" ({phase['chip_hours']:.1f} chip-hours)")
         )
         for fix in phase.get("to_fit", [])[:3]:
             overrides = " ".join(f"{k}={v}" for k, v in fix["overrides"].items())
@@ -106,16 +118,17 @@ def format_report(report: dict) -> str:
             why = (f"saves {saved:.2f}: one compile" if saved >= 0 else
                    f"costs {-saved:.2f} more: an adapter with fewer steps than the longest still runs its rows")
             lines.append(f"      side by side: {phase['inputs']['adapters']} adapters in {phase['tpu_hours']:.2f} "
-                         f"TPU-hours; one after another {apart['tpu_hours']:.2f} ({why}; the plan counts FLOPs, so "
+                         f"{hours}; one after another {apart['tpu_hours']:.2f} ({why}; the plan counts FLOPs, so "
                          "the base's weights read once for all adapters are not credited: see docs/several-tasks.md)")
-    lines.append(f"  total: {p['tpu_hours']:.2f} TPU-hours on {p['tpu_type']}; fits: {p['fits']}")
+    lines.append(f"  total: {p['tpu_hours']:.2f} {hours} on {p['device_type']}; fits: {p['fits']}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m finetuning_pipeline.preflight", description=__doc__.split("\n\n")[0],
-        epilog="Plan another slice or mode with overrides: tpu.type=v6e-8 parallel.mode=fsdp. "
+        epilog="Plan another slice or mode with overrides: tpu.type=v6e-8 parallel.mode=fsdp; GPUs under "
+        "runtime.backend=native with gpu.type=h100-80gb gpu.count=8 (cards: planning/gpu_cards.py). "
         "Exit status: 0 all checks passed and the plan fits, 1 a check failed or it does not fit, 2 bad config.")
     parser.add_argument("--config", required=True, help="YAML run config")
     parser.add_argument("--no-rehearsal", action="store_true", help="only check and plan (seconds, not minutes)")
@@ -131,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("phaseN.data: no phase has data set (phase1.data, phase2.data, ...); nothing to plan")
         model_config, source = load_architecture(config.model.path, config.model.revision)
         checks["architecture"] = {"status": "passed", "detail": f"{model_config.model_type} from {source}"}
-        plan_result = make_plan(config, model_config)
+        plan_result = make_plan(config, model_config, gpu=runtime.plans_gpu(config))
     except (ConfigError, DataError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -164,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                                   else f"failed at {result['failed_at']}: {result.get('detail', '')[-500:]}"),
                                **{k: v for k, v in result.items() if k not in ("passed",)}}
     report = {"config": args.config, "overrides": args.overrides, "model_config": str(source), **plan_result,
-              "checks": checks, "runtime": runtime.name, "runtime_note": runtime.plan_note}
+              "checks": checks, "runtime": runtime.name,
+              "runtime_note": GPU_NOTE if plan_result["target"] == "gpu" else runtime.plan_note}
     ok = plan_result["fits"] and all(c["status"] != "failed" for c in checks.values())
     report["ok"] = ok
     output_dir.mkdir(parents=True, exist_ok=True)

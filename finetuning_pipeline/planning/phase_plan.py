@@ -1,8 +1,9 @@
-"""A run's plan on its TPU, phase by phase: the architecture it plans with (the model's own
-config.json, or the copy shipped in finetuning_pipeline/model_configs/), the plan's inputs read
-from the run config (sequence length, attention as chosen for the planned TPU, loss chunk,
-scanned layers, and the chip figures make tpu-check measured when there are any), and the plan
-of every phase (tpu_plan.py has the model). Used by preflight and by make tpu-check."""
+"""A run's plan on its TPU (or, for the native runtime, its GPUs), phase by phase: the
+architecture it plans with (the model's own config.json, or the copy shipped in
+finetuning_pipeline/model_configs/), the plan's inputs read from the run config (sequence length,
+attention as chosen for the planned TPU, loss chunk, scanned layers, and the chip figures make
+tpu-check measured when there are any), and the plan of every phase (tpu_plan.py has the model;
+gpu_plan.py the native runtime's memory on a GPU). Used by preflight and by make tpu-check."""
 
 from __future__ import annotations
 
@@ -13,10 +14,20 @@ from pathlib import Path
 
 from dataset.manifest import MANIFEST_NAME, read_manifest
 from finetuning_pipeline.distributed.parallel import mesh_shape
+from finetuning_pipeline.model.activation_checkpointing import checkpointing_mode
 from finetuning_pipeline.model.attention_choice import choose_attention
 from finetuning_pipeline.model.causal_lm_loss import resolve_chunk_tokens
+from finetuning_pipeline.planning.gpu_cards import parse_gpu_type
+from finetuning_pipeline.planning.gpu_plan import native_memory, native_mode_advice
 from finetuning_pipeline.planning.tpu_chips import parse_tpu_type
-from finetuning_pipeline.planning.tpu_plan import ModelShape, PlanInputs, mode_advice, plan, suggestions
+from finetuning_pipeline.planning.tpu_plan import (
+    ModelShape,
+    PlanInputs,
+    mode_advice,
+    plan,
+    suggestions,
+    tpu_memory,
+)
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import ConfigError, RunConfig
 from finetuning_pipeline.runtime.xla.scan_choice import scan_decision
@@ -130,7 +141,8 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
     measured = measured_figures(config) or {}
     return PlanInputs(mode=mode or config.parallel.mode, dtype=config.model.dtype, micro_batch=config.train.micro_batch,
                       grad_accum=config.train.grad_accum, seq_len=seq_len_of(config, phase),
-                      checkpointing=bool(config.model.activation_checkpointing), lora_r=config.lora.r,
+                      checkpointing=checkpointing_mode(config.model.activation_checkpointing) or False,
+                      lora_r=config.lora.r,
                       lora_targets=list(config.lora.target_modules), lora_dropout=config.lora.dropout,
                       steps=config.max_steps(phase), adapters=max(1, len(config.phase(phase).adapters)),
                       quantize=config.model.quantize, fsdp_axis=fsdp_axis, loss_chunk=loss_chunk,
@@ -156,30 +168,55 @@ def layers_scanned(config: RunConfig, model_config, mode: str | None = None) -> 
 
 
 def one_after_another(config: RunConfig, phase: int, shape, tpu, inputs: PlanInputs, together: dict,
-                      model_config) -> dict:
+                      model_config, memory=tpu_memory) -> dict:
     """Adapters side by side against the same adapters trained one after another, each a run of
     its own steps with a compile of its own: the TPU-hours side by side saves. The plan's step
     time is its FLOPs at the assumed MFU, which side by side does not change per token, so what
     it saves here are the compiles (and model loads, not counted); the base's weights read once
     for K adapters per step are not credited (`make bench-side-by-side` measures that on a CPU)."""
-    scanned = layers_scanned(config, model_config)  # alone, an adapter's layers may be scanned
+    # Alone, an adapter's layers may be scanned (XLA's plan; the native runtime scans none).
+    scanned = memory is tpu_memory and layers_scanned(config, model_config)
     alone = [plan(shape, tpu, dataclasses.replace(inputs, adapters=1, steps=config.adapter_max_steps(phase, name),
-                                                  scanned_layers=scanned))
+                                                  scanned_layers=scanned), memory)
              for name in config.phase(phase).adapters]
     hours = round(sum(p["tpu_hours"] for p in alone), 3)
     return {"tpu_hours": hours, "tpu_hours_saved": round(hours - together["tpu_hours"], 3),
             "hbm_per_chip_gib": max(p["hbm_per_chip_gib"] for p in alone)}
 
 
-def make_plan(config: RunConfig, model_config) -> dict:
-    """The plan of every phase plus the totals preflight.json promises at its top level."""
+def gpu_plan_inputs(config: RunConfig, phase: int, devices: int, model_config) -> PlanInputs:
+    """The plan's inputs for the native runtime on gpu.type: plan_inputs' with the GPU's figures
+    (gpu.assumed_mfu, gpu.compile_s: the layers share one compiled graph) and torch's attention."""
+    try:
+        loss_chunk = resolve_chunk_tokens(config.train.loss_chunk_tokens, model_config)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return dataclasses.replace(
+        plan_inputs(config, phase, devices=devices), loss_chunk=loss_chunk, attention="sdpa",
+        attention_reason="torch's scaled_dot_product_attention (keeps no [heads, seq_len] scores)",
+        assumed_mfu=config.gpu.assumed_mfu, compile_s_fixed=config.gpu.compile_s, compile_s_per_layer=0.0,
+        capture_step=True, scanned_layers=False)
+
+
+def make_plan(config: RunConfig, model_config, gpu: bool = False) -> dict:
+    """The plan of every phase plus the totals preflight.json promises at its top level: on
+    tpu.type's TPU, or with `gpu` (the runtime's Backend.plans_gpu) on gpu.type's GPUs (gpu_plan.py)."""
     shape = ModelShape.from_config(model_config)
-    tpu = parse_tpu_type(config.tpu.type)
+    if gpu:
+        try:
+            tpu = parse_gpu_type(config.gpu.type, config.gpu.count)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        memory = native_memory
+    else:
+        tpu, memory = parse_tpu_type(config.tpu.type), tpu_memory
     phases = {}
     for phase in phases_of(config):
-        inputs = plan_inputs(config, phase, devices=tpu.devices, model_config=model_config)
-        phases[f"phase{phase}"] = plan(shape, tpu, inputs)
-        phases[f"phase{phase}"]["parallel_advice"] = mode_advice(shape, tpu, inputs)
+        inputs = (gpu_plan_inputs(config, phase, tpu.devices, model_config) if gpu
+                  else plan_inputs(config, phase, devices=tpu.devices, model_config=model_config))
+        phases[f"phase{phase}"] = plan(shape, tpu, inputs, memory)
+        phases[f"phase{phase}"]["parallel_advice"] = (native_mode_advice(shape, tpu, inputs) if gpu
+                                                      else mode_advice(shape, tpu, inputs))
         if config.train.max_wall_time:  # sessions of that budget the phase needs; each compiles again
             budget = parse_duration(config.train.max_wall_time)
             planned = phases[f"phase{phase}"]
@@ -190,12 +227,15 @@ def make_plan(config: RunConfig, model_config) -> dict:
             planned["tpu_hours"] = round((steps_s + sessions * compile_s) / 3600, 3)
             planned["chip_hours"] = round(planned["tpu_hours"] * planned["inputs"]["chips"], 2)
         if not phases[f"phase{phase}"]["fits"]:
-            phases[f"phase{phase}"]["to_fit"] = suggestions(shape, tpu, inputs)
+            phases[f"phase{phase}"]["to_fit"] = suggestions(shape, tpu, inputs, memory)
         if inputs.adapters > 1:
             phases[f"phase{phase}"]["one_after_another"] = one_after_another(config, phase, shape, tpu, inputs,
-                                                                            phases[f"phase{phase}"], model_config)
+                                                                            phases[f"phase{phase}"], model_config,
+                                                                            memory)
     first = next(iter(phases.values()))
     return {
+        "target": "gpu" if gpu else "tpu",  # what the memory, hours and figures below are of
+        "device_type": tpu.type,
         "tpu_type": config.tpu.type,
         "parallel_mode": config.parallel.mode,
         "fits": all(p["fits"] for p in phases.values()),
@@ -206,7 +246,7 @@ def make_plan(config: RunConfig, model_config) -> dict:
         "tpu_hours": round(sum(p["tpu_hours"] for p in phases.values()), 3),
         "chip_hours": round(sum(p["chip_hours"] for p in phases.values()), 2),
         "assumed_mfu": first["inputs"]["assumed_mfu"],
-        "chip_figures": measured_figures(config),  # None: tpu.assumed_mfu and tpu.compile_s_* as configured
+        "chip_figures": None if gpu else measured_figures(config),  # None: the config's assumed figures
         "max_wall_time": config.train.max_wall_time,
         "phases": phases,
     }

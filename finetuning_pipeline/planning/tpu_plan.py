@@ -124,10 +124,6 @@ class ModelShape:
     def layer_linear_params(self) -> int:
         return sum(a * b for a, b in self.projections().values())
 
-    def layer_quantized_bytes(self, fmt: str) -> int:
-        """A decoder layer's Linears quantized in `fmt`, as a TPU lays them out (quantized_linear_bytes)."""
-        return sum(quantized_linear_bytes(a, b, fmt) for a, b in self.projections().values())
-
     @property
     def matmul_params(self) -> int:
         return self.layers * sum(a * b for a, b in self.projections().values()) + self.hidden * self.vocab
@@ -167,7 +163,7 @@ class PlanInputs:
     micro_batch: int
     grad_accum: int
     seq_len: int
-    checkpointing: bool
+    checkpointing: bool | str  # False, or model.activation_checkpointing's mode: "full", "selective"
     lora_r: int
     lora_targets: list[str]
     lora_dropout: float
@@ -186,22 +182,32 @@ class PlanInputs:
     quantize: str = "none"  # model.quantize: the decoder Linears' storage format
 
 
-def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
-    """The HBM, speed and cost plan of one phase; see the module docstring."""
-    devices = tpu.devices
+def tpu_memory(shape: ModelShape, inputs: PlanInputs, devices: int) -> dict[str, float]:
+    """The bytes a TPU device holds at a step's peak, by term (see the module docstring), and the
+    activations with and without checkpointing."""
     act_bytes = DTYPE_BYTES[inputs.dtype]
     tokens = inputs.micro_batch * inputs.seq_len * inputs.adapters  # per device per micro-batch
-    weights = weight_bytes(shape, inputs, devices)
-    lora_params = shape.lora_params(inputs.lora_r, inputs.lora_targets)
-    lora_and_optimizer = lora_params * 16 * inputs.adapters
     per_layer = activation_bytes_per_token_layer(shape, inputs.seq_len, act_bytes, inputs.lora_dropout > 0,
                                                  inputs.attention != "dense")
-    if inputs.checkpointing:
-        activations = tokens * (shape.layers * shape.hidden * act_bytes + per_layer)
-    else:
-        activations = tokens * shape.layers * per_layer
+    without = tokens * shape.layers * per_layer
+    checkpointed = tokens * (shape.layers * shape.hidden * act_bytes + per_layer)
     logit_tokens = min(tokens, inputs.loss_chunk) if inputs.loss_chunk else tokens
-    logits = logit_tokens * shape.vocab * LOGIT_BYTES_PER_ENTRY
+    return {"weights": weight_bytes(shape, inputs, devices),
+            "lora_and_optimizer": shape.lora_params(inputs.lora_r, inputs.lora_targets) * 16 * inputs.adapters,
+            "activations": checkpointed if inputs.checkpointing else without,
+            "logits": logit_tokens * shape.vocab * LOGIT_BYTES_PER_ENTRY,
+            "activations_without_checkpointing": without, "activations_with_checkpointing": checkpointed}
+
+
+def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs, memory=tpu_memory) -> dict:
+    """The memory, speed and cost plan of one phase; see the module docstring. `memory`: the
+    bytes a device holds by term (tpu_memory, or gpu_plan.native_memory for a GPU)."""
+    devices = tpu.devices
+    tokens = inputs.micro_batch * inputs.seq_len * inputs.adapters  # per device per micro-batch
+    lora_params = shape.lora_params(inputs.lora_r, inputs.lora_targets)
+    held = memory(shape, inputs, devices)
+    weights, lora_and_optimizer = held["weights"], held["lora_and_optimizer"]
+    activations, logits = held["activations"], held["logits"]
     total = weights + lora_and_optimizer + activations + logits
     capacity = tpu.hbm_bytes_per_device
     fits = total <= (1 - HEADROOM) * capacity
@@ -231,10 +237,8 @@ def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
             "activations": round(activations / GIB, 2),
             "logits": round(logits / GIB, 2),
         },
-        "activations_gib_without_checkpointing": round(tokens * shape.layers * per_layer / GIB, 2),
-        "activations_gib_with_checkpointing": round(
-            tokens * (shape.layers * shape.hidden * act_bytes + per_layer) / GIB, 2
-        ),
+        "activations_gib_without_checkpointing": round(held["activations_without_checkpointing"] / GIB, 2),
+        "activations_gib_with_checkpointing": round(held["activations_with_checkpointing"] / GIB, 2),
         "flops_per_token": per_token,
         "flops_per_step": step_flops,
         "step_time_s": round(step_time, 3),
@@ -259,12 +263,15 @@ def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> dict:
     }
 
 
-def weight_bytes(shape: ModelShape, inputs: PlanInputs, devices: int) -> float:
-    """The base's bytes per device (see the module docstring)."""
+def weight_bytes(shape: ModelShape, inputs: PlanInputs, devices: int, linear_bytes=quantized_linear_bytes,
+                 dequantized_layers: int = 2) -> float:
+    """The base's bytes per device (see the module docstring): a quantized Linear's bytes as
+    `linear_bytes` lays them out (the TPU's tiles here; gpu_plan's without), and that many decoder
+    layers' Linears dequantized at once."""
     act_bytes = DTYPE_BYTES[inputs.dtype]
     linear_params = shape.layers * shape.layer_linear_params
     quantized = inputs.quantize in QUANTIZED_LAYOUT
-    layer_linears = (shape.layer_quantized_bytes(inputs.quantize) if quantized
+    layer_linears = (sum(linear_bytes(a, b, inputs.quantize) for a, b in shape.projections().values()) if quantized
                      else shape.layer_linear_params * act_bytes)
     stored = shape.layers * layer_linears + (shape.total_params - linear_params) * act_bytes
     shards = (devices if inputs.fsdp_axis == -1 else inputs.fsdp_axis) if inputs.mode == "fsdp" else 1
@@ -272,18 +279,18 @@ def weight_bytes(shape: ModelShape, inputs: PlanInputs, devices: int) -> float:
     if shards > 1:
         whole_at_once += 2 * (layer_linears + 2 * shape.hidden * act_bytes)
     if quantized:
-        whole_at_once += 2 * shape.layer_linear_params * act_bytes
+        whole_at_once += dequantized_layers * shape.layer_linear_params * act_bytes
     return stored / shards + whole_at_once
 
 
-def suggestions(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> list[dict]:
+def suggestions(shape: ModelShape, tpu: Slice, inputs: PlanInputs, memory=tpu_memory) -> list[dict]:
     """Changes that make a plan that does not fit fit, each as config overrides, cheapest first:
     the same run sharded, with checkpointing, with smaller micro-batches (grad_accum raised
     to keep the global batch), and combinations; and the base quantized (8 bits, else 4)."""
     candidates = []
-    modes = [inputs.mode] + (["fsdp"] if inputs.mode == "dp" else [])
+    modes = [inputs.mode] + (["fsdp"] if inputs.mode == "dp" and tpu.devices > 1 else [])  # (one device: no shard)
     for mode in modes:
-        for checkpointing in sorted({inputs.checkpointing, True}):
+        for checkpointing in dict.fromkeys([inputs.checkpointing, inputs.checkpointing or True]):
             micro = inputs.micro_batch
             while micro >= 1:
                 change = {}
@@ -300,7 +307,7 @@ def suggestions(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> list[dict]
                     trial = dataclasses.replace(inputs, mode=mode, checkpointing=checkpointing, micro_batch=micro,
                                                 fsdp_axis=-1 if mode != inputs.mode else inputs.fsdp_axis,
                                                 grad_accum=change.get("train.grad_accum", inputs.grad_accum))
-                    result = plan(shape, tpu, trial)
+                    result = plan(shape, tpu, trial, memory)
                     if result["fits"]:
                         candidates.append({"overrides": change, "hbm_per_chip_gib": result["hbm_per_chip_gib"],
                                            "step_time_s": result["step_time_s"]})
@@ -308,7 +315,7 @@ def suggestions(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> list[dict]
                 micro //= 2
     # The base stored in fewer bits than now: 8 if that is enough, else 4 (q4_0 and nf4: one size).
     for fmt in {"none": ("q8_0", "q4_0"), "q8_0": ("q4_0",)}.get(inputs.quantize, ()):
-        result = plan(shape, tpu, dataclasses.replace(inputs, quantize=fmt))
+        result = plan(shape, tpu, dataclasses.replace(inputs, quantize=fmt), memory)
         if result["fits"]:
             candidates.append({"overrides": {"model.quantize": fmt}, "hbm_per_chip_gib": result["hbm_per_chip_gib"],
                                "step_time_s": result["step_time_s"]})
@@ -316,9 +323,9 @@ def suggestions(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> list[dict]
     return sorted(candidates, key=lambda c: (len(c["overrides"]), c["step_time_s"]))
 
 
-def mode_advice(shape: ModelShape, tpu: Slice, inputs: PlanInputs) -> str:
+def mode_advice(shape: ModelShape, tpu: Slice, inputs: PlanInputs, memory=tpu_memory) -> str:
     """Which parallel mode to choose for this model on this slice, and why."""
-    whole = plan(shape, tpu, dataclasses.replace(inputs, mode="dp"))
+    whole = plan(shape, tpu, dataclasses.replace(inputs, mode="dp"), memory)
     if not whole["fits"]:
         return ("the model with its activations does not fit one chip: parallel.mode=fsdp shards the frozen base over "
                 "the fsdp axis of the mesh (parallel.mesh.fsdp=-1: every chip)")

@@ -7,6 +7,7 @@ from finetuning_pipeline.run_config.schema import (
                                                    AdapterConfig,
                                                    CheckpointConfig,
                                                    EvalConfig,
+                                                   GpuConfig,
                                                    LoggingConfig,
                                                    ModelConfig,
                                                    ParallelConfig,
@@ -20,6 +21,6 @@ from finetuning_pipeline.run_config.schema import (
                                                    phase_number,
 )
 
-__all__ = ["AdapterConfig", "CheckpointConfig", "ConfigError", "EvalConfig", "LoggingConfig", "ModelConfig",
-           "ParallelConfig", "PhaseConfig", "RunConfig", "RuntimeConfig", "TpuConfig", "TrainConfig", "WandbConfig",
-           "XlaConfig", "load_config", "phase_number", "read_config_file"]
+__all__ = ["AdapterConfig", "CheckpointConfig", "ConfigError", "EvalConfig", "GpuConfig", "LoggingConfig",
+           "ModelConfig", "ParallelConfig", "PhaseConfig", "RunConfig", "RuntimeConfig", "TpuConfig", "TrainConfig",
+           "WandbConfig", "XlaConfig", "load_config", "phase_number", "read_config_file"]

@@ -269,6 +269,23 @@ class TpuConfig:
 
 
 @dataclass
+class GpuConfig:
+    """What `python -m finetuning_pipeline.preflight` plans for under runtime.backend=native on a GPU
+    (finetuning_pipeline/planning/gpu_plan.py; training itself uses whatever GPUs it finds).
+    type: the card, one of finetuning_pipeline/planning/gpu_cards.py's: h200, h100-80gb,
+        a100-80gb, a100-40gb, l40s, l4.
+    count: GPUs the run uses (torchrun's processes: --nproc-per-node).
+    assumed_mfu: the fraction of the card's peak bf16 FLOP/s the plan assumes a step reaches.
+    compile_s: seconds torch.compile takes a session for one decoder layer's graphs (the layers
+        share them) and inductor's kernels; an assumption until measured on the card."""
+
+    type: str = "h100-80gb"
+    count: int = 1
+    assumed_mfu: float = 0.4
+    compile_s: float = 60.0
+
+
+@dataclass
 class AdapterConfig:
     """One adapter of a phase that trains several side by side (PhaseConfig.adapters).
     data: its prepared data (as phaseN.data); lr, max_steps: its own, else the phase's, else
@@ -326,6 +343,7 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     tpu: TpuConfig = field(default_factory=TpuConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
     xla: XlaConfig = field(default_factory=XlaConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     # phase1, phase2, ...: the YAML's `phaseN:` sections in order (load.py): the phases it has,

@@ -105,6 +105,12 @@ def validate(config: RunConfig) -> None:
     for key in ("compile_s_per_layer", "compile_s_fixed", "compile_s_scanned"):
         if not getattr(config.tpu, key) >= 0:
             raise ConfigError(f"tpu.{key} must be >= 0, got {getattr(config.tpu, key)}")
+    if not 0 < config.gpu.assumed_mfu <= 1:
+        raise ConfigError(f"gpu.assumed_mfu must be in (0, 1], got {config.gpu.assumed_mfu}")
+    if not config.gpu.compile_s >= 0:
+        raise ConfigError(f"gpu.compile_s must be >= 0, got {config.gpu.compile_s}")
+    if config.gpu.count < 1:
+        raise ConfigError(f"gpu.count must be >= 1, got {config.gpu.count}")
     validate_runtime(config)
     for number in config.phase_numbers():
         phase = config.phase(number)

@@ -121,6 +121,9 @@ class Backend(Protocol):
     device_environment: tuple[str, ...]  # what picks a run's devices: the printed resume command keeps it
     plan_note: str | None  # what preflight's TPU plan means for this runtime (None: it is its own)
 
+    def plans_gpu(self, config: RunConfig) -> bool:
+        """Whether preflight plans gpu.type's GPUs for this run (planning/gpu_plan.py), else tpu.type's TPU."""
+
     def prepare_process(self, first_process: bool) -> None:
         """Before anything imports transformers (first_process: the first of a host's processes)."""
 

@@ -49,7 +49,7 @@ def test_the_rehearsal_scans_its_two_layers_when_the_real_model_will_be_scanned(
     assert rehearsal["resume_bitwise_identical"] is True
 
 
-def test_rehearsal_of_a_native_run_takes_the_native_runtime_and_says_the_plan_is_the_xla_runtimes(
+def test_rehearsal_of_a_native_run_takes_the_native_runtime_and_plans_its_gpus(
         tmp_path, tiny_model_dir, data, capsys):
     config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out",
                               lora={"r": 8, "alpha": 16, "dropout": 0.1})
@@ -59,5 +59,5 @@ def test_rehearsal_of_a_native_run_takes_the_native_runtime_and_says_the_plan_is
     assert report["runtime"] == "native"
     run = yaml.safe_load((tmp_path / "out" / "preflight_rehearsal" / "rehearsal.yaml").read_text())
     assert run["runtime"]["backend"] == "native"
-    assert "runtime: native (plain PyTorch): the rehearsal ran it on this CPU; the plan below is the XLA" \
-        in capsys.readouterr().out
+    assert report["target"] == "gpu" and report["device_type"] == "h100-80gb x1"  # gpu's defaults
+    assert "runtime: native on gpu.type: the rehearsal ran it on this CPU" in capsys.readouterr().out

@@ -131,8 +131,12 @@ class NativeBackend:
 
     name = "native"
     device_environment = ("CUDA_VISIBLE_DEVICES",)
-    plan_note = ("runtime: native (plain PyTorch): the rehearsal ran it on this CPU; the plan below is the XLA "
-                 "runtime's on a TPU (its compile and kernel figures are torch_xla's; TorchTPU's are unmeasured)")
+    plan_note = ("runtime: native on TorchTPU (runtime.device=tpu): the rehearsal ran it on this CPU; the plan below "
+                 "is the XLA runtime's on a TPU (its compile and kernel figures are torch_xla's; TorchTPU's are "
+                 "unmeasured)")
+
+    def plans_gpu(self, config: RunConfig) -> bool:
+        return config.runtime.device != "tpu"  # (TorchTPU's device: tpu.type's TPU)
 
     def prepare_process(self, first_process: bool) -> None:
         """USE_TORCH_XLA=0, which transformers and accelerate read, so that they leave an installed

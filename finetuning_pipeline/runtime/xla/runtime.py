@@ -125,6 +125,9 @@ class XlaBackend:
                           "TPU_CHIPS_PER_PROCESS_BOUNDS")
     plan_note = None  # preflight's plan is this runtime's
 
+    def plans_gpu(self, config: RunConfig) -> bool:
+        return False
+
     def prepare_process(self, first_process: bool) -> None:
         """The PJRT device chosen and said once (by the first process: torchrun's others inherit it)."""
         if first_process:
