@@ -51,15 +51,33 @@ TABLE_QUANTIZE = ["none", "q8_0", "nf4"]
 LONG_CONTEXT = 16_384  # the long-context row's tokens (batch 1), at most the shape's positions
 
 
+def shape_config(shape: str):
+    from transformers import AutoConfig
+
+    spec = SHAPES[shape]
+    return AutoConfig.from_pretrained(spec.parent) if isinstance(spec, Path) else AutoConfig.for_model(**spec)
+
+
+def planned_peak_bytes(shape: str, device: str, batch: int, seq_len: int, quantize: str, checkpointing: str) -> int:
+    """What `make preflight ... runtime.backend=native` plans for one of ours' rows: the allocator's
+    peak on one GPU (finetuning_pipeline/planning/gpu_plan.py), full logits as ours runs them."""
+    from finetuning_pipeline.planning.gpu_plan import native_memory
+    from finetuning_pipeline.planning.tpu_plan import ModelShape, PlanInputs
+
+    inputs = PlanInputs(mode="dp", dtype=DTYPES[device], micro_batch=batch, grad_accum=1, seq_len=seq_len,
+                        checkpointing=False if checkpointing == "off" else checkpointing, lora_r=RANK,
+                        lora_targets=TARGETS, lora_dropout=0.0, assumed_mfu=0.4, steps=1, quantize=quantize)
+    held = native_memory(ModelShape.from_config(shape_config(shape)), inputs, devices=1)
+    return int(sum(held[term] for term in ("weights", "lora_and_optimizer", "activations", "logits")))
+
+
 def build_model(shape: str, device: str, dtype, bitsandbytes_4bit: bool = False):
     """Random weights of the shape, made on the device (a 7B model never passes through the host);
     bitsandbytes_4bit: its decoder Linears quantized by bitsandbytes as they move there (QLoRA's nf4)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    spec = SHAPES[shape]
-    config = (AutoConfig.from_pretrained(spec.parent) if isinstance(spec, Path)
-              else AutoConfig.for_model(**spec))
+    config = shape_config(shape)
     config.use_cache = False
     if bitsandbytes_4bit:
         from transformers import BitsAndBytesConfig
@@ -309,7 +327,8 @@ def main(argv: list[str] | None = None) -> dict:
 def table(args: argparse.Namespace) -> dict:
     """ours for each base x checkpointing, one long-context row (batch 1 x LONG_CONTEXT, nf4, full
     checkpointing), against the frozen floor and the peers: each its step, tokens/s, step over the
-    floor and peak memory (bitsandbytes' QLoRA only where it is installed, on a GPU)."""
+    floor and peak memory (bitsandbytes' QLoRA only where it is installed, on a GPU); ours' rows also
+    the peak preflight plans for them and the measured peak over it (on a GPU: preflight's check)."""
     import importlib.util
 
     import torch
@@ -321,8 +340,12 @@ def table(args: argparse.Namespace) -> dict:
 
     def row(kind: str, run_args: argparse.Namespace, quantize: str, checkpointing: str) -> None:
         figures = in_subprocess(kind, run_args, quantize, checkpointing)
+        planned = (planned_peak_bytes(args.shape, args.device, run_args.batch, run_args.seq_len, quantize,
+                                      checkpointing) if kind == "ours" else None)
+        measured = figures["peak_memory_bytes"]
         rows.append({"who": kind, "quantize": quantize, "checkpointing": checkpointing, "batch": run_args.batch,
-                     "seq_len": run_args.seq_len, **figures,
+                     "seq_len": run_args.seq_len, **figures, "planned_peak_bytes": planned,
+                     "peak_vs_planned": round(measured / planned, 3) if measured and planned else None,
                      "tokens_per_sec": round(run_args.batch * run_args.seq_len / figures["step_time_s"], 1),
                      "step_vs_frozen": round(figures["step_time_s"] / floor["step_time_s"], 3)
                      if run_args is args else None})

@@ -204,19 +204,19 @@ def make_plan(config: RunConfig, model_config, gpu: bool = False) -> dict:
     shape = ModelShape.from_config(model_config)
     if gpu:
         try:
-            tpu = parse_gpu_type(config.gpu.type, config.gpu.count)
+            machine = parse_gpu_type(config.gpu.type, config.gpu.count)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         memory = native_memory
     else:
-        tpu, memory = parse_tpu_type(config.tpu.type), tpu_memory
+        machine, memory = parse_tpu_type(config.tpu.type), tpu_memory
     phases = {}
     for phase in phases_of(config):
-        inputs = (gpu_plan_inputs(config, phase, tpu.devices, model_config) if gpu
-                  else plan_inputs(config, phase, devices=tpu.devices, model_config=model_config))
-        phases[f"phase{phase}"] = plan(shape, tpu, inputs, memory)
-        phases[f"phase{phase}"]["parallel_advice"] = (native_mode_advice(shape, tpu, inputs) if gpu
-                                                      else mode_advice(shape, tpu, inputs))
+        inputs = (gpu_plan_inputs(config, phase, machine.devices, model_config) if gpu
+                  else plan_inputs(config, phase, devices=machine.devices, model_config=model_config))
+        phases[f"phase{phase}"] = plan(shape, machine, inputs, memory)
+        phases[f"phase{phase}"]["parallel_advice"] = (native_mode_advice(shape, machine, inputs) if gpu
+                                                      else mode_advice(shape, machine, inputs))
         if config.train.max_wall_time:  # sessions of that budget the phase needs; each compiles again
             budget = parse_duration(config.train.max_wall_time)
             planned = phases[f"phase{phase}"]
@@ -227,15 +227,15 @@ def make_plan(config: RunConfig, model_config, gpu: bool = False) -> dict:
             planned["tpu_hours"] = round((steps_s + sessions * compile_s) / 3600, 3)
             planned["chip_hours"] = round(planned["tpu_hours"] * planned["inputs"]["chips"], 2)
         if not phases[f"phase{phase}"]["fits"]:
-            phases[f"phase{phase}"]["to_fit"] = suggestions(shape, tpu, inputs, memory)
+            phases[f"phase{phase}"]["to_fit"] = suggestions(shape, machine, inputs, memory)
         if inputs.adapters > 1:
-            phases[f"phase{phase}"]["one_after_another"] = one_after_another(config, phase, shape, tpu, inputs,
+            phases[f"phase{phase}"]["one_after_another"] = one_after_another(config, phase, shape, machine, inputs,
                                                                             phases[f"phase{phase}"], model_config,
                                                                             memory)
     first = next(iter(phases.values()))
     return {
         "target": "gpu" if gpu else "tpu",  # what the memory, hours and figures below are of
-        "device_type": tpu.type,
+        "device_type": machine.type,
         "tpu_type": config.tpu.type,
         "parallel_mode": config.parallel.mode,
         "fits": all(p["fits"] for p in phases.values()),
