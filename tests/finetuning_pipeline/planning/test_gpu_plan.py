@@ -118,7 +118,8 @@ SHAPES = {
 }
 
 
-@pytest.mark.native  # (and under torch 2.13: make test-native)
+@pytest.mark.native  # (native and slow: under torch 2.13 only, in make test-native; a GPU's torch is >= 2.11)
+@pytest.mark.slow
 @pytest.mark.parametrize("family, sizes", SHAPES.values(), ids=list(SHAPES))
 @pytest.mark.parametrize("dropout, checkpointing", [(0.0, None), (0.1, None), (0.0, "full"), (0.0, "selective")])
 def test_the_activation_term_is_what_a_compiled_layer_keeps(family, sizes, dropout, checkpointing):
