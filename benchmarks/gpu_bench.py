@@ -62,13 +62,12 @@ def planned_peak_bytes(shape: str, device: str, batch: int, seq_len: int, quanti
     """What `make preflight ... runtime.backend=native` plans for one of ours' rows: the allocator's
     peak on one GPU (finetuning_pipeline/planning/gpu_plan.py), full logits as ours runs them."""
     from finetuning_pipeline.planning.gpu_plan import native_memory
-    from finetuning_pipeline.planning.tpu_plan import ModelShape, PlanInputs
+    from finetuning_pipeline.planning.tpu_plan import ModelShape, PlanInputs, held_bytes
 
     inputs = PlanInputs(mode="dp", dtype=DTYPES[device], micro_batch=batch, grad_accum=1, seq_len=seq_len,
                         checkpointing=False if checkpointing == "off" else checkpointing, lora_r=RANK,
                         lora_targets=TARGETS, lora_dropout=0.0, assumed_mfu=0.4, steps=1, quantize=quantize)
-    held = native_memory(ModelShape.from_config(shape_config(shape)), inputs, devices=1)
-    return int(sum(held[term] for term in ("weights", "lora_and_optimizer", "activations", "logits")))
+    return int(held_bytes(native_memory(ModelShape.from_config(shape_config(shape)), inputs, devices=1)))
 
 
 def build_model(shape: str, device: str, dtype, bitsandbytes_4bit: bool = False):

@@ -41,11 +41,10 @@ CARDS = {
 
 
 def parse_gpu_type(gpu_type: str, count: int) -> Slice:
-    """`h100-80gb` and a count of GPUs -> Slice (one device per card); ValueError naming the key otherwise."""
+    """`h100-80gb` and a count of GPUs (>= 1: validate.py) -> Slice (one device per card); ValueError
+    naming the key otherwise."""
     card = CARDS.get(gpu_type.strip().lower())
     if card is None:
         raise ValueError(f"gpu.type {gpu_type!r}: expected one of {sorted(CARDS)}; for another card, plan with the "
                          "nearest one in memory and FLOP/s")
-    if count < 1:
-        raise ValueError(f"gpu.count must be >= 1, got {count}")
     return Slice(f"{card.name} x{count}", card, count)

@@ -20,11 +20,15 @@ measured on an H100 and an H200):
   residual after attention (2 hidden), the query, key, value and attention output with the keys and
   values repeated to every head (4 x heads x head_dim: transformers repeats them before torch's
   attention when it is given a mask, as the trainer always does), gate and up (2 intermediate), two
-  fp32 norm statistics and the attention's fp32 log-sum-exp per head; the LoRA adds the inputs of
+  fp32 norm statistics and the attention's fp32 log-sum-exp per head; where transformers runs the
+  attention eagerly (Gemma 2, for its soft-capping: ModelShape.attn_implementation) its [heads,
+  seq_len] scores and probabilities instead of the log-sum-exp; the inputs of any further norms
+  (Gemma's after attention and MLP, q_norm and k_norm: ModelShape.extra_norm_inputs); the LoRA adds the inputs of
   the targets' A matrices (the attention's normed input, the output projection's input, the MLP's
   normed input, the down projection's input: each distinct input once), or with LoRA dropout each
-  target's own dropped input and bool mask. Once per micro-batch: the 4D attention mask (a row's [L, L] mask, one
-  per row at most). Full checkpointing keeps each layer's input, plus one layer's set during its
+  target's own dropped input and bool mask. Once per micro-batch: the 4D attention masks (a row's
+  [L, L] mask, one per row at most, for each layer type: sliding and full). Full checkpointing
+  keeps each layer's input, plus one layer's set during its
   recompute; selective also keeps the attention's output and log-sum-exp.
 - logits: the bf16 logits, their fp32 copy and log-softmax, and the fp32 gradient the backward
   starts from (14 bytes per vocabulary entry per token; one chunk's tokens with the chunked loss),
@@ -61,9 +65,11 @@ def quantized_linear_bytes_native(in_features: int, out_features: int, fmt: str)
     return out_features * (in_features // per_byte + in_features // block * scale_bytes) + code_table
 
 
-def frozen_values_per_token_layer(shape: ModelShape) -> int:
-    """Values in the activations' dtype a compiled decoder layer of the frozen base keeps per token."""
-    return 2 * shape.hidden + 4 * shape.q_width + 2 * shape.intermediate
+def frozen_values_per_token_layer(shape: ModelShape, seq_len: int) -> int:
+    """Values in the activations' dtype a compiled decoder layer of the frozen base keeps per token
+    (with eager attention also its [heads, seq_len] scores and probabilities; further norms' inputs)."""
+    scores = 2 * shape.heads * seq_len if shape.attn_implementation == "eager" else 0
+    return 2 * shape.hidden + 4 * shape.q_width + 2 * shape.intermediate + scores + shape.extra_norm_inputs
 
 
 def lora_bytes_per_token_layer(shape: ModelShape, targets: list[str], dropout: bool, act: int) -> int:
@@ -80,7 +86,8 @@ def lora_bytes_per_token_layer(shape: ModelShape, targets: list[str], dropout: b
 
 
 def fp32_bytes_per_token_layer(shape: ModelShape) -> int:
-    return FP32 * (2 + shape.heads)  # two norms' statistics, the attention's log-sum-exp per head
+    """Two norms' statistics, and torch's attention kernel's log-sum-exp per head."""
+    return FP32 * (2 + (shape.heads if shape.attn_implementation == "sdpa" else 0))
 
 
 def native_memory(shape: ModelShape, inputs: PlanInputs, devices: int) -> dict[str, float]:
@@ -88,9 +95,9 @@ def native_memory(shape: ModelShape, inputs: PlanInputs, devices: int) -> dict[s
     act = DTYPE_BYTES[inputs.dtype]
     rows = inputs.micro_batch * inputs.adapters
     tokens = rows * inputs.seq_len
-    layer_set = (frozen_values_per_token_layer(shape) * act + fp32_bytes_per_token_layer(shape)
+    layer_set = (frozen_values_per_token_layer(shape, inputs.seq_len) * act + fp32_bytes_per_token_layer(shape)
                  + lora_bytes_per_token_layer(shape, inputs.lora_targets, inputs.lora_dropout > 0, act))
-    mask = rows * inputs.seq_len ** 2 * act
+    mask = shape.attention_masks * rows * inputs.seq_len ** 2 * act
     without = tokens * shape.layers * layer_set + mask
     kept = shape.hidden * act
     if inputs.checkpointing == "selective":

@@ -184,16 +184,23 @@ def one_after_another(config: RunConfig, phase: int, shape, tpu, inputs: PlanInp
             "hbm_per_chip_gib": max(p["hbm_per_chip_gib"] for p in alone)}
 
 
-def gpu_plan_inputs(config: RunConfig, phase: int, devices: int, model_config) -> PlanInputs:
+ATTENTION_ON_A_GPU = {
+    "sdpa": "torch's scaled_dot_product_attention (keeps no [heads, seq_len] scores)",
+    "eager": "eager, as transformers runs this model (its soft-capping): [heads, seq_len] scores kept per token",
+}
+
+
+def gpu_plan_inputs(config: RunConfig, phase: int, devices: int, model_config, shape: ModelShape) -> PlanInputs:
     """The plan's inputs for the native runtime on gpu.type: plan_inputs' with the GPU's figures
-    (gpu.assumed_mfu, gpu.compile_s: the layers share one compiled graph) and torch's attention."""
+    (gpu.assumed_mfu, gpu.compile_s: the layers share one compiled graph) and the attention
+    transformers runs for the model (torch's kernel, or eager where it picks that)."""
     try:
         loss_chunk = resolve_chunk_tokens(config.train.loss_chunk_tokens, model_config)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return dataclasses.replace(
-        plan_inputs(config, phase, devices=devices), loss_chunk=loss_chunk, attention="sdpa",
-        attention_reason="torch's scaled_dot_product_attention (keeps no [heads, seq_len] scores)",
+        plan_inputs(config, phase, devices=devices), loss_chunk=loss_chunk, attention=shape.attn_implementation,
+        attention_reason=ATTENTION_ON_A_GPU.get(shape.attn_implementation, shape.attn_implementation),
         assumed_mfu=config.gpu.assumed_mfu, compile_s_fixed=config.gpu.compile_s, compile_s_per_layer=0.0,
         capture_step=True, scanned_layers=False)
 
@@ -212,7 +219,7 @@ def make_plan(config: RunConfig, model_config, gpu: bool = False) -> dict:
         machine, memory = parse_tpu_type(config.tpu.type), tpu_memory
     phases = {}
     for phase in phases_of(config):
-        inputs = (gpu_plan_inputs(config, phase, machine.devices, model_config) if gpu
+        inputs = (gpu_plan_inputs(config, phase, machine.devices, model_config, shape) if gpu
                   else plan_inputs(config, phase, devices=machine.devices, model_config=model_config))
         phases[f"phase{phase}"] = plan(shape, machine, inputs, memory)
         phases[f"phase{phase}"]["parallel_advice"] = (native_mode_advice(shape, machine, inputs) if gpu

@@ -71,14 +71,26 @@ def quantized_linear_bytes(in_features: int, out_features: int, fmt: str) -> int
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def count_parameters(model_config) -> int:
-    """Parameters of the architecture, from a model built on the meta device (no memory)."""
+def weightless_model_facts(model_config) -> tuple[int, str, int]:
+    """(parameters, the attention implementation transformers picks, the values per token a decoder
+    layer's norms beyond the two every decoder has normalize) of the architecture, from a model
+    built on the meta device (no memory)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from finetuning_pipeline.distributed.parallel import decoder_layers
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
-    return sum(p.numel() for p in model.parameters())
+    hidden = model_config.hidden_size
+    heads, kv_heads = model_config.num_attention_heads, getattr(model_config, "num_key_value_heads", None)
+    normalized = 0  # a norm of the hidden size normalizes hidden values a token; q_norm and k_norm each head's
+    for name, module in decoder_layers(model)[0].named_modules():
+        weight = getattr(module, "weight", None)
+        if "norm" in name.rsplit(".", 1)[-1] and weight is not None and weight.dim() == 1:
+            per_head = {"q": heads, "k": kv_heads or heads}.get(name.rsplit(".", 1)[-1][0], 1)
+            normalized += weight.numel() * (1 if weight.numel() == hidden else per_head)
+    return sum(p.numel() for p in model.parameters()), model.config._attn_implementation, normalized - 2 * hidden
 
 
 @dataclass(frozen=True)
@@ -93,14 +105,25 @@ class ModelShape:
     head_dim: int
     vocab: int
     total_params: int  # every parameter, counted on a weightless model (biases, norms, ties included)
+    # What transformers runs the attention with where nothing chooses for it (the native runtime):
+    # "sdpa" (torch's kernel), or "eager" (Gemma 2 for its soft-capping: [heads, seq_len] scores kept).
+    attn_implementation: str = "sdpa"
+    # Values per token a decoder layer's further norms normalize (Gemma's after attention and MLP,
+    # Gemma 3's and Qwen3's q_norm and k_norm): each keeps its input for the backward.
+    extra_norm_inputs: int = 0
+    attention_masks: int = 1  # the 4D masks a forward builds: one per layer type (model/attention_masks.py)
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        from finetuning_pipeline.model.attention_masks import mask_windows
+
+        params, attention, extra_norms = weightless_model_facts(config)
         return cls(layers=config.num_hidden_layers, hidden=config.hidden_size, intermediate=config.intermediate_size,
                    heads=config.num_attention_heads, kv_heads=getattr(config, "num_key_value_heads", None)
                    or config.num_attention_heads, head_dim=head_dim, vocab=config.vocab_size,
-                   total_params=count_parameters(config))
+                   total_params=params, attn_implementation=attention,
+                   extra_norm_inputs=extra_norms, attention_masks=len(mask_windows(config)))
 
     @property
     def q_width(self) -> int:
@@ -199,6 +222,11 @@ def tpu_memory(shape: ModelShape, inputs: PlanInputs, devices: int) -> dict[str,
             "activations_without_checkpointing": without, "activations_with_checkpointing": checkpointed}
 
 
+def held_bytes(held: dict[str, float]) -> float:
+    """A device's total at a step's peak: the sum of a `memory` function's terms."""
+    return held["weights"] + held["lora_and_optimizer"] + held["activations"] + held["logits"]
+
+
 def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs, memory=tpu_memory) -> dict:
     """The memory, speed and cost plan of one phase; see the module docstring. `memory`: the
     bytes a device holds by term (tpu_memory, or gpu_plan.native_memory for a GPU)."""
@@ -208,7 +236,7 @@ def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs, memory=tpu_memory) -
     held = memory(shape, inputs, devices)
     weights, lora_and_optimizer = held["weights"], held["lora_and_optimizer"]
     activations, logits = held["activations"], held["logits"]
-    total = weights + lora_and_optimizer + activations + logits
+    total = held_bytes(held)
     capacity = tpu.hbm_bytes_per_device
     fits = total <= (1 - HEADROOM) * capacity
 

@@ -73,13 +73,14 @@ def test_a_quantized_base_plans_its_stored_bytes_and_one_layer_dequantized():
 
 
 def saved_per_layer(family: str, dropout: float, checkpointing: str | None, **sizes) -> tuple[float, ModelShape]:
-    """Bytes per token the middle one of three compiled decoder layers keeps for the backward (each
-    storage counted once: the mask and rotary tables the layers share belong to the first), with the
+    """Bytes per token the third of four compiled decoder layers keeps for the backward (each storage
+    counted once: the masks and rotary tables the layers share belong to the first layers of each
+    type, and sliding-window families alternate two), with the
     min-cut partitioner inductor uses (aot_eager_decomp_partition: the same graphs without inductor's
     kernels; inductor's own saved the same bytes for the Qwen2 shape under dropout, 26,074 a token)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family, vocab_size=512, num_hidden_layers=3, max_position_embeddings=512, **sizes)
+    config = AutoConfig.for_model(family, vocab_size=512, num_hidden_layers=4, max_position_embeddings=512, **sizes)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     inject_lora(model, LoraConfig(r=16, alpha=32, dropout=dropout))
     if checkpointing:
@@ -107,21 +108,31 @@ def saved_per_layer(family: str, dropout: float, checkpointing: str | None, **si
         loss.backward()
         for hook in hooks:
             hook.remove()
-    return sum(kept[starts[1]:starts[2]]) / tokens.numel(), ModelShape.from_config(config)
+    return sum(kept[starts[2]:starts[3]]) / tokens.numel(), ModelShape.from_config(config)
 
 
-SHAPES = {
-    "mistral, grouped kv": ("mistral", dict(hidden_size=256, intermediate_size=896, num_attention_heads=4,
-                                            num_key_value_heads=2)),
-    "qwen2, 8 heads": ("qwen2", dict(hidden_size=512, intermediate_size=1376, num_attention_heads=8,
-                                     num_key_value_heads=2)),
+SIZES = dict(hidden_size=256, intermediate_size=896, num_attention_heads=4, num_key_value_heads=2)
+QWEN2_SIZES = dict(SIZES, hidden_size=512, intermediate_size=1376, num_attention_heads=8)
+# (family, sizes, LoRA dropout, checkpointing): every mode on Mistral; Qwen2 with 8 heads; Gemma 2 (eager
+# attention for its soft-capping, norms after attention and MLP, a sliding window, head_dim 64 of hidden
+# 256); Gemma 3 (q_norm and k_norm besides).
+CASES = {
+    "mistral": ("mistral", SIZES, 0.0, None),
+    "mistral, dropout": ("mistral", SIZES, 0.1, None),
+    "mistral, full": ("mistral", SIZES, 0.0, "full"),
+    "mistral, selective": ("mistral", SIZES, 0.0, "selective"),
+    "qwen2, 8 heads": ("qwen2", QWEN2_SIZES, 0.0, None),
+    "qwen2, 8 heads, dropout": ("qwen2", QWEN2_SIZES, 0.1, None),
+    "gemma2, eager attention": ("gemma2", dict(SIZES, head_dim=64), 0.0, None),
+    "gemma2, eager attention, full": ("gemma2", dict(SIZES, head_dim=64), 0.0, "full"),
+    "gemma3, q and k norms": ("gemma3_text", dict(SIZES, head_dim=64), 0.0, None),
+    "gemma3, q and k norms, dropout": ("gemma3_text", dict(SIZES, head_dim=64), 0.1, None),
 }
 
 
 @pytest.mark.native  # (native and slow: under torch 2.13 only, in make test-native; a GPU's torch is >= 2.11)
 @pytest.mark.slow
-@pytest.mark.parametrize("family, sizes", SHAPES.values(), ids=list(SHAPES))
-@pytest.mark.parametrize("dropout, checkpointing", [(0.0, None), (0.1, None), (0.0, "full"), (0.0, "selective")])
+@pytest.mark.parametrize("family, sizes, dropout, checkpointing", CASES.values(), ids=list(CASES))
 def test_the_activation_term_is_what_a_compiled_layer_keeps(family, sizes, dropout, checkpointing):
     measured, shape = saved_per_layer(family, dropout, checkpointing, **sizes)
     planned = native_memory(shape, inputs(micro_batch=2, seq_len=256, lora_dropout=dropout,
@@ -183,3 +194,14 @@ def test_a_card_the_plan_does_not_know_is_a_config_error_naming_the_key(tmp_path
 
     code, _ = run_preflight(tmp_path, MISTRAL_Q8, "runtime.backend=native", "gpu.type=rtx-9090")
     assert code == 2 and "gpu.type 'rtx-9090'" in capsys.readouterr().err
+
+
+def test_adapters_side_by_side_hold_their_rows_and_optimizers_and_the_base_once():
+    """K adapters side by side: each its micro-batch rows (activations and logits of K x the rows) and
+    its LoRA and optimizer; the base's weights once (native_memory, as a run of them holds them)."""
+    shape = mistral_7b()
+    alone = native_memory(shape, inputs(micro_batch=4, loss_chunk=0), 1)
+    rows_of_two = native_memory(shape, inputs(micro_batch=8, loss_chunk=0), 1)
+    two = native_memory(shape, inputs(micro_batch=4, adapters=2, loss_chunk=0), 1)
+    assert two["weights"] == alone["weights"] and two["lora_and_optimizer"] == 2 * alone["lora_and_optimizer"]
+    assert (two["activations"], two["logits"]) == (rows_of_two["activations"], rows_of_two["logits"])
