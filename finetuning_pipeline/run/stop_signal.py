@@ -40,6 +40,7 @@ class ProcessSignals:
         self.stop_requested = False
         self.received: str | None = None
         self._previous: dict = {}
+        self._watches: list = []  # (condition, reason): see watch_parent
 
     def install(self) -> None:
         """On the main thread: catch the stop signals until `restore()`."""
@@ -55,9 +56,22 @@ class ProcessSignals:
         self.request(signal.Signals(signum).name)
 
     def request(self, reason: str) -> None:
-        """Stop as a signal would (the launcher's watch of its parent: launch.py)."""
+        """Stop as a signal would."""
         self.received = reason
         self.stop_requested = True
+
+    def watch(self, condition, reason: str) -> None:
+        """Stop for `reason` once condition() is true, as asked at each step (`poll`)."""
+        self._watches.append((condition, reason))
+
+    def poll(self) -> bool:
+        """Whether to stop: a signal received, or a watched condition now true (which then names the stop)."""
+        if not self.stop_requested:
+            for condition, reason in self._watches:
+                if condition():
+                    self.request(reason)
+                    break
+        return self.stop_requested
 
     @property
     def installed(self) -> bool:
@@ -67,6 +81,7 @@ class ProcessSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        self._watches.clear()
 
 
 # One per process: every replica thread of a process shares it (and its signals).
@@ -116,17 +131,15 @@ def on_a_thread_leaving_signals_here(fn, *args) -> None:
         raise failure[0]
 
 
-def watch_parent(parent: int, signals: ProcessSignals, reason: str, every_s: float = 1.0) -> None:
+def watch_parent(parent: int, signals: ProcessSignals, reason: str) -> None:
     """When the process that started this one (`parent`: the TPU launcher, torchrun's agent) dies
     without passing a signal on (SIGKILL, the out-of-memory killer, a closed terminal's SIGHUP to
     it alone), this process is re-parented: its replicas then stop as on SIGTERM, checkpoint and
-    exit, instead of training on unwatched and holding the devices from the next run."""
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(every_s)
-        signals.request(reason)
-
-    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+    exit, instead of training on unwatched and holding the devices from the next run. Asked at
+    each step (a getppid, no wait) and again when the master names the stop: torchrun's processes
+    are re-parented at once, so one that voted to stop on another's word still names the cause
+    (a watching thread, asked once a second, left it saying "another replica's request")."""
+    signals.watch(lambda: os.getppid() != parent, reason)
 
 
 class StopOnSignal:
@@ -143,10 +156,11 @@ class StopOnSignal:
 
     def requested(self) -> bool:
         """Asked once per step (StopVote)."""
-        return self.signals.stop_requested or (self.budget is not None and self.budget.exhausted())
+        return self.signals.poll() or (self.budget is not None and self.budget.exhausted())
 
     @property
     def received(self) -> str | None:
+        self.signals.poll()  # (a replica that stopped on another's vote may see the cause now)
         return self.signals.received
 
     def reason(self) -> str:

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from finetuning_pipeline.run.stop_signal import ProcessSignals, StopOnSignal, WallClockBudget
+from finetuning_pipeline.run.stop_signal import ProcessSignals, StopOnSignal, WallClockBudget, watch_parent
 
 
 def in_worker_thread(fn):
@@ -56,6 +56,27 @@ def test_a_signal_to_the_process_reaches_replicas_on_worker_threads(sig):
     finally:
         signals.restore()
     assert signal.getsignal(sig) is not signals.handle
+
+
+def test_a_watched_parent_stops_the_replica_at_its_next_step_and_names_the_stop_after_another_replicas_vote():
+    """watch_parent: the parent's exit is asked at each step (no thread, no wait), and again when
+    the stop is named: torchrun's processes are re-parented at once, so the master that stopped
+    on a peer's vote one step before it saw the exit itself still names the cause."""
+    signals = ProcessSignals()
+    parent = {"pid": os.getppid()}
+    signals.watch(lambda: os.getppid() != parent["pid"], "torchrun's exit")
+    master, peer = StopOnSignal(signals=signals), StopOnSignal(signals=ProcessSignals())
+    assert not master.requested() and master.reason() == "another replica's request"
+    parent["pid"] = -1  # the parent dies between the master's ask and the name of the stop
+    assert master.reason() == "torchrun's exit" and master.requested()
+    assert "stopped on torchrun's exit after a checkpoint at step 3 of phase 1" in master.after_stop(3, 1, "cmd")
+    assert not peer.requested()
+    watch_parent(os.getppid(), peer.signals, "its launching process's exit")
+    assert not peer.requested()  # its parent lives
+    later = ProcessSignals()
+    later.watch(lambda: True, "a parent of a finished run")
+    later.restore()  # the run is over: its watches end with its handlers
+    assert not later.poll()
 
 
 def test_the_session_budget_leaves_twice_the_slowest_step():
