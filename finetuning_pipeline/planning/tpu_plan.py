@@ -82,15 +82,29 @@ def weightless_model_facts(model_config) -> tuple[int, str, int]:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
-    hidden = model_config.hidden_size
-    heads, kv_heads = model_config.num_attention_heads, getattr(model_config, "num_key_value_heads", None)
-    normalized = 0  # a norm of the hidden size normalizes hidden values a token; q_norm and k_norm each head's
+    hidden, heads = model_config.hidden_size, heads_of(model_config)
+    normalized = 0  # values a token that the layer's norms normalize (each keeps its input)
     for name, module in decoder_layers(model)[0].named_modules():
-        weight = getattr(module, "weight", None)
-        if "norm" in name.rsplit(".", 1)[-1] and weight is not None and weight.dim() == 1:
-            per_head = {"q": heads, "k": kv_heads or heads}.get(name.rsplit(".", 1)[-1][0], 1)
-            normalized += weight.numel() * (1 if weight.numel() == hidden else per_head)
+        leaf, weight = name.rsplit(".", 1)[-1], getattr(module, "weight", None)
+        if "norm" in leaf and weight is not None and weight.dim() == 1:
+            normalized += weight.numel() * norm_applications(leaf, weight.numel(), hidden, heads)
     return sum(p.numel() for p in model.parameters()), model.config._attn_implementation, normalized - 2 * hidden
+
+
+def norm_applications(leaf: str, width: int, hidden: int, heads: dict[str, int]) -> int:
+    """How many times a token's norm of this weight width runs: once per head for a per-head q_norm
+    or k_norm (Qwen3's, Gemma 3's: width head_dim), once otherwise (the hidden norms, and OLMo 2's
+    q_norm and k_norm over the whole projection)."""
+    if width != heads["head_dim"] or width == hidden:
+        return 1
+    return {"q": heads["heads"], "k": heads["kv_heads"]}.get(leaf[0], 1)
+
+
+def heads_of(config) -> dict[str, int]:
+    """heads, kv_heads and head_dim of a transformers config (head_dim where it says, else hidden / heads)."""
+    heads = config.num_attention_heads
+    return {"heads": heads, "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads}
 
 
 @dataclass(frozen=True)
@@ -115,14 +129,11 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         from finetuning_pipeline.model.attention_masks import mask_windows
 
         params, attention, extra_norms = weightless_model_facts(config)
         return cls(layers=config.num_hidden_layers, hidden=config.hidden_size, intermediate=config.intermediate_size,
-                   heads=config.num_attention_heads, kv_heads=getattr(config, "num_key_value_heads", None)
-                   or config.num_attention_heads, head_dim=head_dim, vocab=config.vocab_size,
-                   total_params=params, attn_implementation=attention,
+                   **heads_of(config), vocab=config.vocab_size, total_params=params, attn_implementation=attention,
                    extra_norm_inputs=extra_norms, attention_masks=len(mask_windows(config)))
 
     @property

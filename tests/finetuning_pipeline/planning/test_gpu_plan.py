@@ -130,6 +130,25 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("family, sizes", [
+    ("llama", SIZES), ("gemma2", dict(SIZES, head_dim=64)), ("gemma3_text", dict(SIZES, head_dim=64)),
+    ("qwen3", dict(SIZES, head_dim=64)), ("olmo2", SIZES)], ids=["llama", "gemma2", "gemma3", "qwen3", "olmo2"])
+def test_the_further_norms_the_plan_counts_are_the_values_a_layers_norms_take(family, sizes):
+    """extra_norm_inputs, read from the norms' weights, against the values per token each norm of a
+    real layer takes (its input, kept for the backward), beyond the two hidden-size norms every
+    decoder has: none for Llama, two more hidden norms for Gemma 2, q_norm and k_norm per head for
+    Gemma 3 and Qwen 3, OLMo 2's over the whole query and key projections (its key's not per head)."""
+    config = AutoConfig.for_model(family, vocab_size=128, num_hidden_layers=2, max_position_embeddings=64, **sizes)
+    model = AutoModelForCausalLM.from_config(config)
+    tokens, taken = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0)), []
+    for name, module in decoder_layers(model)[0].named_modules():
+        if "norm" in name.rsplit(".", 1)[-1]:
+            module.register_forward_hook(lambda module, args, out: taken.append(args[0].numel()))
+    with torch.no_grad():
+        model(input_ids=tokens)
+    assert ModelShape.from_config(config).extra_norm_inputs == sum(taken) // tokens.numel() - 2 * config.hidden_size
+
+
 @pytest.mark.native  # (native and slow: under torch 2.13 only, in make test-native; a GPU's torch is >= 2.11)
 @pytest.mark.slow
 @pytest.mark.parametrize("family, sizes, dropout, checkpointing", CASES.values(), ids=list(CASES))
