@@ -45,6 +45,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: python finetuning_pipeline/main.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from utils.startup import pause_collector, resume_collector
+
+if __name__ in ("__main__", "__mp_main__"):  # a process of its own: the command, or a TPU launcher's worker
+    pause_collector()  # until its replica starts (run_replica): its imports a third faster
+
 from finetuning_pipeline.demo.inputs import DEMO_CONFIG, REPO, anchored_paths, ensure_demo_inputs
 from finetuning_pipeline.distributed.collectives import launch_rank, torchrun_world
 from finetuning_pipeline.distributed.host_agreement import check_hosts_agree
@@ -143,6 +148,7 @@ def run_replica(config: RunConfig, plans: list[PhasePlan], notes: list[str], res
     skipped), said by the master once it holds output_dir, so that a second command on the same
     output_dir is refused before it says anything of the run. launcher: torchrun's agent, the
     parent of each of its processes, watched by them."""
+    resume_collector()  # (a TPU launcher's worker: its start-up ends here)
     runtime, parallel, device = backend.start(config)
     layout = RunLayout(config.output_dir)
     finished = False
@@ -232,6 +238,7 @@ def train(argv: list[str] | None) -> int:
         return 0
     # run_replica on every replica of this process, started the runtime's way (its launcher)
     resume = resume_command(Path(__file__).resolve(), resume_arguments(args), runtime.device_environment)
+    resume_collector()  # start-up is over (utils/startup.py)
     runtime.launch(config, run_replica, (config, plans, notes if launch_rank() == 0 else [], resume, budget, runtime,
                                          launcher))
     return 0
