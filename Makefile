@@ -24,9 +24,11 @@ NATIVE_TESTS := tests/finetuning_pipeline/runtime tests/lora_logic/test_compile.
 	tests/utils/test_tpu_install.py \
 	tests/e2e/test_native_processes.py tests/e2e/test_tpu_check.py
 # The tests run on every core, a file to a worker (pytest-xdist: a file's module fixtures, its
-# reference runs, are built once); PARALLEL= runs them in this one process.
+# reference runs, are built once), the files of slow tests first (tests/conftest.py: xdist's own
+# order, the files of most tests first, would leave the long end-to-end files to the end); PARALLEL=
+# runs them in this one process.
 XDIST := pytest-xdist==3.8.0
-PARALLEL ?= -n auto --dist loadfile
+PARALLEL ?= -n auto --dist loadfile --no-loadscope-reorder
 # XLA runs on the host CPU unless told otherwise (on a TPU VM: PJRT_DEVICE=TPU make ...).
 PJRT_DEVICE ?= CPU
 export PJRT_DEVICE

@@ -111,7 +111,13 @@ E2E = Path(__file__).resolve().parent / "e2e"
 
 def pytest_collection_modifyitems(config, items):
     """tests/e2e/ holds the end-to-end runs (the commands as users run them, through the
-    trainer): all of them are slow, and `make test-fast` leaves them out."""
+    trainer): all of them are slow, and `make test-fast` leaves them out.
+
+    The files that hold slow tests run first (the Makefile turns off xdist's own order, which puts
+    the files of many tests first and so the long end-to-end files last): a worker that takes one
+    late would leave the other cores idle until it ends, and the many short files fill the end."""
     for item in items:
         if item.path.is_relative_to(E2E):
             item.add_marker(pytest.mark.slow)
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # (stable: each file's own order kept)
