@@ -34,8 +34,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetuning_pipeline.checks.device_check import device_check, format_report, write_report
-from finetuning_pipeline.checks.native_check import native_check
+from finetuning_pipeline.checks import self_check_of
+from finetuning_pipeline.checks.device_check import format_report, write_report
 from finetuning_pipeline.checks.pod_hosts import HostBarrier, PodCheckError, PodHost, pod_host
 from finetuning_pipeline.planning.phase_plan import layers_scanned, load_architecture, seq_len_of
 from finetuning_pipeline.run.run_layout import RunLayout
@@ -75,17 +75,17 @@ class CheckRefused(Exception):
 
 
 def load_and_claim(args: argparse.Namespace, host: PodHost, barrier: HostBarrier):
-    """(config, model_config, seq_len, layout, scanned: whether the full-depth run scans its
-    decoder layers), once every host has loaded the config and host 0
+    """(config, its runtime's Backend, model_config, seq_len, layout, scanned: whether the
+    full-depth run scans its decoder layers), once every host has loaded the config and host 0
     has cleared the check's directory: nothing is deleted unless every host can run the check,
     and no host writes there before it is cleared. Raises CheckRefused otherwise."""
     failure = None
     try:
         config = load_config(args.config, args.overrides)
-        backend(config)  # runtime.backend=auto resolved: the runtime whose TPU paths are checked
-        if config.runtime.backend == "native" and host.hosts > 1:
-            raise ConfigError("runtime.backend=native: the native runtime's check runs one process on one host "
-                              "(it has no pod rehearsal); run it on one host of the slice")
+        runtime = backend(config)  # runtime.backend=auto resolved: the runtime whose TPU paths are checked
+        if not runtime.checks_a_pod and host.hosts > 1:
+            raise ConfigError(f"runtime.backend={config.runtime.backend}: the {runtime.name} runtime's check runs one "
+                              "process on one host (it has no pod rehearsal); run it on one host of the slice")
         if not any(config.data_dirs(1).values()) and not config.phase(1).seq_len:
             raise ConfigError("phase1.seq_len: the check trains at phase 1's sequence length; set phase1.data (or "
                               "its adapters' data side by side) or phase1.seq_len")
@@ -106,7 +106,7 @@ def load_and_claim(args: argparse.Namespace, host: PodHost, barrier: HostBarrier
     failures = failures or barrier.ready("claim", failure)
     if failures:
         raise CheckRefused("; ".join(failures))
-    return config, model_config, seq_len, layout, scanned
+    return config, runtime, model_config, seq_len, layout, scanned
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,13 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     host = pod_host(device)
     try:
         barrier = HostBarrier(host)
-        config, model_config, seq_len, layout, scanned = load_and_claim(args, host, barrier)
-        if config.runtime.backend == "native":
-            report = native_check(config, model_config, layout.tpu_check_runs, on_tpu=device == "TPU",
-                                  seq_len=seq_len)
-        else:
-            report = device_check(config, model_config, layout.tpu_check_runs, device=device, seq_len=seq_len,
-                                  scanned=scanned, host=host, barrier=barrier)
+        config, runtime, model_config, seq_len, layout, scanned = load_and_claim(args, host, barrier)
+        check = self_check_of(runtime)  # the runtime's own check of its TPU paths
+        report = check(config, model_config, layout.tpu_check_runs, device=device, seq_len=seq_len, scanned=scanned,
+                       host=host, barrier=barrier)
     except CheckRefused as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -38,6 +38,7 @@ from finetuning_pipeline.checks.device_check import (
     compare,
     precision_runs,
 )
+from finetuning_pipeline.checks.pod_hosts import ONE_HOST, HostBarrier, PodHost
 from finetuning_pipeline.checks.rehearsal import run_trainer, small_run
 from finetuning_pipeline.run_config import RunConfig
 
@@ -58,8 +59,13 @@ def native_variants(config: RunConfig, compiled: bool, dequantized: Path | None)
     return runs, skipped
 
 
-def native_check(config: RunConfig, model_config, root: Path, *, on_tpu: bool, seq_len: int) -> dict:
-    """The checks in `root` (output_dir/tpu_check, claimed and cleared); returns the report."""
+def native_check(config: RunConfig, model_config, root: Path, *, device: str, seq_len: int, scanned: bool = False,
+                 host: PodHost = ONE_HOST, barrier: HostBarrier | None = None) -> dict:
+    """The checks in `root` (output_dir/tpu_check, claimed and cleared); returns the report.
+    device_check's signature (tpu_check.py calls either): this runtime scans no layers, and its
+    check runs on one host (NativeBackend.checks_a_pod), so `scanned`, `host` and `barrier` are
+    unread."""
+    on_tpu = device == "TPU"
     checked_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     report = {"device": "TPU" if on_tpu else "CPU", "runtime": "native", "tpu_type": config.tpu.type,
               "checked_at": checked_at, "measured": {}, "hosts": 1}

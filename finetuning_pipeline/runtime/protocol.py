@@ -120,6 +120,10 @@ class Backend(Protocol):
     reason: str  # why runtime.backend chose it (runtime/__init__.backend)
     device_environment: tuple[str, ...]  # what picks a run's devices: the printed resume command keeps it
     plan_note: str | None  # what preflight's TPU plan means for this runtime (None: it is its own)
+    # tpu_check's check of this runtime's TPU paths: a function of checks/ by its name (runtime/ imports
+    # nothing above it, so the runtime names its check and the command looks it up there)
+    self_check: str
+    checks_a_pod: bool  # whether that check runs on every host of a pod at once, one run of the slice each
 
     def plans_gpu(self, config: RunConfig) -> bool:
         """Whether preflight plans gpu.type's GPUs for this run (planning/gpu_plan.py), else tpu.type's TPU."""

@@ -5,9 +5,10 @@ comment is not a branch), so a new one fails here with its file and line.
 
 What may know the runtimes by name: runtime/ itself, the run config's validation of runtime.*
 (run_config/validate.py), and the commands on top and their checks, which pick a runtime's
-Backend or its TPU check (main, preflight, tpu_check, evaluate --device, export and generate's
-host-only device, checks/). planning/ asks the XLA runtime's scan decision for its TPU plan, so it
-may import runtime/, but names no backend either."""
+Backend (main, preflight, tpu_check, evaluate --device, export and generate's host-only device,
+checks/), which then ask it what the runtime decides, never compare its name. planning/ asks the
+XLA runtime's scan decision for its TPU plan, so it may import runtime/, but names no backend
+either."""
 
 from __future__ import annotations
 
@@ -85,6 +86,24 @@ def test_the_shared_code_is_where_it_is_looked_for():
 @pytest.mark.parametrize("path", shared_files(), ids=lambda path: str(path.relative_to(REPO)))
 def test_the_shared_code_imports_no_torch_xla_and_branches_on_no_backend(path):
     assert backend_knowledge(path) == []
+
+
+COMMANDS = ["main", "evaluate", "export", "generate", "preflight", "tpu_check", "cli"]
+
+
+def command_files() -> list[Path]:
+    return [PACKAGE / f"{name}.py" for name in COMMANDS] + sorted((PACKAGE / "checks").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", command_files(), ids=lambda path: str(path.relative_to(REPO)))
+def test_the_commands_and_checks_ask_the_runtime_what_it_does_not_its_name(path):
+    """On top of the seam a command may pick a device (evaluate --device xla, PJRT_DEVICE) and
+    import a runtime's own modules, but what depends on the runtime (its launch, its check of its
+    TPU paths, its pod policy) is asked of its Backend: none compares runtime.backend or a
+    runtime's name."""
+    assert path.is_file()
+    assert [hit for hit in backend_knowledge(path)
+            if hit.endswith(("compares runtime.backend", "compares a runtime's name"))] == []
 
 
 def test_the_check_finds_each_kind_of_backend_knowledge(tmp_path):

@@ -124,6 +124,8 @@ class XlaBackend:
     device_environment = ("PJRT_DEVICE", "CPU_NUM_DEVICES", "TPU_VISIBLE_CHIPS", "TPU_PROCESS_BOUNDS",
                           "TPU_CHIPS_PER_PROCESS_BOUNDS")
     plan_note = None  # preflight's plan is this runtime's
+    self_check = "device_check"  # checks/device_check.py: kernels, captured step, scan, donation, HBM, MFU
+    checks_a_pod = True  # PJRT spans the slice: each of the check's runs is a run of every host
 
     def plans_gpu(self, config: RunConfig) -> bool:
         return False

@@ -81,3 +81,35 @@ def test_a_host_that_never_comes_is_named_after_the_timeout():
 
 def test_a_single_host_waits_for_nobody():
     assert HostBarrier(ONE_HOST).ready("set-up", "why") == ["why"] and HostBarrier(ONE_HOST).ready("set-up") == []
+
+
+def test_a_runtime_whose_check_has_no_pod_rehearsal_is_refused_on_every_host(tiny_model_dir, data, tmp_path):
+    """tpu_check asks the run's runtime (its Backend.checks_a_pod) whether its check runs across a
+    pod: the native runtime's does not, so each host of a pod is refused at the barrier, naming
+    the runtime and what to do, before anything is cleared or written."""
+    import argparse
+
+    from trainer_helpers import write_run_config
+
+    from finetuning_pipeline import tpu_check
+
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out")
+    args = argparse.Namespace(config=str(config), overrides=["runtime.backend=native"], force=False)
+    port, results = free_port(), {}
+
+    def host(index: int) -> None:
+        pod = PodHost(index, 2, "127.0.0.1", port)
+        try:
+            results[index] = tpu_check.load_and_claim(args, pod, HostBarrier(pod, timeout_s=60))
+        except tpu_check.CheckRefused as err:
+            results[index] = str(err)
+
+    threads = [threading.Thread(target=host, args=(index,)) for index in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    why = ("runtime.backend=native: the native runtime's check runs one process on one host (it has no pod "
+           "rehearsal); run it on one host of the slice")
+    assert results == {0: f"host 0: {why}; host 1: {why}", 1: f"host 0: {why}; host 1: {why}"}
+    assert not (tmp_path / "out").exists()
