@@ -1,4 +1,4 @@
-"""The bound an equality proof is held to, and why (README: "How the tests prove equality").
+"""The bound an equality proof is held to, and why (docs/development.md: "How the tests prove equality").
 
 Two computations that are equal in exact arithmetic but run different shapes (K adapters' rows
 in one batch against one adapter's, a sharded matmul against a whole one, scanned layers against
@@ -22,7 +22,7 @@ same run in fp32: bf16_loss_bound, from bf16's unit roundoff, the tokens and the
 
 Set TPU_LORA_MARGINS=FILE to append every comparison's largest difference to FILE (JSON lines),
 and TPU_LORA_TEST_SEED=N to train the end-to-end runs with train.seed N (LoRA init, data order,
-dropout): the margins the README reports, across seeds.
+dropout): the margins docs/development.md reports, across seeds.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The dtype arithmetic that must not round below fp32, and not below float64 either when the
-computation is float64 (the CPU's exactness proofs: model.dtype=float64, README "How the tests
-prove equality")."""
+computation is float64 (the CPU's exactness proofs: model.dtype=float64, docs/development.md
+"How the tests prove equality")."""
 
 from __future__ import annotations
 

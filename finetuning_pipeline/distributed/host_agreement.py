@@ -27,8 +27,8 @@ from finetuning_pipeline.run.run_layout import RunLayout
 from utils.file_digest import sha256_file
 
 SHARED_STORAGE_HELP = ("On a pod, put output_dir on storage every host mounts at the same path (a Filestore NFS "
-                       "share, or a Cloud Storage bucket through gcsfuse; README: \"TPU pod\"), and run the same "
-                       "command with the same config on every host")
+                       "share, or a Cloud Storage bucket through gcsfuse; docs/tpu.md: \"On a TPU pod\"), and run "
+                       "the same command with the same config on every host")
 SEEN_WITHIN_S = 10.0  # a network file system may show a new file to other hosts a little late
 
 

@@ -29,7 +29,7 @@ from lora_logic.layer import LoRALinear
 from lora_logic.merge import merge_and_unload
 from lora_logic.quantize import FORMATS
 
-# float64: the CPU's exactness proofs only (README "How the tests prove equality"); a TPU refuses it.
+# float64: the CPU's exactness proofs only (docs/development.md, "How the tests prove equality"); a TPU refuses it.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 

@@ -314,7 +314,7 @@ def test_hosts_without_one_shared_output_dir_or_plan_stop_before_the_first_step(
     assert own_disks.wait(HANG) == [2, 2], own_disks.outputs()
     for rank in (0, 1):
         assert "is not one directory shared by every host: replica 1 on" in own_disks.output(rank)
-        assert "README: \"TPU pod\"" in own_disks.output(rank)
+        assert "docs/tpu.md: \"On a TPU pod\"" in own_disks.output(rank)
         assert not (tmp_path / f"host{rank}" / "phase1").exists()
     assert not list((tmp_path / "host0").glob(".shared-check-*"))  # the master's probe file is gone
 
