@@ -79,7 +79,9 @@ GPU_NOTE = ("runtime: native on gpu.type: the rehearsal ran it on this CPU; memo
 def format_report(report: dict) -> str:
     p = report
     gpu = p["target"] == "gpu"
-    memory, device, hours = ("memory", "GPU", "GPU-hours") if gpu else ("HBM", "chip", "TPU-hours")
+    # hours: the slice's (TPU-hours, as TPU pricing quotes a slice) or the run's wall-clock (on GPUs,
+    # whose GPU-hours are that times the GPUs: chip_hours)
+    memory, device, hours = ("memory", "GPU", "hours") if gpu else ("HBM", "chip", "TPU-hours")
     lines = [f"preflight: {report['config']} on {p['device_type']} ({p['parallel_mode']})"]
     for name, check in report["checks"].items():
         lines.append(f"  {check['status']:>7}  {name}: {check.get('detail', '')}")
@@ -103,7 +105,7 @@ def format_report(report: dict) -> str:
             f"{phase['step_time_s']:.2f} s/step, {phase['tokens_per_sec']:,.0f} tokens/s at MFU {p['assumed_mfu']}, "
             f"compile ~{phase['compile_s']:.0f} s a session ({compile_setting}), "
             f"{phase['tpu_hours']:.2f} {hours} with compiles"
-            + ("" if gpu else f" ({phase['chip_hours']:.1f} chip-hours)")
+            + (f" ({phase['chip_hours']:.2f} GPU-hours)" if gpu else f" ({phase['chip_hours']:.1f} chip-hours)")
         )
         for fix in phase.get("to_fit", [])[:3]:
             overrides = " ".join(f"{k}={v}" for k, v in fix["overrides"].items())
@@ -120,7 +122,8 @@ def format_report(report: dict) -> str:
             lines.append(f"      side by side: {phase['inputs']['adapters']} adapters in {phase['tpu_hours']:.2f} "
                          f"{hours}; one after another {apart['tpu_hours']:.2f} ({why}; the plan counts FLOPs, so "
                          "the base's weights read once for all adapters are not credited: see docs/several-tasks.md)")
-    lines.append(f"  total: {p['tpu_hours']:.2f} {hours} on {p['device_type']}; fits: {p['fits']}")
+    gpu_hours = f" ({p['chip_hours']:.2f} GPU-hours)" if gpu else ""
+    lines.append(f"  total: {p['tpu_hours']:.2f} {hours}{gpu_hours} on {p['device_type']}; fits: {p['fits']}")
     return "\n".join(lines)
 
 

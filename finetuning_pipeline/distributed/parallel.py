@@ -73,8 +73,8 @@ class Parallel:
 
 
 def mesh_shape(chips: int, data: int, fsdp: int) -> tuple[int, int]:
-    """(data, fsdp) for `chips` chips; one of them may be -1 (the rest). Raises ValueError
-    naming the config keys when the product is not the chip count."""
+    """(data, fsdp) for `chips` devices (a TPU's chips, or GPUs); one of them may be -1 (the rest).
+    Raises ValueError naming the config keys when the product is not the device count."""
     if data == -1 and fsdp == -1:
         raise ValueError("parallel.mesh: at most one of data and fsdp may be -1")
     if data == -1:
@@ -82,7 +82,7 @@ def mesh_shape(chips: int, data: int, fsdp: int) -> tuple[int, int]:
     if fsdp == -1:
         fsdp = chips // data if chips % data == 0 else -1
     if data < 1 or fsdp < 1 or data * fsdp != chips:
-        raise ValueError(f"parallel.mesh: data x fsdp must equal the {chips} chips of the mesh "
+        raise ValueError(f"parallel.mesh: data x fsdp must equal the {chips} devices of the mesh "
                          f"(got data={data}, fsdp={fsdp}); e.g. parallel.mesh.data=1 parallel.mesh.fsdp=-1")
     return data, fsdp
 

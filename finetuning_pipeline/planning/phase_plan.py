@@ -118,9 +118,10 @@ def measured_figures(config: RunConfig) -> dict | None:
 
 
 def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices: int | None = None,
-                model_config=None) -> PlanInputs:
-    """The plan's inputs from the config; `devices` (the slice's chips) resolves parallel.mesh,
-    `model_config` the loss chunk."""
+                model_config=None, devices_from: str | None = None) -> PlanInputs:
+    """The plan's inputs from the config; `devices` (the slice's chips, or the GPUs) resolves
+    parallel.mesh, `model_config` the loss chunk; `devices_from`: the keys that gave `devices`, for
+    a mesh that does not divide them (tpu.type's by default)."""
     fsdp_axis = config.parallel.mesh.fsdp
     loss_chunk, attention, attention_reason = 0, "dense", ""
     if model_config is not None:
@@ -136,7 +137,7 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
         try:
             fsdp_axis = mesh_shape(devices, config.parallel.mesh.data, config.parallel.mesh.fsdp)[1]
         except ValueError as err:
-            raise ConfigError(f"{err} (tpu.type={config.tpu.type})") from None
+            raise ConfigError(f"{err} ({devices_from or f'tpu.type={config.tpu.type}'})") from None
     # The chip's own figures when make tpu-check measured them on this generation, else the config's.
     measured = measured_figures(config) or {}
     return PlanInputs(mode=mode or config.parallel.mode, dtype=config.model.dtype, micro_batch=config.train.micro_batch,
@@ -199,7 +200,8 @@ def gpu_plan_inputs(config: RunConfig, phase: int, devices: int, model_config, s
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return dataclasses.replace(
-        plan_inputs(config, phase, devices=devices), loss_chunk=loss_chunk, attention=shape.attn_implementation,
+        plan_inputs(config, phase, devices=devices, devices_from=f"gpu.count={config.gpu.count}"),
+        loss_chunk=loss_chunk, attention=shape.attn_implementation,
         attention_reason=ATTENTION_ON_A_GPU.get(shape.attn_implementation, shape.attn_implementation),
         assumed_mfu=config.gpu.assumed_mfu, compile_s_fixed=config.gpu.compile_s, compile_s_per_layer=0.0,
         capture_step=True, scanned_layers=False)
@@ -209,14 +211,11 @@ def make_plan(config: RunConfig, model_config, gpu: bool = False) -> dict:
     """The plan of every phase plus the totals preflight.json promises at its top level: on
     tpu.type's TPU, or with `gpu` (the runtime's Backend.plans_gpu) on gpu.type's GPUs (gpu_plan.py)."""
     shape = ModelShape.from_config(model_config)
-    if gpu:
-        try:
-            machine = parse_gpu_type(config.gpu.type, config.gpu.count)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        memory = native_memory
-    else:
-        machine, memory = parse_tpu_type(config.tpu.type), tpu_memory
+    try:  # gpu.type is checked whichever is planned: a card it does not know is named, never passed over
+        gpus = parse_gpu_type(config.gpu.type, config.gpu.count)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    machine, memory = (gpus, native_memory) if gpu else (parse_tpu_type(config.tpu.type), tpu_memory)
     phases = {}
     for phase in phases_of(config):
         inputs = (gpu_plan_inputs(config, phase, machine.devices, model_config, shape) if gpu

@@ -173,6 +173,29 @@ def test_every_card_is_one_device_and_the_plan_names_a_card_it_does_not_know():
 MISTRAL_Q8 = phase_plan.SHIPPED_CONFIGS.parent / "configs" / "mistral7b_v5e1_q8.yaml"
 
 
+def test_a_card_preflight_does_not_know_is_named_whichever_runtime_is_planned(tmp_path, capsys):
+    """gpu.type=bogus under the XLA runtime's TPU plan too: one error line naming the key, exit 2,
+    not a v5e plan that passes over it."""
+    from trainer_helpers import run_preflight
+
+    for runtime in ("runtime.backend=xla", "runtime.backend=native"):
+        code, report = run_preflight(tmp_path, MISTRAL_Q8, runtime, "gpu.type=bogus")
+        err = capsys.readouterr().err
+        assert code == 2 and report == {}, runtime
+        assert err.count("error:") == 1 and "gpu.type 'bogus': expected one of" in err, (runtime, err)
+
+
+def test_a_mesh_that_does_not_divide_the_gpus_names_the_gpus(tmp_path, capsys):
+    """The GPU plan's mesh error speaks of the GPUs and gpu.count, not of chips and tpu.type."""
+    from trainer_helpers import run_preflight
+
+    code, _ = run_preflight(tmp_path, MISTRAL_Q8, "runtime.backend=native", "gpu.type=l4", "gpu.count=3",
+                            "parallel.mode=fsdp", "parallel.single_chip=false", "parallel.mesh.data=2")
+    err = capsys.readouterr().err
+    assert code == 2 and "data x fsdp must equal the 3 devices of the mesh" in err and "(gpu.count=3)" in err, err
+    assert "tpu.type" not in err and "chips" not in err
+
+
 def test_preflight_plans_the_native_runtimes_gpus_and_what_makes_a_plan_fit(tmp_path, capsys):
     from trainer_helpers import run_preflight
 
@@ -180,7 +203,13 @@ def test_preflight_plans_the_native_runtimes_gpus_and_what_makes_a_plan_fit(tmp_
                                  "model.activation_checkpointing=false", "gpu.type=l4", "gpu.count=2")
     printed = capsys.readouterr().out
     assert code == 1 and report["target"] == "gpu" and report["device_type"] == "l4 x2" and not report["fits"]
-    assert "memory" in printed and "GiB per GPU" in printed and "GPU-hours" in printed and "HBM" not in printed
+    assert "memory" in printed and "GiB per GPU" in printed and "HBM" not in printed
+    # GPU-hours are the GPUs times the hours (what a per-GPU-hour price bills), in the report and in preflight.json
+    assert report["chip_hours"] == pytest.approx(2 * report["tpu_hours"], abs=0.01)
+    assert (f"total: {report['tpu_hours']:.2f} hours ({report['chip_hours']:.2f} GPU-hours) on l4 x2; "
+            "fits: False") in printed
+    phase1 = report["phases"]["phase1"]
+    assert f"{phase1['tpu_hours']:.2f} hours with compiles ({phase1['chip_hours']:.2f} GPU-hours)" in printed
     phase = report["phases"]["phase1"]
     assert phase["inputs"]["attention"] == "sdpa" and phase["inputs"]["devices"] == 2
     assert report["hbm_capacity_gib"] == pytest.approx(24e9 / GIB, abs=0.01)
