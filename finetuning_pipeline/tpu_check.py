@@ -119,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="replace an earlier check's tpu_check.json and runs")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_intermixed_args(argv)  # key=value overrides before and after the flags
-    choose_device()  # on a TPU VM whose shell lacks PJRT_DEVICE, the TPU: a CPU check there would skip it
+    try:
+        choose_device()  # on a TPU VM whose shell lacks PJRT_DEVICE, the TPU: a CPU check there would skip it
+    except ConfigError as err:  # a PJRT_DEVICE the XLA runtime does not run on
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     device = os.environ["PJRT_DEVICE"].upper()
     host = pod_host(device)
     try:

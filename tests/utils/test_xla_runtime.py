@@ -30,6 +30,34 @@ def test_set_it_is_taken_as_it_is_without_a_word(monkeypatch):
     assert choose_device(said.append) == "CPU" and said == []
 
 
+@pytest.mark.parametrize("value", ["CUDA", "cpu", ""])
+def test_a_device_the_xla_runtime_does_not_run_on_is_named_with_what_to_set(monkeypatch, value):
+    """torch_xla's own word for these is a KeyError or a missing plugin in a replica's traceback."""
+    from finetuning_pipeline.errors import ConfigError
+
+    monkeypatch.setenv("PJRT_DEVICE", value)
+    with pytest.raises(ConfigError, match=rf"PJRT_DEVICE='{value}': the XLA runtime runs on PJRT_DEVICE=CPU or "
+                       "PJRT_DEVICE=TPU \\(upper case\\); on a GPU, unset PJRT_DEVICE"):
+        choose_device()
+
+
+@pytest.mark.parametrize("command", ["main", "tpu_check"])
+def test_a_command_on_a_bad_pjrt_device_says_one_line_and_exits_2(tmp_path, tiny_model_dir, data, command,
+                                                                   monkeypatch, capsys):
+    import importlib
+
+    from trainer_helpers import write_run_config
+
+    config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out")
+    monkeypatch.setenv("PJRT_DEVICE", "CUDA")
+    assert importlib.import_module(f"finetuning_pipeline.{command}").main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: PJRT_DEVICE='CUDA': the XLA runtime runs on PJRT_DEVICE=CPU or PJRT_DEVICE=TPU (upper case); on a GPU, "
+        "unset PJRT_DEVICE and train on the native runtime (runtime.backend=native)"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_torch_xla_never_guesses_and_warns_in_a_command(tmp_path):
     """A command run without PJRT_DEVICE: our one line, not torch_xla's WARNING."""
     env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}

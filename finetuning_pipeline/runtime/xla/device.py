@@ -7,7 +7,12 @@ import sys
 
 import torch
 
+from finetuning_pipeline.errors import ConfigError
 from utils.tpu_detect import tpu_chips
+
+# The PJRT devices this trainer's XLA runtime runs on: the TPU, and the CPU that rehearses it (a
+# GPU takes the native runtime). torch_xla reads the name as written: "cpu" has no plugin.
+XLA_DEVICES = ("CPU", "TPU")
 
 
 def init_xla_device() -> torch.device:
@@ -40,7 +45,7 @@ def choose_device(say=None) -> str:
     XLA_FLAGS gets that device kind's compiler defaults here too (with_compiler_defaults), for
     this process and its children: XLA reads them once, when its runtime starts, and a TPU
     launcher's worker starts the runtime (compile cache, topology) before its replicas reach
-    init_xla_device."""
+    init_xla_device. A PJRT_DEVICE the XLA runtime does not run on is a ConfigError."""
     if "PJRT_DEVICE" not in os.environ:
         chips = tpu_chips()
         os.environ["PJRT_DEVICE"] = "TPU" if chips else "CPU"
@@ -48,6 +53,10 @@ def choose_device(say=None) -> str:
         (say or (lambda line: print(line, file=sys.stderr, flush=True)))(
             f"device: {os.environ['PJRT_DEVICE']} (PJRT_DEVICE is not set and {found}; set PJRT_DEVICE=CPU or "
             "PJRT_DEVICE=TPU to choose)")
+    if os.environ["PJRT_DEVICE"] not in XLA_DEVICES:  # torch_xla's own word for it is a traceback in a replica
+        raise ConfigError(f"PJRT_DEVICE={os.environ['PJRT_DEVICE']!r}: the XLA runtime runs on PJRT_DEVICE=CPU or "
+                          "PJRT_DEVICE=TPU (upper case); on a GPU, unset PJRT_DEVICE and train on the native runtime "
+                          "(runtime.backend=native)")
     flags = with_compiler_defaults(os.environ.get("XLA_FLAGS", ""), os.environ["PJRT_DEVICE"])
     if flags:
         os.environ["XLA_FLAGS"] = flags
