@@ -473,9 +473,18 @@ def prepare(options: PrepareOptions) -> dict:
     return Preparation(options).run()
 
 
+def masking(value: str) -> int:
+    """--phase: 1 or 2, the masking (a curriculum's phase 3 trains on data prepared with either)."""
+    if value not in ("1", "2"):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: --phase is the masking, not the curriculum's phase: 1 trains every token (raw text), 2 the "
+            "answers only (chat, alpaca); a run's phase 3 (or any) takes data prepared with either")
+    return int(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m dataset.prepare",
+        prog="tpu-lora prepare",
         description="Validate, tokenize, mask and pack a dataset into fixed-shape int32 shards "
         "(train/ and eval/) with manifest.json and stats.json. Run once, on CPU, before training.",
         epilog="Exit status: 0 on success, 2 on bad input or options (the message names the file and line), "
@@ -487,7 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", help="tokenizer directory (usually the base model's)")
     parser.add_argument("--seq-len", dest="seq_len", type=int, help="tokens per packed block")
     parser.add_argument("--out", help="output directory")
-    parser.add_argument("--phase", type=int, choices=(1, 2), help="1: every token trained; 2: assistant tokens only")
+    parser.add_argument("--phase", type=masking, metavar="{1,2}",
+                        help="what the loss trains, not the curriculum's phase: 1 every token (raw text, continued "
+                        "pretraining), 2 the answers only (chat, alpaca); any phase of a run takes either")
     parser.add_argument("--eval-fraction", dest="eval_fraction", type=float, help="held-out share (default 0.05)")
     parser.add_argument("--skip-invalid", dest="skip_invalid", action="store_true", default=None,
                         help="skip and count bad records instead of stopping")

@@ -10,6 +10,8 @@ with that module's own arguments and `--help`; `python finetuning_pipeline/main.
     tpu-lora evaluate --model DIR --data DIR
     tpu-lora preflight --config run.yaml
     tpu-lora tpu-check --config run.yaml
+    tpu-lora help [COMMAND]                  (tpu-lora --help, tpu-lora COMMAND --help)
+    tpu-lora --version
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ COMMANDS = {
     "export": ("finetuning_pipeline.export", "a merged Hugging Face model, combined adapters, or GGUF"),
     "generate": ("finetuning_pipeline.generate", "generate from a model, with adapters"),
     "evaluate": ("finetuning_pipeline.evaluate", "the eval loss and perplexity of a model on prepared data"),
-    "preflight": ("finetuning_pipeline.preflight", "check a config and plan its TPU time, on this CPU"),
+    "preflight": ("finetuning_pipeline.preflight", "check a config and plan its TPU or GPU time, on this CPU"),
     "tpu-check": ("finetuning_pipeline.tpu_check", "the first command on a TPU VM: every TPU-only path"),
 }
 
@@ -32,15 +34,30 @@ COMMANDS = {
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
-    return ("usage: tpu-lora COMMAND [ARGS ...]   (tpu-lora COMMAND --help: its own arguments)\n\ncommands:\n"
-            + "\n".join(lines))
+    return ("usage: tpu-lora COMMAND [ARGS ...]   (tpu-lora COMMAND --help, or tpu-lora help COMMAND: its own "
+            "arguments; tpu-lora --version)\n\ncommands:\n" + "\n".join(lines))
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return f"tpu-lora {installed('tpu-lora')}"
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "tpu-lora (not installed: pip install -e .)"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
-    if not args or args[0] in ("-h", "--help"):
+    if not args or args[0] in ("-h", "--help") or args == ["help"]:
         print(usage())
         return 0
+    if args[0] in ("-V", "--version"):
+        print(version())
+        return 0
+    if args[0] == "help":  # `tpu-lora help train`: the command's own --help
+        args = [args[1], "--help"]
     if args[0] not in COMMANDS:
         print(f"tpu-lora: unknown command {args[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2

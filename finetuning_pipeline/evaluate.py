@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def evaluate(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="tpu-lora evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a Hugging Face model directory or a Hub id")
     parser.add_argument("--adapter", action="append", default=[],
                         help="adapter directory (repeat to stack, in order: a later phase's summary lists the "

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def export_command(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="tpu-lora export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="the base: a Hugging Face model directory or a Hub id")
     parser.add_argument(
         "--adapter", action="append", default=[],

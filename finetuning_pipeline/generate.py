@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def generate_command(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="tpu-lora generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True,
                         help="Hugging Face model directory or Hub id (base or merged), or a .gguf file (llama.cpp)")
     parser.add_argument("--adapter", action="append", default=[],

@@ -129,7 +129,7 @@ def format_report(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m finetuning_pipeline.preflight", description=__doc__.split("\n\n")[0],
+        prog="tpu-lora preflight", description=__doc__.split("\n\n")[0],
         epilog="Plan another slice or mode with overrides: tpu.type=v6e-8 parallel.mode=fsdp; GPUs under "
         "runtime.backend=native with gpu.type=h100-80gb gpu.count=8 (cards: planning/gpu_cards.py). "
         "Exit status: 0 all checks passed and the plan fits, 1 a check failed or it does not fit, 2 bad config.")

@@ -111,7 +111,7 @@ def load_and_claim(args: argparse.Namespace, host: PodHost, barrier: HostBarrier
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m finetuning_pipeline.tpu_check", description=__doc__.split("\n\n")[0],
+        prog="tpu-lora tpu-check", description=__doc__.split("\n\n")[0],
         epilog="On a pod, run the same command on every host at once (gcloud ... ssh --worker=all): host 0 writes "
                "tpu_check.json. Exit status: 0 every check passed or was skipped, 1 a check failed (or a host of "
                "the pod never came), 2 a bad config.")

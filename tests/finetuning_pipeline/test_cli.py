@@ -34,7 +34,28 @@ def test_each_subcommand_is_its_module_with_its_own_help(name, capsys):
         cli.main([name, "--help"])
     assert exit_.value.code == 0
     help_text = capsys.readouterr().out
-    assert help_text.startswith("usage: ") and OWN_ARGUMENT[name] in " ".join(help_text.split())
+    # each names itself as tpu-lora does (the python -m forms are the same commands)
+    assert help_text.startswith(f"usage: tpu-lora {name} ") and OWN_ARGUMENT[name] in " ".join(help_text.split())
+    with pytest.raises(SystemExit):  # `tpu-lora help NAME` is the same help
+        cli.main(["help", name])
+    assert capsys.readouterr().out == help_text
+
+
+def test_the_version_and_help_words(capsys):
+    from importlib.metadata import version
+
+    assert cli.main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"tpu-lora {version('tpu-lora')}"
+    assert cli.main(["help"]) == 0 and "tpu-lora help COMMAND" in capsys.readouterr().out
+    assert "plan its TPU or GPU time" in cli.usage()
+
+
+def test_prepares_phase_is_said_to_be_the_masking_not_the_curriculums(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["prepare", "--phase", "3"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--phase is the masking, not the curriculum's phase: 1 trains every token" in err
+    assert err.startswith("usage: tpu-lora prepare ")
 
 
 def test_no_command_prints_the_list_and_an_unknown_one_is_refused(capsys):
