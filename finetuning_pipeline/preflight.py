@@ -72,8 +72,9 @@ def check_data(config: RunConfig) -> dict:
     return {"status": "passed", "detail": f"tokenizer fingerprint and seq_len match for phases {phases}"}
 
 
-GPU_NOTE = ("runtime: native on gpu.type: the rehearsal ran it on this CPU; memory is the allocator's peak "
-            "with compiled layers (planning/gpu_plan.py); gpu.assumed_mfu and gpu.compile_s are assumptions")
+# (whether the rehearsal ran, and on which runtime, is its own line: --no-rehearsal skips it)
+GPU_NOTE = ("runtime: native on gpu.type: memory is the allocator's peak with compiled layers "
+            "(planning/gpu_plan.py); gpu.assumed_mfu and gpu.compile_s are assumptions")
 
 
 def format_report(report: dict) -> str:
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                           checks["data"]["status"] == "passed", phases=phases_of(config),
                           scan_layers=layers_scanned(config, model_config))
         checks["rehearsal"] = {"status": "passed" if result["passed"] else "failed",
-                               "detail": f"{result.get('architecture')}: {result.get('data')}; "
+                               "detail": f"the {config.runtime.backend} runtime on this CPU, "
+                               f"{result.get('architecture')}: {result.get('data')}; "
                                + ("train, checkpoint, bitwise resume, export: ok" if result["passed"]
                                   else f"failed at {result['failed_at']}: {result.get('detail', '')[-500:]}"),
                                **{k: v for k, v in result.items() if k not in ("passed",)}}

@@ -60,4 +60,6 @@ def test_rehearsal_of_a_native_run_takes_the_native_runtime_and_plans_its_gpus(
     run = yaml.safe_load((tmp_path / "out" / "preflight_rehearsal" / "rehearsal.yaml").read_text())
     assert run["runtime"]["backend"] == "native"
     assert report["target"] == "gpu" and report["device_type"] == "h100-80gb x1"  # gpu's defaults
-    assert "runtime: native on gpu.type: the rehearsal ran it on this CPU" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "runtime: native on gpu.type: memory is the allocator's peak" in printed
+    assert "passed  rehearsal: the native runtime on this CPU, " in printed

@@ -131,9 +131,8 @@ class NativeBackend:
 
     name = "native"
     device_environment = ("CUDA_VISIBLE_DEVICES",)
-    plan_note = ("runtime: native on TorchTPU (runtime.device=tpu): the rehearsal ran it on this CPU; the plan below "
-                 "is the XLA runtime's on a TPU (its compile and kernel figures are torch_xla's; TorchTPU's are "
-                 "unmeasured)")
+    plan_note = ("runtime: native on TorchTPU (runtime.device=tpu): the plan below is the XLA runtime's on a TPU "
+                 "(its compile and kernel figures are torch_xla's; TorchTPU's are unmeasured)")
     self_check = "native_check"  # checks/native_check.py: TorchTPU's device, compiled layers, precision
     checks_a_pod = False  # the check runs one process on one host
 

@@ -204,6 +204,8 @@ def test_preflight_plans_the_native_runtimes_gpus_and_what_makes_a_plan_fit(tmp_
     printed = capsys.readouterr().out
     assert code == 1 and report["target"] == "gpu" and report["device_type"] == "l4 x2" and not report["fits"]
     assert "memory" in printed and "GiB per GPU" in printed and "HBM" not in printed
+    # --no-rehearsal: said once, and no line says a rehearsal ran
+    assert "skipped  rehearsal: --no-rehearsal" in printed and "rehearsal ran" not in printed
     # GPU-hours are the GPUs times the hours (what a per-GPU-hour price bills), in the report and in preflight.json
     assert report["chip_hours"] == pytest.approx(2 * report["tpu_hours"], abs=0.01)
     assert (f"total: {report['tpu_hours']:.2f} hours ({report['chip_hours']:.2f} GPU-hours) on l4 x2; "
