@@ -19,15 +19,31 @@ from finetuning_pipeline.run_config.validate import validate
 from utils.yaml_file import read_yaml_mapping
 
 
+def _choice(value, choices: tuple, key: str):
+    """The choice `value` names: itself, a word in any case ("FULL" is full), or 0 and 1 where the
+    choices are false and true (as YAML's yes, on and true are). A boolean where none is a choice is
+    YAML's reading of on/off, yes/no or true/false, and said to be."""
+    for choice in choices:
+        if type(choice) is type(value) and choice == value:
+            return choice
+    if isinstance(value, str):
+        for choice in choices:
+            if isinstance(choice, str) and choice.lower() == value.strip().lower():
+                return choice
+    if type(value) is int and value in (0, 1) and any(isinstance(choice, bool) for choice in choices):
+        return bool(value)
+    names = [str(choice).lower() if isinstance(choice, bool) else str(choice) for choice in choices]
+    read_as = (" (YAML reads on/off, yes/no and true/false as booleans: write one of the words above)"
+               if isinstance(value, bool) else "")
+    raise ConfigError(f"{key} must be {', '.join(names[:-1])} or {names[-1]}, got {value!r}{read_as}")
+
+
 def _coerce(value, annotation, key: str):
     """Check `value` against a field's annotation; ints are accepted where floats are expected."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin is typing.Literal:  # every choice of every setting is checked here
-        if value not in args:
-            choices = [str(a) for a in args]
-            raise ConfigError(f"{key} must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")
-        return value
+        return _choice(value, args, key)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None

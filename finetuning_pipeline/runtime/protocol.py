@@ -29,10 +29,13 @@ from finetuning_pipeline.run_config import RunConfig
 @dataclass
 class Parallelized:
     """What `Runtime.parallelize` did to a phase's model: the names of the base's sharded tensors,
-    whether its decoder layers run as one loop, and a line for the log (attention, layers)."""
+    whether its decoder layers run as one loop, whether each was compiled on its own (torch.compile:
+    the native runtime's runtime.compile=layers; XLA compiles the whole step either way), and a
+    line for the log (attention, layers)."""
 
     sharded: list[str] = field(default_factory=list)
     scanned_layers: bool = False
+    compiled_layers: bool = False
     description: str = ""
 
 

@@ -152,6 +152,8 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
         "parallel": {**p.parallel.describe(), "sharded_base_parameters": len(p.parallelized.sharded)},
         "attention": p.model.config._attn_implementation,
         "scanned_layers": p.parallelized.scanned_layers,
+        "compiled_layers": p.parallelized.compiled_layers,  # each by torch.compile (native runtime.compile)
+        "activation_checkpointing": p.activation_checkpointing,  # null, "full" or "selective"
         "quantized_base": p.quantized_base,
         "seq_len": p.data.seq_len,
         "global_batch": p.data.batches_per_step,

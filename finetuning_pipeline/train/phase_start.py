@@ -117,6 +117,7 @@ class Phase:
     accepted_changes: dict  # settings changed at a resume with --accept-changes: {key: [saved, now]}
     adapters: dict[str, int]  # adapters side by side, in their rows' order -> their max_steps ({}: one adapter)
     quantized_base: dict | None  # model.quantize's decoder Linears (quantized_base.quantized_summary), or None
+    activation_checkpointing: str | None  # the mode its decoder layers were checkpointed in (full, selective), or None
 
     def evaluate(self) -> dict:
         """The eval loss; side by side, each adapter's on its own data (alone on every row), and
@@ -213,7 +214,8 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
                                                      [layout.adapter(n) for n in merged], config.model.path,
                                                      config.model.revision), config.model.quantize, config.model.dtype),
               accepted_changes={**state.get("accepted_changes", {}), **(accepted_changes or {})},
-              adapters={name: config.adapter_max_steps(phase, name) for name in adapters}, quantized_base=quantized)
+              adapters={name: config.adapter_max_steps(phase, name) for name in adapters}, quantized_base=quantized,
+              activation_checkpointing=checkpointing_mode(config.model.activation_checkpointing))
     if p.eval_before is None:
         p.eval_before = p.evaluate()
         p.logger.log_eval(0, p.eval_before)

@@ -97,6 +97,9 @@ def test_a_quantized_base_trains_as_its_dequantized_weights_do(name, tiny_model_
     assert summary["quantized_base"]["format"] == fmt and summary["quantized_base"]["linears"] == 14
     assert summary["quantized_base"]["weight_bytes"] <= 0.55 * summary["quantized_base"]["bf16_bytes"]
     assert summary["resume_keys"]["model.quantize"] == fmt
+    # the checkpointing mode it ran in (true is full's alias)
+    assert summary["activation_checkpointing"] == ("full" if VARIANTS[name][1].get("model", {}).get(
+        "activation_checkpointing") else None)
     assert json.loads((ref / "phase1" / "summary.json").read_text())["quantized_base"] is None
     # lineage.json records the dtype the base was quantized from (#54.3), which tells whether the
     # base's GGUF in the same format holds the blocks the adapter trained on.

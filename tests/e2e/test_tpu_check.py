@@ -177,4 +177,6 @@ def test_the_native_runtimes_check_runs_what_a_cpu_can_and_says_what_needs_a_tpu
     runs = tmp_path / "out" / "tpu_check" / "runs"
     compiled = json.loads((runs / "compiled_layers" / "phase1" / "summary.json").read_text())
     assert compiled["runtime"] == "native" and compiled["compiles_total"] >= 1  # (layers compiled by inductor)
+    assert compiled["compiled_layers"] is True  # the summary says how its layers ran
+    assert json.loads((runs / "as_configured" / "phase1" / "summary.json").read_text())["compiled_layers"] is False
     assert report["ok"] is True and report["runtime"] == "native"

@@ -71,6 +71,8 @@ def test_eval_loss_drops_and_no_step_compiles_or_syncs_after_warmup(finished_run
         # Two graphs a phase: one training step, one eval batch (phase 2's differ from phase
         # 1's: packed conversations get a block-diagonal mask, the text stream a causal one).
         assert summary["compiles_total"] == 2
+        # how its layers ran: no checkpoint, no per-layer compile (XLA compiles the whole step)
+        assert summary["activation_checkpointing"] is None and summary["compiled_layers"] is False
         assert summary["tokens"] == 12 * 2 * 5 * 64
         assert summary["tokens_per_sec"] > 0
         for key in ("train_loss_first", "train_loss_last", "wall_time_s", "compiles_total", "data_wait_fraction"):

@@ -77,7 +77,7 @@ class NativeRuntime:
         if parallel.mode == "fsdp" and parallel.world == 1:
             notes.append("parallel.mode=fsdp in one process shards nothing: FSDP2 shards over torchrun's processes "
                          "(torchrun --nproc-per-node N); this run holds the whole base, as dp's one process does")
-        return Parallelized(sharded, description="; ".join(notes))
+        return Parallelized(sharded, compiled_layers=self.compile_layers, description="; ".join(notes))
 
     def step_execution(self, model, optimizer, **settings) -> NativeStepExecution:
         return NativeStepExecution(model, optimizer, **settings)

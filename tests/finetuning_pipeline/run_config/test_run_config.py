@@ -27,6 +27,20 @@ def test_demo_config_loads_and_overrides_apply():
     assert config.phase(1).data == "outputs/demo/data/phase1"  # data paths do not follow output_dir
 
 
+def test_a_choice_is_its_word_in_any_case_and_0_or_1_where_false_and_true_are_choices():
+    """activation_checkpointing took YAML's yes, on and 1 but refused FULL; each now reads as the
+    choice it names, written back as that choice."""
+    config = load_config(DEMO, ["model.activation_checkpointing=FULL", "model.dtype=Float32",
+                                "runtime.backend=Native", "runtime.compile=EAGER"])
+    assert (config.model.activation_checkpointing, config.model.dtype) == ("full", "float32")
+    assert (config.runtime.backend, config.runtime.compile) == ("native", "eager")
+    for written, read in (("1", True), ("0", False), ("on", True), ("Selective", "selective")):
+        checkpointing = load_config(DEMO, [f"model.activation_checkpointing={written}"]).model.activation_checkpointing
+        assert checkpointing is read if isinstance(read, bool) else checkpointing == read, written
+    with pytest.raises(ConfigError, match="train.micro_batch: expected int, got True"):
+        load_config(DEMO, ["train.micro_batch=yes"])  # a number is not a choice: unchanged
+
+
 def test_overrides_go_before_and_after_the_flags():
     """`--config c.yaml output_dir=X --phase 1 train.max_steps=1`: every key=value is an override,
     before and after the flags (not argparse's "unrecognized arguments: train.max_steps=1")."""
@@ -37,7 +51,7 @@ def test_overrides_go_before_and_after_the_flags():
 
 
 @pytest.mark.parametrize("overrides, source", [
-    (["model.quantize=Q8_0"], "override model.quantize=Q8_0: model.quantize must be none, q8_0"),
+    (["model.quantize=q9_0"], "override model.quantize=q9_0: model.quantize must be none, q8_0"),
     (["train.max_steps=5", "train.lr=-1"], "override train.lr=-1: train.lr must be > 0"),
     (["lora.r=0"], "override lora.r=0: lora.r must be a positive integer"),
     (["phase1.lr=-2"], "override phase1.lr=-2: phase1.lr must be > 0"),
@@ -115,6 +129,9 @@ def test_the_old_name_of_activation_checkpointing_still_works_and_says_the_new_o
         ("train.max_wall_time=8x", "train.max_wall_time: '8x' is not a duration"),
         ("train.loss_chunk_tokens=-1", "train.loss_chunk_tokens must be >= 0"),
         ("model.attention=sdpa", "model.attention must be auto, dense, splash or flash"),
+        # YAML reads off as false: said, with the words to write
+        ("runtime.compile=off", "runtime.compile must be auto, layers or eager, got False (YAML reads on/off, "
+         "yes/no and true/false as booleans: write one of the words above)"),
         ("parallel.mesh.data=0", "parallel.mesh.data must be a chip count >= 1"),
         ("parallel.mesh.data=-1", "at most one of data and fsdp may be -1"),
         # Values outside their domain once trained a worse model with exit 0: a NaN passes every

@@ -54,7 +54,7 @@ def test_the_default_runtime_is_auto_and_each_is_an_override():
     (["runtime.backend=jax"], r"runtime.backend must be"),
     (["runtime.backend=xla", "model.activation_checkpointing=selective"],
      r"model.activation_checkpointing=selective is PyTorch's selective checkpoint, the native runtime's"),
-    (["model.activation_checkpointing=some"], r"model.activation_checkpointing must be False, True, full or selective"),
+    (["model.activation_checkpointing=some"], r"model.activation_checkpointing must be false, true, full or selective"),
 ])
 def test_what_the_native_runtime_cannot_do_is_refused_by_its_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
