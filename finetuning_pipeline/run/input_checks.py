@@ -100,14 +100,16 @@ def check_inputs(config: RunConfig, phases: list[int], *, machine: TargetMachine
 def check_micro_batches(config: RunConfig, key: str, data: str, counts: dict) -> None:
     """A micro-batch (train.micro_batch, eval.micro_batch) is bounded by the data's size before its
     arrays are allocated on the host and the device: one larger than the phase's blocks would hold
-    every block several times over (and train.micro_batch=100000 asks for gigabytes a step)."""
-    blocks = counts["train"] + counts.get("eval", 0)
-    for setting, value in (("train.micro_batch", config.train.micro_batch),
-                           ("eval.micro_batch", config.eval.micro_batch)):
-        if value is not None and value > blocks:
+    every block several times over (and train.micro_batch=100000 asks for gigabytes a step). Each
+    is bounded by its own split's blocks: the training micro-batch by the training blocks (the eval
+    blocks are never trained on), the eval micro-batch by the eval blocks."""
+    for setting, value, split in (("train.micro_batch", config.train.micro_batch, "train"),
+                                  ("eval.micro_batch", config.eval.micro_batch, "eval")):
+        blocks = counts.get(split, 0)
+        if value is not None and blocks and value > blocks:
             raise ConfigError(f"{setting}={value}: more rows than {key} holds ({data}: {counts['train']} training "
-                              f"and {counts.get('eval', 0)} eval blocks); a micro-batch would repeat blocks. Choose "
-                              f"{setting} <= {blocks}, or prepare more data")
+                              f"and {counts.get('eval', 0)} eval blocks); a micro-batch would repeat its {split} "
+                              f"blocks. Choose {setting} <= {blocks}, or prepare more data")
 
 
 def phase_data(config: RunConfig, phases: list[int]) -> list[tuple[int, str, str]]:
