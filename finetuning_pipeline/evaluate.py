@@ -24,6 +24,7 @@ from dataset.manifest import is_packed, tokenizer_fingerprint
 from dataset.shards import open_split
 from finetuning_pipeline.errors import run_command
 from finetuning_pipeline.model.loading import DTYPES, check_new_tokens, context_length, load_model
+from finetuning_pipeline.runtime import XLA_INSTALL, torch_xla_installed
 from finetuning_pipeline.runtime.xla.device import choose_device, device_kind, init_xla_device, on_the_host_only
 from finetuning_pipeline.runtime.xla.runtime import XlaRuntime
 from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss
@@ -88,6 +89,9 @@ def evaluate(argv: list[str] | None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
     if args.device == "xla":
+        if not torch_xla_installed():
+            parser.error(f"--device xla: torch_xla is not installed in this environment; {XLA_INSTALL}, or evaluate "
+                         "on the host with --device cpu")
         choose_device()
         if device_kind() == "TPU" and args.dtype == "float64":
             parser.error("--dtype float64 is for the CPU's exact comparisons; a TPU does not compute in float64: "

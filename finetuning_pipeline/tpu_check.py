@@ -36,13 +36,14 @@ if __package__ in (None, ""):
 
 from finetuning_pipeline.checks import self_check_of
 from finetuning_pipeline.checks.device_check import format_report, write_report
-from finetuning_pipeline.checks.pod_hosts import HostBarrier, PodCheckError, PodHost, pod_host
+from finetuning_pipeline.checks.pod_hosts import ONE_HOST, HostBarrier, PodCheckError, PodHost, pod_host
 from finetuning_pipeline.planning.phase_plan import layers_scanned, load_architecture, seq_len_of
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import ConfigError, load_config
-from finetuning_pipeline.runtime import backend
-from finetuning_pipeline.runtime.xla.device import choose_device
+from finetuning_pipeline.runtime import backend, torch_xla_installed
+from finetuning_pipeline.runtime.xla.device import XLA_DEVICES, choose_device
 from utils.output_guard import OutputConflict, claim_output, mark_written_by
+from utils.tpu_detect import tpu_chips
 
 COMMAND = "finetuning_pipeline.tpu_check"
 
@@ -109,6 +110,20 @@ def load_and_claim(args: argparse.Namespace, host: PodHost, barrier: HostBarrier
     return config, runtime, model_config, seq_len, layout, scanned
 
 
+def check_device() -> str:
+    """CPU or TPU, the device the check's runs take: PJRT_DEVICE as set, or, unset, the TPU where
+    this machine's PCI bus has TPU chips (torch_xla's choice, said once by choose_device; in an
+    environment without torch_xla, the native runtime's, by the same rule and without PJRT's
+    advice). A PJRT_DEVICE of another device is a ConfigError."""
+    if torch_xla_installed():
+        return choose_device()  # on a TPU VM whose shell lacks PJRT_DEVICE, the TPU: a CPU check there would skip it
+    device = os.environ.get("PJRT_DEVICE") or ("TPU" if tpu_chips() else "CPU")
+    if device not in XLA_DEVICES:
+        raise ConfigError(f"PJRT_DEVICE={device!r}: the check runs on PJRT_DEVICE=CPU or PJRT_DEVICE=TPU (upper "
+                          "case), or, unset, on the TPU where one is attached")
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tpu-lora tpu-check", description=__doc__.split("\n\n")[0],
@@ -120,12 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_intermixed_args(argv)  # key=value overrides before and after the flags
     try:
-        choose_device()  # on a TPU VM whose shell lacks PJRT_DEVICE, the TPU: a CPU check there would skip it
-    except ConfigError as err:  # a PJRT_DEVICE the XLA runtime does not run on
+        device = check_device()
+    except ConfigError as err:  # a PJRT_DEVICE the check does not run on
         print(f"error: {err}", file=sys.stderr)
         return 2
-    device = os.environ["PJRT_DEVICE"].upper()
-    host = pod_host(device)
+    # (a pod's hosts are torch_xla's to read from the VM's metadata; without it, only the native
+    # runtime can be checked, on one host: its check has no pod rehearsal)
+    host = pod_host(device) if torch_xla_installed() else ONE_HOST
     try:
         barrier = HostBarrier(host)
         config, runtime, model_config, seq_len, layout, scanned = load_and_claim(args, host, barrier)

@@ -185,3 +185,27 @@ def test_the_resolved_backend_is_checked_as_if_it_had_been_named(machine, monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (the machine's GPU, without a device started)
     assert choice_line(chosen, config) == ("runtime: native on cuda (runtime.device=auto) (runtime.backend=auto, a "
                                            "GPU and no TPU here)")
+
+
+def test_the_commands_that_can_take_xla_say_in_one_line_where_torch_xla_is_not_installed(monkeypatch, capsys):
+    """evaluate --device xla, and tpu-check's device in the native environment: a line, not
+    ModuleNotFoundError, and no PJRT advice where PJRT is not there (tpu_check reads the chips as
+    torch_xla would, and a pod's hosts are not asked of torch_xla)."""
+    from finetuning_pipeline import evaluate, tpu_check
+
+    monkeypatch.setattr(evaluate, "torch_xla_installed", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.main(["--model", "M", "--data", "D", "--device", "xla"])
+    assert exit_.value.code == 2
+    assert ("--device xla: torch_xla is not installed in this environment; pip install -e '.[xla]' (torch 2.9.0 + "
+            "torch_xla 2.9.0), or evaluate on the host with --device cpu") in capsys.readouterr().err
+    monkeypatch.setattr(tpu_check, "torch_xla_installed", lambda: False)
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    for chips, device in ((0, "CPU"), (4, "TPU")):
+        monkeypatch.setattr(tpu_check, "tpu_chips", lambda chips=chips: chips)
+        assert tpu_check.check_device() == device and capsys.readouterr().err == ""
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    assert tpu_check.check_device() == "CPU"
+    monkeypatch.setenv("PJRT_DEVICE", "cuda")
+    with pytest.raises(ConfigError, match="PJRT_DEVICE='cuda': the check runs on PJRT_DEVICE=CPU or PJRT_DEVICE=TPU"):
+        tpu_check.check_device()
