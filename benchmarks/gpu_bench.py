@@ -295,6 +295,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be more than the {WARMUP_STEPS} warm-up steps")
+    if args.device == "cuda" and not args.measure:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA GPU here; --device cpu runs the same measurements on this CPU "
+                         "(the figures are a GPU's to give)")
     if args.measure:  # a child process: one measurement, printed as JSON
         print(json.dumps(MEASURES[args.measure](args.shape, args.device, args.batch, args.seq_len, args.steps,
                                                 args.compile, args.profile, args.quantize, args.checkpointing)))
@@ -335,7 +341,14 @@ def table(args: argparse.Namespace) -> dict:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     tokens = args.batch * args.seq_len
     floor = in_subprocess("frozen", args)
-    rows = []
+    rows, skipped = [], {}
+    section = f"{args.shape}_{args.device}_table"
+
+    def result(complete: bool) -> dict:
+        return {"device": device_name, "torch": torch.__version__, "shape": args.shape, "steps": args.steps,
+                "compile": args.compile, "dtype": DTYPES[args.device], "rank": RANK, "targets": TARGETS,
+                "frozen": {**floor, "tokens_per_sec": round(tokens / floor["step_time_s"], 1)}, "rows": rows,
+                "skipped": skipped, "complete": complete}
 
     def row(kind: str, run_args: argparse.Namespace, quantize: str, checkpointing: str) -> None:
         figures = in_subprocess(kind, run_args, quantize, checkpointing)
@@ -348,26 +361,34 @@ def table(args: argparse.Namespace) -> dict:
                      "tokens_per_sec": round(run_args.batch * run_args.seq_len / figures["step_time_s"], 1),
                      "step_vs_frozen": round(figures["step_time_s"] / floor["step_time_s"], 3)
                      if run_args is args else None})
+        update_results(Path(args.out), section, result(complete=False))  # each row kept as it is measured
+
+    def peer_row(quantize: str) -> None:
+        """The peer's row, or why not: a failed peer (peft missing, say) loses none of ours."""
+        try:
+            row("peer", args, quantize, "full")
+        except SystemExit as err:
+            skipped[f"peer_{quantize}"] = str(err)[-1500:]
 
     for quantize in TABLE_QUANTIZE:
         for checkpointing in CHECKPOINTING:
             row("ours", args, quantize, checkpointing)
     long_context = argparse.Namespace(**{**vars(args), "batch": 1, "seq_len": args.long_context})
     row("ours", long_context, "nf4", "full")
-    skipped = {}
-    if not args.no_peer:
-        row("peer", args, "none", "full")
+    if args.no_peer:
+        skipped["peer"] = "--no-peer"
+    elif not importlib.util.find_spec("peft"):
+        skipped["peer"] = "peft is not installed here (pip install peft, or --no-peer)"
+    else:
+        peer_row("none")
         if args.device == "cuda" and importlib.util.find_spec("bitsandbytes"):
-            row("peer", args, "nf4", "full")
+            peer_row("nf4")
         else:
             skipped["qlora_peer"] = "bitsandbytes needs a GPU and its wheel (not installed here)"
-    result = {"device": device_name, "torch": torch.__version__, "shape": args.shape, "steps": args.steps,
-              "compile": args.compile, "dtype": DTYPES[args.device], "rank": RANK, "targets": TARGETS,
-              "frozen": {**floor, "tokens_per_sec": round(tokens / floor["step_time_s"], 1)}, "rows": rows,
-              "skipped": skipped}
-    update_results(Path(args.out), f"{args.shape}_{args.device}_table", result)
-    print(json.dumps(result, indent=1))
-    return result
+    complete = result(complete=True)
+    update_results(Path(args.out), section, complete)
+    print(json.dumps(complete, indent=1))
+    return complete
 
 
 if __name__ == "__main__":

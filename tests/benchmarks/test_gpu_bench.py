@@ -40,7 +40,7 @@ def test_the_memory_table_runs_every_base_and_checkpointing_row_on_a_cpu(tmp_pat
     out = tmp_path / "gpu_bench.json"
     result = gpu_bench.main(["--shape", "tiny", "--device", "cpu", "--batch", "2", "--seq-len", "64", "--steps", "3",
                              "--compile", "eager", "--table", "--long-context", "256", "--out", str(out)])
-    assert json.loads(out.read_text())["tiny_cpu_table"] == result
+    assert json.loads(out.read_text())["tiny_cpu_table"] == result and result["complete"] is True
     ours = [(r["quantize"], r["checkpointing"], r["seq_len"]) for r in result["rows"] if r["who"] == "ours"]
     assert ours == [(q, c, 64) for q in ("none", "q8_0", "nf4") for c in ("off", "full", "selective")] + [
         ("nf4", "full", 256)]
@@ -54,3 +54,34 @@ def test_the_memory_table_runs_every_base_and_checkpointing_row_on_a_cpu(tmp_pat
         # ours' rows carry preflight's planned peak (a CPU's allocator reports none to hold it to)
         planned = row["planned_peak_bytes"]
         assert (planned > 0 if row["who"] == "ours" else planned is None) and row["peak_vs_planned"] is None
+
+
+def test_a_failed_peer_loses_none_of_ours_rows_and_each_row_is_kept_as_measured(tmp_path, monkeypatch):
+    """The table's peer (HF Trainer + PEFT) failing, peft missing say, once lost 12 minutes of our
+    rows: the rows are written as each is measured, and the peer's failure is a skipped line."""
+    out = tmp_path / "gpu_bench.json"
+    seen = []
+
+    def measured(kind, args, quantize="none", checkpointing="off"):
+        if kind == "peer":
+            raise SystemExit("peer failed:\nModuleNotFoundError: No module named 'peft'")
+        if kind == "ours":  # the rows measured before this one are on disk already
+            seen.append(len(json.loads(out.read_text())["tiny_cpu_table"]["rows"]) if out.exists() else 0)
+        return {"step_time_s": 0.5, "peak_memory_bytes": None, "last_loss": 1.0}
+
+    monkeypatch.setattr(gpu_bench, "in_subprocess", measured)
+    result = gpu_bench.main(["--shape", "tiny", "--device", "cpu", "--batch", "2", "--seq-len", "64", "--steps", "3",
+                             "--compile", "eager", "--table", "--long-context", "256", "--out", str(out)])
+    assert seen == list(range(10)) and len(result["rows"]) == 10 and result["complete"] is True
+    assert "No module named 'peft'" in result["skipped"]["peer_none"]
+    assert json.loads(out.read_text())["tiny_cpu_table"] == result
+
+
+def test_a_gpu_benchmark_on_a_machine_without_one_says_so(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    with pytest.raises(SystemExit) as exit_:
+        gpu_bench.main(["--shape", "tiny"])  # --device cuda, the default
+    assert exit_.value.code == 2 and "--device cuda: no CUDA GPU here; --device cpu" in capsys.readouterr().err
