@@ -121,7 +121,18 @@ def native_weight_bytes(shape: ModelShape, inputs: PlanInputs, devices: int) -> 
 def native_mode_advice(shape: ModelShape, gpus, inputs: PlanInputs) -> str:
     """Which parallel mode to choose for this model on these GPUs, and why."""
     whole = plan(shape, gpus, dataclasses.replace(inputs, mode="dp"), native_memory)
-    if not whole["fits"]:
+    if whole["fits"]:
+        return "the model fits one GPU: parallel.mode=dp (DDP under torchrun, one process per GPU)"
+    if gpus.devices == 1:
+        return ("the model with its activations does not fit one GPU, and fsdp needs several to shard over "
+                "(to fit: above)")
+    if inputs.mode != "fsdp":
         return ("the model with its activations does not fit one GPU: parallel.mode=fsdp (FSDP2 under torchrun) "
                 "shards the frozen base over the GPUs")
-    return "the model fits one GPU: parallel.mode=dp (DDP under torchrun, one process per GPU)"
+    sharded = plan(shape, gpus, inputs, native_memory)
+    if sharded["fits"]:
+        return f"the model does not fit one GPU: parallel.mode=fsdp shards the frozen base over the {gpus.devices} GPUs"
+    held = sharded["hbm_breakdown_gib"]
+    return (f"parallel.mode=fsdp already shards the frozen base over the {gpus.devices} GPUs (weights "
+            f"{held['weights']} GiB a GPU); what does not fit is the rest (activations {held['activations']}, "
+            f"logits {held['logits']} GiB): to fit, above")

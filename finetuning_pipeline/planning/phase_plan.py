@@ -250,7 +250,8 @@ def make_plan(config: RunConfig, model_config, gpu: bool = False) -> dict:
         "step_time_s": first["step_time_s"],
         "tokens_per_sec": first["tokens_per_sec"],
         "tpu_hours": round(sum(p["tpu_hours"] for p in phases.values()), 3),
-        "chip_hours": round(sum(p["chip_hours"] for p in phases.values()), 2),
+        # (the phases' hours times the devices, not the sum of each phase's rounded figure)
+        "chip_hours": round(sum(p["tpu_hours"] for p in phases.values()) * machine.chips, 2),
         "assumed_mfu": first["inputs"]["assumed_mfu"],
         "chip_figures": None if gpu else measured_figures(config),  # None: the config's assumed figures
         "max_wall_time": config.train.max_wall_time,

@@ -325,14 +325,30 @@ def weight_bytes(shape: ModelShape, inputs: PlanInputs, devices: int, linear_byt
 def suggestions(shape: ModelShape, tpu: Slice, inputs: PlanInputs, memory=tpu_memory) -> list[dict]:
     """Changes that make a plan that does not fit fit, each as config overrides, cheapest first:
     the same run sharded, with checkpointing, with smaller micro-batches (grad_accum raised
-    to keep the global batch), and combinations; and the base quantized (8 bits, else 4)."""
+    to keep the global batch), and combinations; and the base quantized (8 bits, else 4), alone
+    or with those."""
+    candidates = fitting_changes(shape, tpu, inputs, memory)
+    # The base stored in fewer bits than now: 8 if that is enough, else 4 (q4_0 and nf4: one size).
+    for fmt in {"none": ("q8_0", "q4_0"), "q8_0": ("q4_0",)}.get(inputs.quantize, ()):
+        quantized = fitting_changes(shape, tpu, dataclasses.replace(inputs, quantize=fmt), memory,
+                                    {"model.quantize": fmt})
+        if quantized:
+            candidates += quantized
+            break
+    return sorted(candidates, key=lambda c: (len(c["overrides"]), c["step_time_s"]))
+
+
+def fitting_changes(shape: ModelShape, tpu: Slice, inputs: PlanInputs, memory, base_change: dict | None = None
+                    ) -> list[dict]:
+    """suggestions' changes of mode, checkpointing and micro-batch (the largest that fits under
+    each), each on top of `base_change` (the change that made `inputs`; alone where it fits)."""
     candidates = []
     modes = [inputs.mode] + (["fsdp"] if inputs.mode == "dp" and tpu.devices > 1 else [])  # (one device: no shard)
     for mode in modes:
         for checkpointing in dict.fromkeys([inputs.checkpointing, inputs.checkpointing or True]):
             micro = inputs.micro_batch
             while micro >= 1:
-                change = {}
+                change = dict(base_change or {})
                 if mode != inputs.mode:
                     change["parallel.mode"] = mode
                 if checkpointing != inputs.checkpointing:
@@ -352,14 +368,7 @@ def suggestions(shape: ModelShape, tpu: Slice, inputs: PlanInputs, memory=tpu_me
                                            "step_time_s": result["step_time_s"]})
                         break  # the largest micro-batch that fits under these settings
                 micro //= 2
-    # The base stored in fewer bits than now: 8 if that is enough, else 4 (q4_0 and nf4: one size).
-    for fmt in {"none": ("q8_0", "q4_0"), "q8_0": ("q4_0",)}.get(inputs.quantize, ()):
-        result = plan(shape, tpu, dataclasses.replace(inputs, quantize=fmt), memory)
-        if result["fits"]:
-            candidates.append({"overrides": {"model.quantize": fmt}, "hbm_per_chip_gib": result["hbm_per_chip_gib"],
-                               "step_time_s": result["step_time_s"]})
-            break
-    return sorted(candidates, key=lambda c: (len(c["overrides"]), c["step_time_s"]))
+    return candidates
 
 
 def mode_advice(shape: ModelShape, tpu: Slice, inputs: PlanInputs, memory=tpu_memory) -> str:

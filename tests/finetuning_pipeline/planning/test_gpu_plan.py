@@ -255,3 +255,27 @@ def test_adapters_side_by_side_hold_their_rows_and_optimizers_and_the_base_once(
     two = native_memory(shape, inputs(micro_batch=4, adapters=2, loss_chunk=0), 1)
     assert two["weights"] == alone["weights"] and two["lora_and_optimizer"] == 2 * alone["lora_and_optimizer"]
     assert (two["activations"], two["logits"]) == (rows_of_two["activations"], rows_of_two["logits"])
+
+
+def test_the_advice_combines_a_quantized_base_with_other_changes_and_never_suggests_the_mode_in_use(tmp_path):
+    """Gemma-2-9B on one L4 fits only with its base quantized and its layers checkpointed: that
+    pair is suggested (the suggestions once never combined them); a run already fsdp over 4 GPUs
+    whose activations overflow is not told to take fsdp, nor one GPU to shard over itself."""
+    from trainer_helpers import run_preflight
+
+    gemma_on_one_l4 = ["runtime.backend=native", "gpu.type=l4", "model.path=google/gemma-2-9b", "model.quantize=none",
+                       "model.activation_checkpointing=false"]
+    _, one = run_preflight(tmp_path, MISTRAL_Q8, *gemma_on_one_l4)
+    phase = one["phases"]["phase1"]
+    assert not one["fits"] and {"model.quantize": "q8_0", "model.activation_checkpointing": True} in [
+        fix["overrides"] for fix in phase["to_fit"]]
+    assert all(fix["hbm_per_chip_gib"] <= one["hbm_capacity_gib"] for fix in phase["to_fit"])
+    assert "fsdp needs several to shard over" in phase["parallel_advice"]
+    _, four = run_preflight(tmp_path, MISTRAL_Q8, "runtime.backend=native", "gpu.type=l4", "gpu.count=4",
+                            "parallel.mode=fsdp", "parallel.single_chip=false", "train.micro_batch=64",
+                            "model.quantize=none")
+    advice = four["phases"]["phase1"]["parallel_advice"]
+    assert not four["fits"] and advice.startswith("parallel.mode=fsdp already shards the frozen base over the 4 GPUs")
+    assert "what does not fit is the rest (activations" in advice
+    # the total GPU-hours: the phases' hours times the GPUs
+    assert four["chip_hours"] == pytest.approx(4 * four["tpu_hours"], abs=0.01)
