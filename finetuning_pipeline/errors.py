@@ -104,6 +104,10 @@ def run_command(main, *args, own_stop_signals: bool = False) -> int:
         return 3
 
 
+# How a replica's error that only follows from the master's ends (the master's names the cause):
+# where the master's own line is there, main.py's torchrun agent says that one alone.
+SEE_THE_MASTERS = "(see the master's error)"
+
 # Set by main.py for the processes of the torchrun agent it runs itself (distributed/torchrun_agent.py).
 ERRORS_TO_AGENT = "TPU_LORA_ERRORS_TO_AGENT"
 

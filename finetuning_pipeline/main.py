@@ -55,7 +55,7 @@ from finetuning_pipeline.distributed.collectives import launch_rank, torchrun_wo
 from finetuning_pipeline.distributed.host_agreement import check_hosts_agree
 from finetuning_pipeline.distributed.resume_command import BECAME_TORCHRUN, resume_command
 from finetuning_pipeline.distributed.torchrun_agent import run_torchrun_agent
-from finetuning_pipeline.errors import ConfigError, OutputWriteError, run_command
+from finetuning_pipeline.errors import SEE_THE_MASTERS, ConfigError, OutputWriteError, run_command
 from finetuning_pipeline.monitor.console import summary_lines
 from finetuning_pipeline.monitor.metrics_log import plot_losses
 from finetuning_pipeline.run.checkpointing import complete_checkpoints
@@ -118,7 +118,7 @@ def output_dir_lock(layout: RunLayout, parallel):
         except ConfigError as err:
             error = err
     if not parallel.collectives.all(error is None):
-        raise error or ConfigError(f"output_dir: {layout.root} is in use by another run (see the master's error)")
+        raise error or ConfigError(f"output_dir: {layout.root} is in use by another run {SEE_THE_MASTERS}")
     try:
         yield
     finally:

@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 
 from finetuning_pipeline.distributed.resume_command import BECAME_TORCHRUN
-from finetuning_pipeline.errors import ERRORS_TO_AGENT, RunError
+from finetuning_pipeline.errors import ERRORS_TO_AGENT, SEE_THE_MASTERS, RunError
 
 # What a closed terminal sends (SIGHUP) reaches the processes as a stop: they checkpoint and exit.
 PASSED_ON = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
@@ -89,7 +89,9 @@ def report_failures(failures: dict, processes: int) -> int:
             statuses.append(failure.exitcode)
         if line not in said:
             said.append(line)
-            print(line, file=sys.stderr, flush=True)
+    causes = [line for line in said if SEE_THE_MASTERS not in line]  # the master's, where its peers only followed
+    for line in causes or said:
+        print(line, file=sys.stderr, flush=True)
     return statuses[0] if statuses else 0
 
 

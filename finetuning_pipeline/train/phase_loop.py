@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetuning_pipeline.distributed.parallel import Parallel
-from finetuning_pipeline.errors import OutputWriteError
+from finetuning_pipeline.errors import SEE_THE_MASTERS, OutputWriteError
 from finetuning_pipeline.model.lineage import write_lineage
 from finetuning_pipeline.monitor.divergence import DivergenceMonitor
 from finetuning_pipeline.monitor.metrics_log import StepLogger
@@ -108,7 +108,7 @@ def finish_phase(p: Phase, step: int, last_loss) -> PhaseResult:
     if not p.parallel.collectives.all(error is None):
         if error is not None:
             raise error
-        raise OutputWriteError(f"the master could not write phase {p.number}'s adapter or summary (see its error); "
+        raise OutputWriteError(f"the master could not write phase {p.number}'s adapter or summary {SEE_THE_MASTERS}; "
                                "fix the disk and rerun with --resume auto")
     return PhaseResult(p.number, summary=summary)
 

@@ -30,6 +30,18 @@ def test_the_same_refusal_of_every_process_is_one_line_with_its_exit_status(tmp_
     assert capsys.readouterr().err.splitlines() == [line]
 
 
+def test_a_line_that_only_follows_from_the_masters_is_left_to_it(tmp_path, capsys):
+    """A busy output_dir: the master names the run that holds it, its peer only that it followed;
+    one line, the master's (docs/reliability.md promises one error line)."""
+    masters = ("error: output_dir: /out is in use by another run (pid 7 on host vm, started 2026-11-29T12:10:56); "
+               "wait for it to finish, stop it, or choose another output_dir")
+    follows = "error: output_dir: /out is in use by another run (see the master's error)"
+    assert report_failures({0: failure(tmp_path, 0, 2, masters), 1: failure(tmp_path, 1, 2, follows)}, 2) == 2
+    assert capsys.readouterr().err.splitlines() == [masters]
+    assert report_failures({1: failure(tmp_path, 1, 2, follows)}, 2) == 2  # (alone: said as it is)
+    assert capsys.readouterr().err.splitlines() == [follows]
+
+
 def test_a_killed_process_is_named_and_the_first_failure_gives_the_status(tmp_path, capsys):
     lost = "error: replica 0: another replica stopped answering (Connection closed by peer)"
     killed = ("error: process 1 of 2 was killed by SIGKILL; the run resumes from its last complete checkpoint with "
