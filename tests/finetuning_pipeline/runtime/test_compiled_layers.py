@@ -130,3 +130,28 @@ def test_a_compiled_checkpoint_keeps_less_for_the_backward_full_least():
         loss.backward()
         saved[checkpointing] = sum(kept)
     assert saved["full"] < saved["selective"] < saved[None] / 2, saved
+
+
+def test_dynamos_warning_on_our_selective_checkpoint_is_dropped_as_proven_safe():
+    """Dynamo warns, for any selective checkpoint under torch.compile, that the region must hold
+    no in-place op; ours is proven equal to the unchecked layer above, so the warning a user can do
+    nothing about is dropped, and only it (its words read from this torch's own source)."""
+    import inspect
+    import logging
+
+    import torch._higher_order_ops.wrap as wrap
+
+    from finetuning_pipeline.model.activation_checkpointing import PROVEN_SAFE, enable_activation_checkpointing
+
+    assert PROVEN_SAFE.WARNING in inspect.getsource(wrap)
+    model = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2))
+    enable_activation_checkpointing(model, "selective")
+    logger = logging.getLogger(wrap.__name__)
+    assert PROVEN_SAFE in logger.filters
+
+    def record(message: str) -> logging.LogRecord:
+        return logger.makeRecord(logger.name, logging.WARNING, __file__, 1, message, None, None)
+
+    assert not logger.filter(record(f"\nDetected that {PROVEN_SAFE.WARNING}.\nPlease make sure ..."))
+    assert logger.filter(record("another warning of dynamo's"))
