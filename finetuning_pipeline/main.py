@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(argv: list[str] | None) -> int:
     started = time.time()  # a session budget (train.max_wall_time) counts from here
+    # The environment the runtime is chosen in: as the command started (the embedded default's
+    # preparation sets PJRT_DEVICE for its own imports; that is not the user's choice)
+    environ = dict(os.environ)
     launcher = os.getppid()  # (under torchrun, its agent: watched by each replica)
     args = parse_args(argv)
     check_process_count(args.nproc_per_node)
@@ -214,7 +217,7 @@ def train(argv: list[str] | None) -> int:
         resume_collector()  # (this process only waits on them)
         return run_torchrun_agent(["--standalone"], args.nproc_per_node, script, command)
     say = print if launch_rank() == 0 else (lambda *args, **kwargs: None)  # torchrun: said once
-    runtime = backend(config)
+    runtime = backend(config, environ)
     runtime.prepare_process(first_process=launch_rank() == 0)  # before transformers is imported
     say(choice_line(runtime, config), flush=True)
     phases = selected_phases(args.phase, config)

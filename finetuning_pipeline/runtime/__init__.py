@@ -29,8 +29,10 @@ from utils.tpu_detect import tpu_chips
 XLA_INSTALL = "pip install -e '.[xla]' (torch 2.9.0 + torch_xla 2.9.0)"
 
 
-def choose_backend(runtime: RuntimeConfig) -> tuple[str, str]:
-    """runtime.backend -> ("xla" or "native", why), for this machine and environment."""
+def choose_backend(runtime: RuntimeConfig, environ=None) -> tuple[str, str]:
+    """runtime.backend -> ("xla" or "native", why), for this machine and `environ` (os.environ's
+    variables by default; main.py passes them as its command started, before it set any)."""
+    environ = os.environ if environ is None else environ
     setting = runtime.backend
     if setting == "native":  # (torch_xla is not looked for: a native process never touches it)
         return setting, "runtime.backend=native"
@@ -46,8 +48,8 @@ def choose_backend(runtime: RuntimeConfig) -> tuple[str, str]:
              if value != "auto"]
     if named:
         return "native", f"runtime.backend=auto and {' '.join(named)} is the native runtime's setting"
-    if "PJRT_DEVICE" in os.environ:
-        return "xla", f"runtime.backend=auto and PJRT_DEVICE={os.environ['PJRT_DEVICE']} is set"
+    if "PJRT_DEVICE" in environ:
+        return "xla", f"runtime.backend=auto and PJRT_DEVICE={environ['PJRT_DEVICE']} is set"
     chips = tpu_chips()
     if chips:
         return "xla", f"runtime.backend=auto and {chips} TPU chips are attached"
@@ -71,10 +73,11 @@ def gpu_present() -> bool:
     return torch.cuda.is_available()
 
 
-def backend(config: RunConfig):
+def backend(config: RunConfig, environ=None):
     """The Backend (protocol.py) of config.runtime.backend, resolved in place where it was auto and
-    checked for that runtime (validate_runtime); its `reason` says why it was chosen."""
-    name, why = choose_backend(config.runtime)
+    checked for that runtime (validate_runtime); its `reason` says why it was chosen (choose_backend:
+    `environ`, os.environ's by default)."""
+    name, why = choose_backend(config.runtime, environ)
     if config.runtime.backend != name:
         config.runtime.backend = name
         validate_runtime(config)

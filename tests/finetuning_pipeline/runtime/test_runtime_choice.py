@@ -209,3 +209,34 @@ def test_the_commands_that_can_take_xla_say_in_one_line_where_torch_xla_is_not_i
     monkeypatch.setenv("PJRT_DEVICE", "cuda")
     with pytest.raises(ConfigError, match="PJRT_DEVICE='cuda': the check runs on PJRT_DEVICE=CPU or PJRT_DEVICE=TPU"):
         tpu_check.check_device()
+
+
+def test_the_runtime_and_its_reason_are_of_the_environment_the_command_started_in(machine, monkeypatch):
+    """main.py without --config prepares the embedded default, which sets PJRT_DEVICE for its own
+    imports: the run's first line then said `PJRT_DEVICE=CPU is set`, which the user never set."""
+    import os
+    from pathlib import Path
+
+    from finetuning_pipeline import main
+    from finetuning_pipeline.runtime import choose_backend
+
+    runtime = load_config(DEMO).runtime
+    assert choose_backend(runtime, {}) == (
+        "xla", "runtime.backend=auto, no TPU or GPU here: XLA on the CPU, as a TPU would run")
+    assert choose_backend(runtime, {"PJRT_DEVICE": "CPU"})[1] == "runtime.backend=auto and PJRT_DEVICE=CPU is set"
+
+    class Chosen(Exception):
+        pass
+
+    def demo_config(given, overrides, phase="all"):
+        os.environ["PJRT_DEVICE"] = "CPU"  # what preparing the embedded default does (monkeypatch restores it)
+        return Path(DEMO), overrides
+
+    def backend(config, environ=None):
+        raise Chosen(choose_backend(config.runtime, environ))
+
+    monkeypatch.setattr(main, "choose_config", demo_config)
+    monkeypatch.setattr(main, "backend", backend)
+    with pytest.raises(Chosen) as chosen_:
+        main.train([])
+    assert chosen_.value.args[0][1] == "runtime.backend=auto, no TPU or GPU here: XLA on the CPU, as a TPU would run"
