@@ -43,7 +43,9 @@ def choose_backend(runtime: RuntimeConfig, environ=None) -> tuple[str, str]:
                               "or set runtime.backend=native (or auto)")
         return setting, "runtime.backend=xla"
     if not has_xla:
-        return "native", "runtime.backend=auto and torch_xla is not installed here"
+        unread = (f"; PJRT_DEVICE={environ['PJRT_DEVICE']} is torch_xla's and not read here (runtime.device picks "
+                  "the native runtime's device)" if "PJRT_DEVICE" in environ else "")
+        return "native", f"runtime.backend=auto and torch_xla is not installed here{unread}"
     named = [f"runtime.{key}={value}" for key, value in (("device", runtime.device), ("compile", runtime.compile))
              if value != "auto"]
     if named:

@@ -161,8 +161,10 @@ def test_without_torch_xla_auto_is_native_and_xla_is_refused_in_one_line(machine
     """The native environment (a GPU user's torch, TorchTPU's VM) has no torch_xla: auto is native
     there even where PJRT_DEVICE is set, and runtime.backend=xla says what to install."""
     machine["xla"] = False
-    monkeypatch.setenv("PJRT_DEVICE", "CPU")
     assert chosen() == ("native", "runtime.backend=auto and torch_xla is not installed here")
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")  # not quietly ignored: said to be torch_xla's
+    assert chosen() == ("native", "runtime.backend=auto and torch_xla is not installed here; PJRT_DEVICE=TPU is "
+                                  "torch_xla's and not read here (runtime.device picks the native runtime's device)")
     with pytest.raises(ConfigError, match=r"runtime.backend=xla: torch_xla is not installed in this environment; "
                                           r"pip install -e '.\[xla\]'"):
         chosen(["runtime.backend=xla"])
