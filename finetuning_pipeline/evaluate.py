@@ -25,6 +25,7 @@ from dataset.shards import open_split
 from finetuning_pipeline.errors import run_command
 from finetuning_pipeline.model.loading import DTYPES, check_new_tokens, context_length, load_model
 from finetuning_pipeline.runtime import XLA_INSTALL, torch_xla_installed
+from finetuning_pipeline.runtime.native.device import native_device
 from finetuning_pipeline.runtime.xla.device import choose_device, device_kind, init_xla_device, on_the_host_only
 from finetuning_pipeline.runtime.xla.runtime import XlaRuntime
 from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss
@@ -82,7 +83,10 @@ def evaluate(argv: list[str] | None) -> int:
         "--samples", type=non_negative_int, default=3, help="chat samples to generate (phase-2 data only)"
     )
     parser.add_argument("--max-new-tokens", type=positive_int, default=48)
-    parser.add_argument("--device", choices=("cpu", "xla"), default="cpu")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda", "tpu", "xla"), default="auto",
+                        help="where to evaluate, in training's runtime.device words: auto (a CUDA GPU where PyTorch "
+                        "sees one, else the CPU; the default), cpu, cuda, tpu (TorchTPU); or xla, torch_xla's "
+                        "device (PJRT_DEVICE)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="the dtype to evaluate in (default float32; bfloat16 as a TPU trains; float64 for "
                         "the CPU's exact comparisons with a model.dtype=float64 run)")
@@ -96,8 +100,10 @@ def evaluate(argv: list[str] | None) -> int:
         if device_kind() == "TPU" and args.dtype == "float64":
             parser.error("--dtype float64 is for the CPU's exact comparisons; a TPU does not compute in float64: "
                          "evaluate in bfloat16 or float32 there, or on the host with --device cpu")
+        device = None  # (started below, once the model is loaded)
     else:
         on_the_host_only()
+        device = native_device(args.device, key="--device")  # before anything loads: a missing one is one line
     args.model = resolve_model(args.model).local_dir
     model, _ = load_model(args.model, args.adapter, DTYPES[args.dtype])
     tokenizer = load_tokenizer(args.model, "--model")
@@ -111,8 +117,6 @@ def evaluate(argv: list[str] | None) -> int:
     if args.device == "xla":
         device, xla = init_xla_device(), XlaRuntime()
         on_device = {"to_device": xla.to_device, "boundary": xla.step_boundary}
-    else:
-        device = torch.device("cpu")
     model.to(device)
     result = evaluate_loss(
         model,
@@ -125,9 +129,9 @@ def evaluate(argv: list[str] | None) -> int:
         **on_device,
     )
     if manifest["phase"] == 2 and args.samples > 0:
-        result["samples"] = chat_samples(
-            model.to("cpu"), tokenizer, args.data, args.split, args.samples, args.max_new_tokens
-        )
+        result["samples"] = chat_samples(  # (on the host under XLA: a generation's every length is a graph)
+            model.to("cpu") if args.device == "xla" else model, tokenizer, args.data, args.split, args.samples,
+            args.max_new_tokens)
     if args.json:
         print(json.dumps(result, ensure_ascii=False, indent=2))
         return 0

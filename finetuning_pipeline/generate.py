@@ -9,7 +9,8 @@ utils/llama_cpp_install.sh), with the chat template the file carries: what llama
 LM Studio will answer.
 
 Chat models (a tokenizer with a chat template) get the prompt as a user turn; `--plain`
-continues the raw text instead. Greedy decoding by default; runs on the CPU.
+continues the raw text instead. Greedy decoding by default; on a CUDA GPU where PyTorch sees one,
+else the CPU (--device, in training's runtime.device words), in --dtype (float32 by default).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import Path
 import torch
 
 from finetuning_pipeline.errors import ModelLoadError, run_command
-from finetuning_pipeline.model.loading import check_new_tokens, context_length, load_model
+from finetuning_pipeline.model.loading import DTYPES, check_new_tokens, context_length, load_model
+from finetuning_pipeline.runtime.native.device import native_device
 from finetuning_pipeline.runtime.xla.device import on_the_host_only
 from utils.cli_types import non_negative_float, positive_int
 from utils.hub_models import resolve_model
@@ -29,10 +31,12 @@ from utils.tokenizer_loading import load_tokenizer
 
 
 def generate(model_dir: str, prompt: str, adapters: list[str] = (), max_new_tokens: int = 64,
-             plain: bool = False, temperature: float = 0.0, system: str | None = None) -> str:
+             plain: bool = False, temperature: float = 0.0, system: str | None = None,
+             device: torch.device | None = None, dtype: str = "float32") -> str:
+    """The model's answer to `prompt`, on `device` (default: the CPU) in `dtype`."""
     # Adapters merged: inference needs one matmul per layer instead of three.
-    model, _ = load_model(model_dir, list(adapters))
-    model.eval()
+    model, _ = load_model(model_dir, list(adapters), DTYPES[dtype])
+    model.eval().to(device or torch.device("cpu"))
     tokenizer = load_tokenizer(model_dir, "--model")
     if plain or not tokenizer.chat_template:
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
@@ -42,6 +46,7 @@ def generate(model_dir: str, prompt: str, adapters: list[str] = (), max_new_toke
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     check_new_tokens(max_new_tokens, context_length(model.config), ids.shape[1])
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    ids = ids.to(next(model.parameters()).device)
     with torch.no_grad():
         output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                 pad_token_id=tokenizer.pad_token_id, **sampling)
@@ -113,6 +118,11 @@ def generate_command(argv: list[str] | None) -> int:
     parser.add_argument("--plain", action="store_true", help="continue the raw text; no chat template")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64)
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 (default): greedy")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda", "tpu"), default="auto",
+                        help="in training's runtime.device words: auto (a CUDA GPU where PyTorch sees one, else the "
+                        "CPU; the default), cpu, cuda, tpu (TorchTPU); a .gguf runs in llama.cpp")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="the dtype to generate in (default float32; bfloat16 halves a GPU's memory)")
     args = parser.parse_args(argv)
     if not args.prompt.strip():  # a chat model would answer its own template's tokens ("assis...")
         parser.error("--prompt is empty: give the text to answer (or, with --plain, to continue)")
@@ -121,17 +131,9 @@ def generate_command(argv: list[str] | None) -> int:
         print(generate_gguf(args.model, args.prompt, args.adapter, args.max_new_tokens, args.plain, args.temperature,
                             args.system))
         return 0
-    print(
-        generate(
-            resolve_model(args.model).local_dir,
-            args.prompt,
-            args.adapter,
-            args.max_new_tokens,
-            args.plain,
-            args.temperature,
-            args.system,
-        )
-    )
+    device = native_device(args.device, key="--device")
+    print(generate(resolve_model(args.model).local_dir, args.prompt, args.adapter, args.max_new_tokens, args.plain,
+                   args.temperature, args.system, device=device, dtype=args.dtype))
     return 0
 
 

@@ -25,37 +25,43 @@ def auto_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def native_device(setting: str) -> torch.device:
-    """runtime.device -> the torch device, or a ConfigError naming what is missing."""
+def native_device(setting: str, key: str = "runtime.device") -> torch.device:
+    """runtime.device (or a command's `key`, evaluate's and generate's --device: the same words) ->
+    the torch device, or a ConfigError naming what is missing."""
     if setting == "auto":
         return torch.device(auto_device_type())
     if setting == "cpu":
         return torch.device("cpu")
     if setting == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"runtime.device=cuda: PyTorch {torch.__version__} sees no CUDA GPU here "
+            raise ConfigError(f"{said(key, 'cuda')}: PyTorch {torch.__version__} sees no CUDA GPU here "
                               f"({'a CPU-only build' if torch.version.cuda is None else 'no device or driver'}); "
-                              "set runtime.device=cpu or auto")
+                              f"use {said(key, 'cpu')} or auto")
         return torch.device("cuda", torch.cuda.current_device())
-    return tpu_device()
+    return tpu_device(key)
 
 
-def import_torch_tpu():
+def said(key: str, value: str) -> str:
+    """runtime.device=cuda, or --device cuda."""
+    return f"{key} {value}" if key.startswith("--") else f"{key}={value}"
+
+
+def import_torch_tpu(key: str = "runtime.device"):
     """TorchTPU's `torch.tpu` module (importing torch_tpu registers it and the "tpu" device), or a
     ConfigError naming the install."""
     try:
         import torch_tpu  # noqa: F401
     except ImportError:
-        raise ConfigError(f"runtime.device=tpu: TorchTPU is not installed in this environment (torch "
+        raise ConfigError(f"{said(key, 'tpu')}: TorchTPU is not installed in this environment (torch "
                           f"{torch.__version__}); {TORCH_TPU_INSTALL}, or use runtime.backend=xla on a TPU") from None
     return getattr(torch, "tpu", None)
 
 
-def tpu_device() -> torch.device:
-    tpu = import_torch_tpu()
+def tpu_device(key: str = "runtime.device") -> torch.device:
+    tpu = import_torch_tpu(key)
     if tpu is None or not tpu.is_available():
-        raise ConfigError("runtime.device=tpu: TorchTPU is installed but finds no TPU on this machine; run on a TPU "
-                          "VM, or set runtime.device=cpu")
+        raise ConfigError(f"{said(key, 'tpu')}: TorchTPU is installed but finds no TPU on this machine; run on a TPU "
+                          f"VM, or use {said(key, 'cpu')}")
     return torch.device("tpu", tpu.current_device())
 
 

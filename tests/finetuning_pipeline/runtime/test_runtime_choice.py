@@ -242,3 +242,45 @@ def test_the_runtime_and_its_reason_are_of_the_environment_the_command_started_i
     with pytest.raises(Chosen) as chosen_:
         main.train([])
     assert chosen_.value.args[0][1] == "runtime.backend=auto, no TPU or GPU here: XLA on the CPU, as a TPU would run"
+
+
+@pytest.mark.parametrize("command", ["evaluate", "generate"])
+def test_evaluate_and_generate_take_trainings_device_words(command, capsys):
+    """--device auto (the default: a CUDA GPU where PyTorch sees one, else the CPU), cpu, cuda, tpu
+    (TorchTPU), as runtime.device; a device that is not here is one line, before anything loads.
+    (Their GPU path itself is a GPU's to run: unmeasured here.)"""
+    import importlib
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: --device cuda is taken")
+    module = importlib.import_module(f"finetuning_pipeline.{command}")
+    argv = ["--model", "M", "--data", "D"] if command == "evaluate" else ["--model", "M", "--prompt", "Salut"]
+    assert module.main([*argv, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --device cuda: PyTorch ") and "sees no CUDA GPU here" in err, err
+    assert "use --device cpu or auto" in err and "Traceback" not in err
+
+
+def test_generate_runs_in_the_dtype_asked_on_the_device_asked(tiny_model_dir, monkeypatch):
+    """generate(device, dtype): the model it answers with is in that dtype, on that device (bfloat16
+    on the CPU here; a GPU's is the same call), and float32 by default."""
+    import torch
+
+    from finetuning_pipeline import generate
+
+    loaded = []
+    load = generate.load_model
+
+    def recorded(*args, **kwargs):
+        model, adapters = load(*args, **kwargs)
+        loaded.append(model)
+        return model, adapters
+
+    monkeypatch.setattr(generate, "load_model", recorded)
+    for dtype, expected in ((None, torch.float32), ("bfloat16", torch.bfloat16)):
+        answer = generate.generate(str(tiny_model_dir), "Salut", max_new_tokens=4, device=torch.device("cpu"),
+                                   **({"dtype": dtype} if dtype else {}))
+        weights = {(p.dtype, p.device.type) for p in loaded[-1].parameters()}
+        assert weights == {(expected, "cpu")} and isinstance(answer, str), (dtype, weights)
