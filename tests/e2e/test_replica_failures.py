@@ -227,9 +227,15 @@ def test_a_checkpoint_write_failing_on_the_master_stops_every_replica_with_exit_
     blocked = out_of(config) / "phase1" / "checkpoints"
     blocked.parent.mkdir(parents=True)
     blocked.write_text("a file where the checkpoints directory goes: every save fails on the master\n")
-    replicas = run_replicas(2, config, tmp_path / "logs", env={"CPU_NUM_DEVICES": "2"} if mode == "fsdp" else None)
+    # the master rescues the step under the system's temporary directory: this test's, not /tmp
+    temporary = {"TMPDIR": str(tmp_path / "tmp")}
+    (tmp_path / "tmp").mkdir()
+    replicas = run_replicas(2, config, tmp_path / "logs",
+                            env={**temporary, "CPU_NUM_DEVICES": "2"} if mode == "fsdp" else temporary)
     assert replicas.wait(HANG) == [3, 3], replicas.outputs()
-    assert "could not write checkpoint step 2" in replicas.output(0)
+    [rescued] = (tmp_path / "tmp").glob("rescued-phase1-checkpoint-*/step_00000002")
+    assert f"could not write checkpoint step 2 under {blocked}" in replicas.output(0)
+    assert f"It was written to {rescued} instead" in replicas.output(0)
     assert "the master could not write checkpoint step 2" in replicas.output(1)
     assert "Traceback" not in replicas.outputs()
 
@@ -243,9 +249,11 @@ def test_a_checkpoint_write_failing_on_the_master_thread_stops_both_replica_thre
     blocked = out_of(config) / "phase1" / "checkpoints"
     blocked.parent.mkdir(parents=True)
     blocked.write_text("a file where the checkpoints directory goes: every save fails on the master\n")
-    run = launched(config, tmp_path / "run.log")
+    (tmp_path / "tmp").mkdir()  # where the master rescues the step: this test's, not /tmp
+    run = launched(config, tmp_path / "run.log", env={"TMPDIR": str(tmp_path / "tmp")})
     assert run.wait(HANG) == [3], run.output()
     assert "could not write checkpoint step 2" in run.output() and "Traceback" not in run.output()
+    assert list((tmp_path / "tmp").glob("rescued-phase1-checkpoint-*/step_00000002"))
 
 
 def test_an_adapter_write_failing_on_the_master_stops_every_replica_with_exit_3(tiny_model_dir, data, tmp_path):
