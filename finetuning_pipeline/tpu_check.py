@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -41,9 +40,8 @@ from finetuning_pipeline.planning.phase_plan import layers_scanned, load_archite
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import ConfigError, load_config
 from finetuning_pipeline.runtime import backend, torch_xla_installed
-from finetuning_pipeline.runtime.xla.device import XLA_DEVICES, choose_device
+from finetuning_pipeline.runtime.xla.device import choose_device
 from utils.output_guard import OutputConflict, claim_output, mark_written_by
-from utils.tpu_detect import tpu_chips
 
 COMMAND = "finetuning_pipeline.tpu_check"
 
@@ -111,17 +109,11 @@ def load_and_claim(args: argparse.Namespace, host: PodHost, barrier: HostBarrier
 
 
 def check_device() -> str:
-    """CPU or TPU, the device the check's runs take: PJRT_DEVICE as set, or, unset, the TPU where
-    this machine's PCI bus has TPU chips (torch_xla's choice, said once by choose_device; in an
-    environment without torch_xla, the native runtime's, by the same rule and without PJRT's
-    advice). A PJRT_DEVICE of another device is a ConfigError."""
-    if torch_xla_installed():
-        return choose_device()  # on a TPU VM whose shell lacks PJRT_DEVICE, the TPU: a CPU check there would skip it
-    device = os.environ.get("PJRT_DEVICE") or ("TPU" if tpu_chips() else "CPU")
-    if device not in XLA_DEVICES:
-        raise ConfigError(f"PJRT_DEVICE={device!r}: the check runs on PJRT_DEVICE=CPU or PJRT_DEVICE=TPU (upper "
-                          "case), or, unset, on the TPU where one is attached")
-    return device
+    """CPU or TPU, the device the check's runs take: choose_device's (PJRT_DEVICE as set, or, unset,
+    the TPU where this machine's PCI bus has TPU chips), which reads no torch_xla; said with its
+    advice to set PJRT_DEVICE only where torch_xla is there to read it. A PJRT_DEVICE of another
+    device is a ConfigError."""
+    return choose_device() if torch_xla_installed() else choose_device(say=lambda line: None)
 
 
 def main(argv: list[str] | None = None) -> int:

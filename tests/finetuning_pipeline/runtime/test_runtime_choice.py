@@ -201,15 +201,17 @@ def test_the_commands_that_can_take_xla_say_in_one_line_where_torch_xla_is_not_i
     assert exit_.value.code == 2
     assert ("--device xla: torch_xla is not installed in this environment; pip install -e '.[xla]' (torch 2.9.0 + "
             "torch_xla 2.9.0), or evaluate on the host with --device cpu") in capsys.readouterr().err
+    import finetuning_pipeline.runtime.xla.device as xla_device
+
     monkeypatch.setattr(tpu_check, "torch_xla_installed", lambda: False)
-    monkeypatch.delenv("PJRT_DEVICE", raising=False)
     for chips, device in ((0, "CPU"), (4, "TPU")):
-        monkeypatch.setattr(tpu_check, "tpu_chips", lambda chips=chips: chips)
+        monkeypatch.delenv("PJRT_DEVICE", raising=False)
+        monkeypatch.setattr(xla_device, "tpu_chips", lambda chips=chips: chips)
         assert tpu_check.check_device() == device and capsys.readouterr().err == ""
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     assert tpu_check.check_device() == "CPU"
     monkeypatch.setenv("PJRT_DEVICE", "cuda")
-    with pytest.raises(ConfigError, match="PJRT_DEVICE='cuda': the check runs on PJRT_DEVICE=CPU or PJRT_DEVICE=TPU"):
+    with pytest.raises(ConfigError, match="PJRT_DEVICE='cuda': the XLA runtime runs on PJRT_DEVICE=CPU or "):
         tpu_check.check_device()
 
 
