@@ -96,6 +96,7 @@ class ScannedLayers(nn.Module):
         self._template = [template.to("meta")]
         self._calls: list[tuple[tuple, dict]] = []
         self._returned = None
+        self._bodies: dict[str, _LayerBody] = {}  # the scan's bodies by what decides their trace
 
     @property
     def template(self) -> nn.Module:
@@ -147,32 +148,43 @@ class ScannedLayers(nn.Module):
 
         args, kwargs = calls[0]
         hidden = args[0] if args else kwargs["hidden_states"]
-        inputs, arguments = _per_layer_arguments(
+        inputs, arguments, static = _per_layer_arguments(
             [(a[1:], {k: v for k, v in kw.items() if k != "hidden_states"}) for a, kw in calls], self.count)
         weights = {name: getattr(self, key) for name, key in self.keys.items()}
         dropout = self._dropout_inputs()
-        template = self.template
-
-        def layer(h, xs):
-            tensors, layer_inputs, dropout = xs
-            for name, salt in dropout.get("salts", {}).items():
-                module = template.get_submodule(name)
-                module.seed, module.salt = dropout["seed"], salt
-            rest, named = arguments(layer_inputs)
-            out = torch.func.functional_call(template, tensors, (h, *rest), named, strict=True)
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(f"ScannedLayers: a {type(template).__name__} returned {type(out).__name__}; "
-                                "only layers that return their hidden states can be scanned")
-            return out, None
-
+        body = self._body(static, weights, inputs)
         partition = min_cut_rematerialization_partition if self.activation_checkpointing else default_partition
         saved = [(m.seed, m.salt) for m in self.seeded_dropouts()]
         try:
-            out, _ = scan(layer, hidden, (weights, inputs, dropout), partition_fn=partition)
+            body.arguments = arguments
+            # A body of known settings is traced once: torch_xla's scan reuses its trace for the
+            # same function and shapes (is_fn_pure); `_body` gives a new function whenever the
+            # settings it cannot see in the shapes differ.
+            out, _ = scan(body, hidden, (weights, inputs, dropout), partition_fn=partition,
+                          is_fn_pure=body.reusable)
         finally:
+            body.arguments = None
             for module, (seed, salt) in zip(self.seeded_dropouts(), saved):
                 module.seed, module.salt = seed, salt
         return out
+
+    def _body(self, static: str | None, weights: dict, inputs: list) -> "_LayerBody":
+        """The scan's body for this call: the same function object as an earlier call's whenever
+        nothing that decides the traced layer differs but the tensors' shapes and dtypes (which
+        torch_xla's cache keys by itself): the template's settings (train or eval, dropout,
+        attention, each module's flags), its config's, the arguments' static values, and which
+        inputs need a gradient. A traced layer (forward and backward, by AOTAutograd) costs seconds
+        of host time; without this every evaluation batch paid it again. static is None when an
+        argument's static value has no reliable key: then a body of its own, traced afresh."""
+        structure = _structure(self.template)
+        if static is None or not all(_plain(value) for value in structure.values()):
+            return _LayerBody(self.template, reusable=False)
+        configs = {id(c): c for c in (getattr(m, "config", None) for m in self.template.modules()) if c is not None}
+        key = repr((sorted(structure.items()), [_settings(c) for c in configs.values()], static,
+                    [(name, w.requires_grad) for name, w in weights.items()], [t.requires_grad for t in inputs]))
+        if key not in self._bodies:
+            self._bodies[key] = _LayerBody(self.template, reusable=True)
+        return self._bodies[key]
 
     def _dropout_inputs(self) -> dict:
         """{"seed": the micro-batch's dropout seeds per layer [layers, 1 or rows], "salts": each dropout's
@@ -193,6 +205,28 @@ class ScannedLayers(nn.Module):
                 f"activation_checkpointing={self.activation_checkpointing}")
 
 
+class _LayerBody:
+    """One layer of the loop, as the scan traces it: the template called on one layer's slices of
+    the stacks. It holds the template and the current call's `arguments` (set for the call, then
+    cleared), not the ScannedLayers: no cycle keeps a model's stacks alive once it is dropped."""
+
+    def __init__(self, template: nn.Module, reusable: bool) -> None:
+        self.template, self.reusable = template, reusable
+        self.arguments = None
+
+    def __call__(self, h, xs):
+        tensors, layer_inputs, dropout = xs
+        for name, salt in dropout.get("salts", {}).items():
+            module = self.template.get_submodule(name)
+            module.seed, module.salt = dropout["seed"], salt
+        rest, named = self.arguments(layer_inputs)
+        out = torch.func.functional_call(self.template, tensors, (h, *rest), named, strict=True)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"ScannedLayers: a {type(self.template).__name__} returned {type(out).__name__}; "
+                            "only layers that return their hidden states can be scanned")
+        return out, None
+
+
 class _LayerCall:
     """What the model's loop calls in place of layer `index`."""
 
@@ -205,7 +239,8 @@ class _LayerCall:
 
 def _per_layer_arguments(calls: list, count: int):
     """(the tensors of the layers' arguments, each [layers, ...]; a function that rebuilds one
-    layer's arguments from its slices of them).
+    layer's arguments from its slices of them; the static values and structure as a key, None if
+    a static value is not a plain value whose repr stands for it).
 
     Every layer must get arguments of one structure (torch's pytree). A tensor every layer got
     is expanded (no copy until XLA needs the loop's input), tensors that differ are stacked;
@@ -238,7 +273,23 @@ def _per_layer_arguments(calls: list, count: int):
             rebuilt[slot] = value
         return tree_unflatten(rebuilt, spec)
 
-    return inputs, arguments
+    static = [None if slot in slots else leaf for slot, leaf in enumerate(leaves)]
+    plain = all(_plain(value) for value in static)
+    return inputs, arguments, repr((str(spec), slots, static)) if plain else None
+
+
+def _plain(value) -> bool:
+    """A value whose repr is the value (no object identity in it)."""
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return isinstance(value, (bool, int, float, str, type(None), torch.dtype))
+
+
+def _settings(config) -> list:
+    """A config's plain attributes (private ones too: a model's attention implementation is one)."""
+    return sorted((name, value) for name, value in vars(config).items() if _plain(value))
 
 
 def check_identical(layers: nn.ModuleList) -> None:

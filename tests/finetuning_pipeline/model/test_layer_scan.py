@@ -119,6 +119,70 @@ def test_a_captured_step_over_two_micro_batches_gives_the_layer_loop_losses():
     assert_equal_in_exact_arithmetic(runs[1], runs[0], "losses")
 
 
+def test_the_layer_is_traced_once_per_setting_and_replayed_for_later_batches(monkeypatch):
+    """A traced layer (AOTAutograd, forward and backward: seconds of host time on a real model)
+    is reused for every later call of the same shapes and settings: evaluation batch after
+    evaluation batch. Anything the shapes do not show traces anew, with its own values: train
+    against eval (the dropout's masks), a module's setting, an adapter frozen. Each evaluation
+    equals the model's own layer loop, in float64."""
+    import torch_xla.experimental.scan as xla_scan
+
+    from finetuning_pipeline.runtime.xla import layer_scan
+
+    traces, bodies = [], []  # AOTAutograd's traces (each calls its body more than once); the bodies
+    aot_function, call = xla_scan.aot_function, layer_scan._LayerBody.__call__
+    monkeypatch.setattr(xla_scan, "aot_function", lambda *a, **k: traces.append(1) or aot_function(*a, **k))
+
+    def noted(body, h, xs):
+        if body not in bodies:
+            bodies.append(body)
+        return call(body, h, xs)
+
+    monkeypatch.setattr(layer_scan._LayerBody, "__call__", noted)
+    device = torch_xla.device()
+    reference = deeper("mistral", dropout=0.1, dtype=torch.float64).to(device).eval()
+    model = deeper("mistral", dropout=0.1, dtype=torch.float64)
+    scan_decoder_layers(model)
+    model.to(device).eval()
+
+    def losses(*models, seed=0) -> list[float]:
+        rows = batch(packed=True)
+        shape = rows["input_ids"].shape
+        rows["input_ids"] = torch.randint(3, 100, shape, generator=torch.Generator().manual_seed(seed))
+        rows["labels"] = rows["input_ids"].clone()
+        out = []
+        for m in models:
+            with torch.no_grad(), float64_throughout(torch.float64):
+                total, count = causal_lm_loss_sum(m, {k: v.to(device) for k, v in rows.items()}, packed=True)
+            out.append((total / count).item())
+        return out
+
+    for seed in range(3):  # three evaluation batches, one trace
+        ours, theirs = losses(model, reference, seed=seed)
+        assert_equal_in_exact_arithmetic(ours, theirs, f"batch {seed}")
+    assert len(traces) == 1 and len(bodies) == 1
+    model.train()  # training: dropout live, its seeds and salts loop inputs
+    set_dropout_seed(model, torch.tensor([11], dtype=torch.int32, device=device))
+    losses(model)
+    losses(model, seed=1)
+    set_dropout_seed(model, None)
+    assert len(traces) == 2 and len(bodies) == 2
+    model.eval()
+    losses(model, seed=3)
+    assert len(traces) == 2  # eval again: the first trace
+    scanned = model.get_decoder().layers
+    scanned.template.self_attn.scaling *= 2  # a setting of a module: a new trace that uses it
+    for layer in reference.model.layers:
+        layer.self_attn.scaling *= 2
+    ours, theirs = losses(model, reference, seed=4)
+    assert len(traces) == 3 and len(bodies) == 3
+    assert_equal_in_exact_arithmetic(ours, theirs, "the changed setting")
+    for _, stack in scanned.stacked_lora_parameters():  # frozen: no gradient to trace for them
+        stack.requires_grad_(False)
+    losses(model, seed=5)
+    assert len(traces) == 4 and len(bodies) == 4
+
+
 def test_the_adapter_names_and_values_are_the_unscanned_ones():
     expected = {k: v.clone() for k, v in lora_state_dict(deeper("mistral")).items()}
     model = deeper("mistral")
