@@ -87,18 +87,19 @@ help:
 
 setup: $(STAMP)
 
-# On a TPU VM, utils/tpu_vm/'s install made .venv (Python 3.11, torch's CPU build, the tpu
-# extra) and marked it .venv/.tpu: every target runs in that install, and a changed
-# pyproject.toml updates its tpu extra there (never a second venv with the test extra, which
-# has neither libtpu nor jax).
+# uv installs the extras: the versions pip resolves, in under a minute from PyPI (torch 2.9.0's
+# CUDA build and its libraries) where pip took about 4 (2 cores, 2026-11-29). On a TPU VM,
+# utils/tpu_vm/'s install made .venv (Python 3.11, torch's CPU build, the tpu extra) and marked
+# it .venv/.tpu: every target runs in that install, and a changed pyproject.toml updates its tpu
+# extra there (never a second venv with the test extra, which has neither libtpu nor jax).
 $(STAMP): pyproject.toml
 	@if [ -e $(VENV)/.tpu ]; then \
 		echo "$(VENV) is the TPU's install (utils/tpu_vm/): updating its tpu extra"; \
 		$(BIN)/python -m pip install --quiet -e '.[tpu]'; \
 	else \
 		set -e; $(PYTHON) -m venv $(VENV); \
-		$(BIN)/python -m pip install --quiet --upgrade pip; \
-		$(BIN)/python -m pip install --quiet -e '.[xla,test]'; \
+		$(BIN)/python -m pip install --quiet --upgrade pip uv; \
+		$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[xla,test]'; \
 	fi
 	touch $@
 
