@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import REPO
 from native_helpers import NATIVE, assert_runs_equal, sections_with, side_by_side
 from replica_helpers import (
@@ -82,14 +83,30 @@ def config(root, tiny_model_dir, data, name: str, micro_batch: int, extra: dict)
     return write_run_config(root / f"{name}.yaml", tiny_model_dir, data, root / name, **sections)
 
 
+ONE_PROCESS: dict[str, Path] = {}  # the single-process runs, by their config and phases
+
+
+def one_process_run(extra: dict, phases: str, tiny_model_dir, data, tmp_path_factory) -> Path:
+    """The one-process run the cases compare with, trained once per test session for each config
+    and phases (dp and fsdp cases of the same sections share it: over one process they are the
+    same run)."""
+    root = tmp_path_factory.mktemp("one")
+    one = config(root, tiny_model_dir, data, "one", 4, extra)
+    key = json.dumps([phases, {k: v for k, v in yaml.safe_load(one.read_text()).items() if k != "output_dir"}],
+                     sort_keys=True)
+    if key not in ONE_PROCESS:
+        assert main.main(["--config", str(one), "--phase", phases, *NATIVE]) == 0
+        ONE_PROCESS[key] = root / "one"
+    return ONE_PROCESS[key]
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_processes_under_torchrun_equal_one_process(case, tiny_model_dir, data, tmp_path):
+def test_processes_under_torchrun_equal_one_process(case, tiny_model_dir, data, tmp_path, tmp_path_factory):
     processes, phases, extra = CASES[case]
-    one = config(tmp_path, tiny_model_dir, data, "one", 4, extra(data))
-    assert main.main(["--config", str(one), "--phase", phases, *NATIVE]) == 0
+    one = one_process_run(extra(data), phases, tiny_model_dir, data, tmp_path_factory)
     several = config(tmp_path, tiny_model_dir, data, "several", 4 // processes, extra(data))
     torchrun(processes, several, "--phase", phases, *NATIVE)
-    assert_runs_equal(tmp_path / "several", tmp_path / "one", [1, 2] if phases == "all" else [1])
+    assert_runs_equal(tmp_path / "several", one, [1, 2] if phases == "all" else [1])
     summary = json.loads((tmp_path / "several" / "phase1" / "summary.json").read_text())
     assert summary["parallel"]["processes"] == processes and summary["global_batch"] == 8
     if case.startswith("fsdp"):  # every decoder layer's frozen weights: 7 matrices and 2 norms
