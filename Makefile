@@ -87,8 +87,9 @@ help:
 
 setup: $(STAMP)
 
-# uv installs the extras: the versions pip resolves, in under a minute from PyPI (torch 2.9.0's
-# CUDA build and its libraries) where pip took about 4 (2 cores, 2026-11-29). On a TPU VM,
+# uv installs the extras: the versions pip resolves, in 63 s where pip took 230 s (2 cores, each
+# with its download cache, 2026-11-29), compiled to bytecode as pip does (without it, under
+# PYTHONDONTWRITEBYTECODE=1 every process would compile torch's sources again). On a TPU VM,
 # utils/tpu_vm/'s install made .venv (Python 3.11, torch's CPU build, the tpu extra) and marked
 # it .venv/.tpu: every target runs in that install, and a changed pyproject.toml updates its tpu
 # extra there (never a second venv with the test extra, which has neither libtpu nor jax).
@@ -99,7 +100,7 @@ $(STAMP): pyproject.toml
 	else \
 		set -e; $(PYTHON) -m venv $(VENV); \
 		$(BIN)/python -m pip install --quiet --upgrade pip uv; \
-		$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[xla,test]'; \
+		$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -e '.[xla,test]'; \
 	fi
 	touch $@
 
