@@ -100,7 +100,7 @@ $(STAMP): pyproject.toml
 	else \
 		set -e; $(PYTHON) -m venv $(VENV); \
 		$(BIN)/python -m pip install --quiet --upgrade pip uv; \
-		$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -e '.[xla,test]'; \
+		$(BIN)/python -m uv pip install --quiet --compile-bytecode --python $(BIN)/python -e '.[xla,test]'; \
 	fi
 	touch $@
 

@@ -279,7 +279,9 @@ def test_make_targets_run_in_the_tpu_install_and_update_its_tpu_extra(fakes, tmp
         assert calls[0] == [venv, "-m", "pip", "install", "--quiet", "-e", ".[tpu]"]
     else:
         assert calls[0] == ["python3", "-m", "venv", ".venv"]
-        assert calls[2] == [venv, "-m", "pip", "install", "--quiet", "-e", ".[xla,test]"]
+        assert calls[1] == [venv, "-m", "pip", "install", "--quiet", "--upgrade", "pip", "uv"]
+        assert calls[2] == [venv, "-m", "uv", "pip", "install", "--quiet", "--compile-bytecode", "--python", venv, "-e",
+                            ".[xla,test]"]
     assert calls[-1] == [venv, "-m", "finetuning_pipeline.tpu_check", "--config", "my.yaml"]
     if tpu_install:  # no second venv is made
         assert not [c for c in calls if c[1:3] == ["-m", "venv"]]
