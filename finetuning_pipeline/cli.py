@@ -62,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tpu-lora: unknown command {args[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module, _ = COMMANDS[args[0]]
+    if args[0] == "train":  # a stop signal while it imports is a stop, as from main.py's first lines
+        from finetuning_pipeline.run.stop_signal import PROCESS_SIGNALS
+
+        with PROCESS_SIGNALS.caught():
+            return importlib.import_module(module).main(args[1:])
     return importlib.import_module(module).main(args[1:])
 
 

@@ -45,10 +45,20 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: python finetuning_pipeline/main.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from finetuning_pipeline.run.stop_signal import (
+    PROCESS_SIGNALS,
+    StopOnSignal,
+    WallClockBudget,
+    stopped_before_step,
+    watch_parent,
+)
 from utils.startup import pause_collector, resume_collector
 
 if __name__ in ("__main__", "__mp_main__"):  # a process of its own: the command, or a TPU launcher's worker
     pause_collector()  # until start-up is over (utils/startup.py): its imports take 29% less time
+    # A stop signal from here on is a stop (a flag honoured at the next place the run can stop),
+    # not a KeyboardInterrupt in the middle of an import, nor SIGTERM's silent death
+    PROCESS_SIGNALS.install()
 
 from finetuning_pipeline.demo.inputs import DEMO_CONFIG, REPO, anchored_paths, ensure_demo_inputs
 from finetuning_pipeline.distributed.collectives import launch_rank, torchrun_world
@@ -58,11 +68,10 @@ from finetuning_pipeline.distributed.torchrun_agent import run_torchrun_agent
 from finetuning_pipeline.errors import SEE_THE_MASTERS, ConfigError, OutputWriteError, run_command
 from finetuning_pipeline.monitor.console import summary_lines
 from finetuning_pipeline.monitor.metrics_log import plot_losses
-from finetuning_pipeline.run.checkpointing import complete_checkpoints
+from finetuning_pipeline.run.checkpointing import complete_checkpoints, read_json
 from finetuning_pipeline.run.input_checks import check_inputs, pin_model
 from finetuning_pipeline.run.resume_plan import PhasePlan, check_resumable, plan_phases
 from finetuning_pipeline.run.run_layout import OutputLock, RunLayout
-from finetuning_pipeline.run.stop_signal import StopOnSignal, WallClockBudget, watch_parent
 from finetuning_pipeline.run_config import RunConfig, load_config
 from finetuning_pipeline.runtime import backend, choice_line
 from finetuning_pipeline.train.phase_loop import run_phase
@@ -160,10 +169,17 @@ def run_replica(config: RunConfig, plans: list[PhasePlan], notes: list[str], res
                 for note in notes:
                     print(note, flush=True)
             check_hosts_agree(layout, plans, parallel.collectives, config.lineage)
+            trained = False  # (a stop before this command trained a step draws no loss plot)
             for plan in plans:
                 if plan.replace and parallel.master:
                     shutil.rmtree(layout.phase_dir(plan.phase))
                 result = run_one_phase(config, plan, parallel, device, stop, layout, runtime)
+                if result.stopped_before_step is not None:
+                    if parallel.master:
+                        print(stopped_before_step(stop.reason(), result.stopped_before_step, plan.phase,
+                                                  resume_command), flush=True)
+                    break
+                trained = True
                 if result.summary is not None:
                     print(summary_lines(result.summary), flush=True)
                 if result.stopped_at_step is not None:
@@ -172,7 +188,7 @@ def run_replica(config: RunConfig, plans: list[PhasePlan], notes: list[str], res
                     if parallel.master:
                         print(stop.after_stop(result.stopped_at_step, plan.phase, resume_command), flush=True)
                     break
-            if parallel.master:  # one writer: on a pod every host runs main.py, and output_dir is shared
+            if parallel.master and trained:  # one writer: on a pod every host runs main.py, and output_dir is shared
                 plot = plot_losses(config.output_dir, config.phase_numbers())
                 if plot is not None:
                     print(f"loss plot: {plot}", flush=True)
@@ -186,7 +202,8 @@ def run_one_phase(config: RunConfig, plan: PhasePlan, parallel, device, stop, la
     summary, data shards; checkpoints vote on theirs)."""
     try:
         return run_phase(config, plan.phase, parallel=parallel, device=device, resume_from=plan.resume_from,
-                         stop_requested=stop.requested, accepted_changes=plan.accepted_changes, runtime=runtime)
+                         stop_requested=stop.requested, signalled=stop.signalled,
+                         accepted_changes=plan.accepted_changes, runtime=runtime)
     except OSError as err:
         latest = complete_checkpoints(layout.checkpoints(plan.phase))
         verb = "write" if err.errno in WRITE_ERRNOS else "access"
@@ -198,7 +215,8 @@ def run_one_phase(config: RunConfig, plan: PhasePlan, parallel, device, stop, la
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(train, argv, own_stop_signals=True)
+    with PROCESS_SIGNALS.caught():  # (already caught where main.py is the process's own: its first lines)
+        return run_command(train, argv, own_stop_signals=True)
 
 
 def train(argv: list[str] | None) -> int:
@@ -215,6 +233,11 @@ def train(argv: list[str] | None) -> int:
     command, script = sys.argv[1:] if argv is None else list(argv), str(Path(__file__).resolve())
     if args.nproc_per_node > 1 and torchrun_world() == 1:  # its processes run this command and say the rest
         resume_collector()  # (this process only waits on them)
+        if PROCESS_SIGNALS.stop_requested:  # (while it started: no process started yet)
+            print(f"stopped on {PROCESS_SIGNALS.received} before the run's {args.nproc_per_node} processes were "
+                  "started: nothing was trained or written; the same command starts it:\n  "
+                  f"{resume_command(Path(__file__).resolve(), resume_arguments(args), ())}", flush=True)
+            return 0
         return run_torchrun_agent(["--standalone"], args.nproc_per_node, script, command)
     say = print if launch_rank() == 0 else (lambda *args, **kwargs: None)  # torchrun: said once
     runtime = backend(config, environ)
@@ -235,6 +258,14 @@ def train(argv: list[str] | None) -> int:
         for note in notes:
             say(note)
         raise
+    resume = resume_command(Path(__file__).resolve(), resume_arguments(args), runtime.device_environment)
+    if PROCESS_SIGNALS.stop_requested and plans and torchrun_world() == 1:
+        # A stop while this command started, which alone decides (torchrun's processes vote on
+        # theirs before their first step): no replica is started
+        plan = plans[0]
+        step = read_json(plan.resume_from / "trainer_state.json")["step"] if plan.resume_from else 0
+        print(stopped_before_step(PROCESS_SIGNALS.received, step, plan.phase, resume), flush=True)
+        return 0
     budget = WallClockBudget(parse_duration(config.train.max_wall_time) if config.train.max_wall_time else None,
                              started, label=config.train.max_wall_time or "")
     if not plans:  # every phase finished: nothing is written
@@ -242,7 +273,6 @@ def train(argv: list[str] | None) -> int:
             say(note)
         return 0
     # run_replica on every replica of this process, started the runtime's way (its launcher)
-    resume = resume_command(Path(__file__).resolve(), resume_arguments(args), runtime.device_environment)
     runtime.launch(config, run_replica, (config, plans, notes if launch_rank() == 0 else [], resume, budget, runtime,
                                          launcher))
     return 0

@@ -8,8 +8,10 @@ checkpointed and exited 0) by a SignalException traceback and exit 1. Here its a
 (`torch.distributed.run.run`, unchanged: its rendezvous, its process start, its environment for
 each process) runs on a thread of this process. torchelastic then installs no signal handlers
 (it does so on the main thread only), so a stop signal to this process is passed on to its
-processes by this main thread, and the agent sees what they do with it: each checkpoints the same
-step and exits 0, and so does this command. Each process hands its error line to the agent through
+processes by this main thread, each once it catches it (distributed/stop_relay.py: one still
+starting is not killed by it, one started after it still gets it), and the agent sees what they do
+with it: each checkpoints the same step, or stops before its first step, and exits 0, and so does
+this command. Each process hands its error line to the agent through
 the file torchrun gives it for that (TORCHELASTIC_ERROR_FILE; errors.py's say_error), and the
 agent's failures are said here once each: one line for a refusal all processes made, one naming
 the process for one killed. The processes watch this one as their parent (run/stop_signal.py's
@@ -27,10 +29,9 @@ import threading
 from pathlib import Path
 
 from finetuning_pipeline.distributed.resume_command import BECAME_TORCHRUN
+from finetuning_pipeline.distributed.stop_relay import StopRelay
 from finetuning_pipeline.errors import ERRORS_TO_AGENT, SEE_THE_MASTERS, RunError
-
-# What a closed terminal sends (SIGHUP) reaches the processes as a stop: they checkpoint and exit.
-PASSED_ON = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
+from finetuning_pipeline.run.stop_signal import PROCESS_SIGNALS
 
 
 def run_torchrun_agent(rendezvous: list[str], per_node: int, script: str, argv: list[str]) -> int:
@@ -53,11 +54,13 @@ def run_torchrun_agent(rendezvous: list[str], per_node: int, script: str, argv: 
         except BaseException as err:  # (a rendezvous that failed: said on the main thread)
             outcome["error"] = err
 
-    with quiet_torchelastic(), passing_stop_signals_to_children():
+    relay = StopRelay(lambda: child_pids(os.getpid()))
+    with quiet_torchelastic(), PROCESS_SIGNALS.caught(), closed_terminal_as_sigterm():
         thread = threading.Thread(target=agent, name="torchrun-agent")
         thread.start()
         while thread.is_alive():
-            thread.join(0.5)  # (a join with a timeout lets the stop signals' handler run)
+            thread.join(WAIT_S)  # (a join with a timeout lets the stop signals' handler run)
+            relay.pass_on()
     if "error" in outcome:
         err = outcome["error"]
         raise RunError(f"torchrun's agent could not run the {per_node} processes: {type(err).__name__}: {err}")
@@ -105,21 +108,19 @@ def said_its_own_line(failure) -> bool:
 NO_ERROR_FILE = "<N/A>"
 
 
-@contextlib.contextmanager
-def passing_stop_signals_to_children():
-    """Within the block, SIGINT and SIGTERM to this process (SIGHUP as SIGTERM) go to each of its
-    child processes, which torchrun started each in its own session, out of a terminal's reach."""
-    def pass_on(signum, frame) -> None:
-        for pid in child_pids(os.getpid()):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, PASSED_ON[signal.Signals(signum)])
+# How often the waiting main thread wakes to pass a stop on.
+WAIT_S = 0.2
 
-    previous = {sig: signal.signal(sig, pass_on) for sig in PASSED_ON}
+
+@contextlib.contextmanager
+def closed_terminal_as_sigterm():
+    """Within the block, SIGHUP to this process (its terminal closed) is taken as SIGTERM: its
+    processes, each in a session of its own out of the terminal's reach, checkpoint and stop."""
+    previous = signal.signal(signal.SIGHUP, lambda signum, frame: PROCESS_SIGNALS.handle(signal.SIGTERM, frame))
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        signal.signal(signal.SIGHUP, previous)
 
 
 def child_pids(parent: int) -> list[int]:

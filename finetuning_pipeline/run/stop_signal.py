@@ -39,20 +39,37 @@ class ProcessSignals:
         # SIGTERM to the launcher and its worker at once). Assignments take no lock.
         self.stop_requested = False
         self.received: str | None = None
+        self.signals_received: list[int] = []  # in order: what a launcher passes on (distributed/stop_relay.py)
         self._previous: dict = {}
         self._watches: list = []  # (condition, reason): see watch_parent
 
-    def install(self) -> None:
-        """On the main thread: catch the stop signals until `restore()`."""
+    def install(self) -> bool:
+        """On the main thread: catch the stop signals until `restore()`. Returns whether this call
+        installed them: where an earlier step of the process's start-up did (main.py's first
+        lines), they stay as they are, and so does a stop they already took."""
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("stop signal handlers can only be installed on a process's main thread; start the "
                                "replicas with finetuning_pipeline.runtime.xla.launch, which installs them per process")
-        self.stop_requested = False
-        self.received = None
+        if self._previous:
+            return False
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self.handle)
+        return True
+
+    @contextlib.contextmanager
+    def caught(self):
+        """Within the block, on the main thread, the stop signals set this flag (installed here
+        unless they already are; restored by whoever installed them). On another thread: nothing,
+        as a replica's StopOnSignal there asks that the process's main thread catch them."""
+        owner = threading.current_thread() is threading.main_thread() and self.install()
+        try:
+            yield self
+        finally:
+            if owner:
+                self.restore()
 
     def handle(self, signum, frame) -> None:
+        self.signals_received.append(signum)
         self.request(signal.Signals(signum).name)
 
     def request(self, reason: str) -> None:
@@ -78,10 +95,15 @@ class ProcessSignals:
         return bool(self._previous)
 
     def restore(self) -> None:
+        """The handlers as before `install()`; what they took ends with them (a later run of the
+        same process, a test's, starts unstopped)."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
         self._watches.clear()
+        self.stop_requested = False
+        self.received = None
+        self.signals_received = []
 
 
 # One per process: every replica thread of a process shares it (and its signals).
@@ -110,7 +132,6 @@ def on_a_thread_leaving_signals_here(fn, *args) -> None:
     process that is one replica (the native runtime's, alone or one of torchrun's) keeps a
     signal that reaches one of its C++ threads from interrupting that thread's system call (see
     threads_started_here_leave_signals_to_this_one). What fn raises is raised here."""
-    PROCESS_SIGNALS.install()
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -119,14 +140,12 @@ def on_a_thread_leaving_signals_here(fn, *args) -> None:
         except BaseException as err:
             failure.append(err)
 
-    try:
+    with PROCESS_SIGNALS.caught():
         with threads_started_here_leave_signals_to_this_one():
             thread = threading.Thread(target=run, name="replica")
             thread.start()
         while thread.is_alive():
             thread.join(0.5)  # (short waits: a signal's handler runs between them)
-    finally:
-        PROCESS_SIGNALS.restore()
     if failure:
         raise failure[0]
 
@@ -178,10 +197,15 @@ class StopOnSignal:
         return (f"stopped on {self.reason()} after a checkpoint at step {step} of phase {phase}; resume with:\n"
                 f"  {resume_command}")
 
+    def signalled(self) -> bool:
+        """A stop signal alone (or a watched parent's exit), without the session budget: asked
+        before a phase's first step, where the budget is left to the steps (a session trains at
+        least one step)."""
+        return self.signals.poll()
+
     def __enter__(self) -> "StopOnSignal":
         if threading.current_thread() is threading.main_thread():
-            self.signals.install()
-            self._owner = True
+            self._owner = self.signals.install()  # (or kept as main.py's start-up installed them)
         elif not self.signals.installed:
             raise RuntimeError(
                 "this replica runs on a worker thread and its process catches no stop signal: a "
@@ -194,6 +218,17 @@ class StopOnSignal:
         if self._owner:
             self.signals.restore()
             self._owner = False
+
+
+def stopped_before_step(reason: str, step: int, phase: int, resume_command: str) -> str:
+    """What the master prints when a stop came during the start of a phase, before its first
+    step here: `step` is where the phase starts (0, or its checkpoint's step, which stays the
+    newest). A stop during start-up trains nothing and writes no checkpoint."""
+    if step:
+        return (f"stopped on {reason} before step {step + 1} of phase {phase}, nothing trained since its checkpoint "
+                f"at step {step}; resume with:\n  {resume_command}")
+    return (f"stopped on {reason} before the first step of phase {phase}: nothing of it was trained and no checkpoint "
+            f"written; the same command starts it:\n  {resume_command}")
 
 
 class StopVote:

@@ -24,6 +24,8 @@ from finetuning_pipeline.errors import SEE_THE_MASTERS, OutputWriteError
 from finetuning_pipeline.model.lineage import write_lineage
 from finetuning_pipeline.monitor.divergence import DivergenceMonitor
 from finetuning_pipeline.monitor.metrics_log import StepLogger
+from finetuning_pipeline.run.checkpointing import read_json
+from finetuning_pipeline.run.stop_signal import StopVote
 from finetuning_pipeline.run_config import RunConfig
 from finetuning_pipeline.train.adapter_results import weighted_mean
 from finetuning_pipeline.train.phase_start import Phase, start_phase
@@ -41,14 +43,28 @@ class PhaseResult:
     phase: int
     stopped_at_step: int | None = None
     summary: dict | None = None
+    # A stop signal during the phase's start, before its first step here: the step it would have
+    # started from (0, or its checkpoint's); nothing trained, nothing written
+    stopped_before_step: int | None = None
 
 
 def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resume_from: Path | None,
-              stop_requested=lambda: False, accepted_changes: dict | None = None, runtime) -> PhaseResult:
+              stop_requested=lambda: False, signalled=lambda: False, accepted_changes: dict | None = None,
+              runtime) -> PhaseResult:
     """Train one phase on this replica; the master writes adapter, metrics, checkpoints and summary.
+    stop_requested: asked after each step (a signal, the session budget); signalled: a stop signal
+    alone, asked before the model is built and again before the first step, so that a stop during
+    the start (minutes for a 7B's weights, the first evaluation) is honoured before a step is
+    compiled. Both are voted on: every replica stops at the same place.
     accepted_changes: settings changed at this resume (main.py --accept-changes), recorded.
     runtime: what executes the steps, torch_xla's or native PyTorch's (runtime/protocol.py)."""
+    if StopVote(parallel.collectives, signalled).due():
+        return PhaseResult(phase, stopped_before_step=read_json(resume_from / "trainer_state.json")["step"]
+                           if resume_from else 0)
     p = start_phase(config, phase, parallel, device, resume_from, stop_requested, accepted_changes, runtime=runtime)
+    if StopVote(parallel.collectives, signalled).due():
+        p.logger.close()
+        return PhaseResult(phase, stopped_before_step=p.start_step)
     # Closed on every way out (a stop, an error): its threads hold phase data until joined.
     with contextlib.closing(runtime.device_batches(p.data, device)) as batches:
         run_ahead = RunAheadBound()

@@ -54,6 +54,7 @@ from trainer_helpers import (
 )
 
 from finetuning_pipeline import main
+from finetuning_pipeline.distributed.stop_relay import catches_stop_signals
 
 pytestmark = pytest.mark.native
 
@@ -232,6 +233,57 @@ def test_main_running_torchruns_agent_stops_on_sigint_with_exit_0_and_its_printe
     assert json.loads((out_of(config) / "phase1" / "summary.json").read_text())["resumed_from_step"] == stopped[0]
     ours, theirs = adapter_tensors(out_of(config)), adapter_tensors(reference)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in theirs)
+
+
+START_UP_MOMENTS = {  # when main.py --nproc-per-node 2 is stopped, and how the test knows it is there
+    "before its processes exist": lambda proc, out: catches_stop_signals(proc.pid),  # (main.py imports)
+    "while its processes import": lambda proc, out: bool(child_pids(proc.pid)),
+    "before the first step": lambda proc, out: (out / "phase1").exists(),  # (the master's start of phase 1)
+}
+
+
+@pytest.mark.parametrize("moment", list(START_UP_MOMENTS))
+def test_main_running_torchruns_agent_stopped_during_start_up_says_one_line_and_leaves_no_process(
+        moment, tiny_model_dir, data, tmp_path):
+    """Ctrl-C to `main.py --nproc-per-node 2` as it starts: exit 0, one line, no traceback or
+    error line, no process left, and a checkpoint named only where one exists. (A stop before
+    its processes existed was lost, the run trained every step; one while they imported was a
+    KeyboardInterrupt traceback in each and a resume from a checkpoint that did not exist.)"""
+    config = config_for(tmp_path, tiny_model_dir, data, model={"dtype": "float64"})
+    out, log = out_of(config), tmp_path / "main.log"
+    proc = main_running_torchruns_agent(config, log)
+    deadline = time.monotonic() + HANG
+    while not START_UP_MOMENTS[moment](proc, out) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(HANG) == 0, log.read_text()
+    text = log.read_text()
+    assert not re.search(r"Traceback|KeyboardInterrupt|^error:", text, re.MULTILINE), text
+    (line,) = [line for line in text.splitlines() if line.startswith("stopped on")]
+    checkpoints = checkpoint_steps(out)
+    if moment == "before its processes exist":
+        assert line.startswith("stopped on SIGINT before the run's 2 processes were started: nothing was trained"), text
+        assert not (out / "phase1").exists()
+    elif moment == "while its processes import" or not checkpoints:  # (the last may reach step 1 first)
+        assert line.startswith("stopped on SIGINT before the first step of phase 1: nothing of it was trained and "
+                               "no checkpoint written"), text
+        assert not checkpoints and not (out / "phase1" / "summary.json").exists()
+    else:
+        assert line.startswith(f"stopped on SIGINT after a checkpoint at step {checkpoints[-1]} of phase 1"), text
+    assert "--resume auto" in text.split(line + "\n")[1].splitlines()[0]
+    assert not running_with(str(config)), text  # no orphan: every process of the run has exited
+
+
+def running_with(argument: str) -> list[int]:
+    """The processes whose command line holds `argument`."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if argument in cmdline.read_bytes().decode(errors="replace").split("\0"):
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
 
 
 def stop_lines_in(text: str) -> list[int]:

@@ -14,8 +14,10 @@ process's main thread can install signal handlers, so a spot VM's SIGTERM would 
 replica without a checkpoint; it has no hook on the main thread. This launcher is
 torch_xla 2.9's `run_multiprocess` (same process count, start method, topology set-up and
 threads) with the stop handlers and the compile cache set up on each worker process's main
-thread first. The parent forwards SIGTERM/SIGINT to its workers, so `kill PARENT` stops the run
-the way a preemption does (every replica checkpoints the same step, exit 0); a worker whose
+thread first. The parent passes SIGTERM/SIGINT on to its workers, each once it catches them
+(distributed/stop_relay.py: a worker still importing is not killed by one), so `kill PARENT`
+stops the run the way a preemption does (every replica checkpoints the same step, or stops before
+its first, exit 0); a worker whose
 parent died without a word (SIGKILL) stops the same way rather than train on as an orphan.
 
 Every wait ends in bounded time, because on a TPU a replica whose peer died waits in a device
@@ -32,11 +34,11 @@ import contextlib
 import multiprocessing
 import os
 import pickle
-import signal
 import sys
 import threading
 import time
 
+from finetuning_pipeline.distributed.stop_relay import StopRelay
 from finetuning_pipeline.distributed.whole_lines import whole_lines_on_stdout_and_stderr
 from finetuning_pipeline.errors import ConfigError, ReplicaLost
 from finetuning_pipeline.run.stop_signal import (
@@ -124,20 +126,22 @@ def launch_replicas(replica, args: tuple, *, compile_cache: str, mode: str, grac
                                kwargs=dict(processes=processes, replica=replica, args=args, compile_cache=compile_cache,
                                            mode=mode, report=pipes[local][1], grace_s=grace_s))
                for local in range(processes)]
-    with forward_stop_signals():
+    # A stop signal to this process goes on to each worker once it catches it (stop_relay.py)
+    relay = StopRelay(lambda: [worker.pid for worker in workers if worker.pid is not None])
+    with PROCESS_SIGNALS.caught():
         for worker, (_, writer) in zip(workers, pipes):
             worker.start()
             writer.close()  # the worker's copy is its own: a worker that dies closes its pipe
-        failures = await_workers(workers, [reader for reader, _ in pipes], grace_s)
+        failures = await_workers(workers, [reader for reader, _ in pipes], grace_s, relay.pass_on)
     if failures:
         raise first_cause(failures) from None
 
 
-def await_workers(workers: list, reports: list, grace_s: float) -> list[BaseException]:
+def await_workers(workers: list, reports: list, grace_s: float, woke=lambda: None) -> list[BaseException]:
     """Wait until every worker has exited, WAIT_S at a time so that this main thread runs the
-    signal handlers (forwarding a SIGTERM) at once; returns their errors in local order (a
-    worker reports None or its error on its pipe in `reports`). A worker's failure, or death,
-    starts the grace period after which the others are killed."""
+    signal handlers at once and then `woke()` (passing a stop on); returns their errors in local
+    order (a worker reports None or its error on its pipe in `reports`). A worker's failure, or
+    death, starts the grace period after which the others are killed."""
     from multiprocessing.connection import wait
 
     errors: dict[int, BaseException] = {}
@@ -173,6 +177,7 @@ def await_workers(workers: list, reports: list, grace_s: float) -> list[BaseExce
                     reported.add(local)
         waiting = [pipe for local, pipe in enumerate(reports) if local not in reported | closed]
         wait([worker.sentinel for worker in workers if worker.is_alive()] + waiting, timeout=WAIT_S)
+        woke()
 
 
 def first_cause(failures: list[BaseException]) -> BaseException:
@@ -265,25 +270,3 @@ def _start_replicas(local: int, *, launcher: int, processes: int, replica, args:
     replicas = threading.Thread(target=run_replicas, name="replicas", daemon=True)
     replicas.start()
     return replicas, failures, outcome
-
-
-@contextlib.contextmanager
-def forward_stop_signals():
-    """In the launching process: a SIGTERM or SIGINT that reaches it (`kill PARENT`, Ctrl-C)
-    goes on to the worker processes, which stop at the next step together; the launcher
-    itself waits for them instead of dying first."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def forward(signum, frame):
-        for child in multiprocessing.active_children():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child.pid, signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

@@ -10,7 +10,13 @@ import threading
 
 import pytest
 
-from finetuning_pipeline.run.stop_signal import ProcessSignals, StopOnSignal, WallClockBudget, watch_parent
+from finetuning_pipeline.run.stop_signal import (
+    ProcessSignals,
+    StopOnSignal,
+    WallClockBudget,
+    stopped_before_step,
+    watch_parent,
+)
 
 
 def in_worker_thread(fn):
@@ -132,3 +138,46 @@ def test_a_signal_that_interrupts_the_handler_itself_never_deadlocks():
     while one_try():
         tries += 1
     assert tries >= 2  # every line of request was interrupted once
+
+
+def test_a_stop_taken_during_start_up_is_kept_by_the_replica_that_comes_later():
+    """main.py catches the stop signals from its first lines; the replica's StopOnSignal, entered
+    seconds later on the same main thread, keeps those handlers and the stop they took (before,
+    its own install cleared it: the run trained every step), and leaves them to main.py."""
+    signals = ProcessSignals()
+    assert signals.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # while the command still imports and checks its inputs
+        assert not signals.install()  # (installed already: kept as they are)
+        with StopOnSignal(budget=WallClockBudget(3600, started=0, clock=lambda: 1.0), signals=signals) as stop:
+            assert stop.signalled() and stop.requested() and stop.reason() == "SIGINT"
+        assert signal.getsignal(signal.SIGINT) == signals.handle  # still main.py's, until main.py ends
+        assert signals.signals_received == [signal.SIGINT]
+    finally:
+        signals.restore()
+    assert signal.getsignal(signal.SIGINT) is not signals.handle
+    assert not signals.stop_requested and signals.received is None and not signals.signals_received
+    with signals.caught():  # the block's owner installs and restores
+        assert signal.getsignal(signal.SIGTERM) == signals.handle
+        with signals.caught():  # a nested block leaves them to it
+            pass
+        assert signal.getsignal(signal.SIGTERM) == signals.handle
+    assert signal.getsignal(signal.SIGTERM) is not signals.handle
+
+
+def test_the_session_budget_is_not_a_stop_before_the_first_step():
+    """signalled(), asked before a phase's first step, is the signals' alone: a session whose
+    budget ran out during start-up still trains a step (and checkpoints it) rather than start and
+    stop forever; requested(), asked after each step, counts the budget."""
+    stop = StopOnSignal(budget=WallClockBudget(10, started=0, clock=lambda: 11.0), signals=ProcessSignals())
+    assert not stop.signalled() and stop.requested()
+
+
+def test_a_stop_before_the_first_step_says_what_exists_and_claims_no_checkpoint():
+    fresh = stopped_before_step("SIGTERM", 0, 2, "python main.py --resume auto")
+    assert fresh.startswith("stopped on SIGTERM before the first step of phase 2: nothing of it was trained and no "
+                            "checkpoint written; the same command starts it:\n  python main.py --resume auto")
+    assert "resume with" not in fresh
+    resumed = stopped_before_step("SIGINT", 4, 1, "cmd")
+    assert resumed == ("stopped on SIGINT before step 5 of phase 1, nothing trained since its checkpoint at step 4; "
+                       "resume with:\n  cmd")
