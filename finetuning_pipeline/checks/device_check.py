@@ -43,7 +43,7 @@ from pathlib import Path
 
 import yaml
 
-from dataset.manifest import MANIFEST_NAME
+from dataset.manifest import MANIFEST_NAME, read_manifest
 from dataset.prepare import PrepareOptions, prepare
 from dataset.samples import DOMAIN_TEXT
 from finetuning_pipeline.checks.pod_hosts import ONE_HOST, HostBarrier, PodHost
@@ -111,9 +111,10 @@ def check_model_config(model_config, vocab_size: int, full_width: bool):
     return small
 
 
-def check_data(config: RunConfig, root: Path, seq_len: int) -> tuple[Path, Path, str]:
+def check_data(config: RunConfig, root: Path, seq_len: int, blocks: int = 64) -> tuple[Path, Path, str]:
     """(data dir, tokenizer dir, description): the run's prepared phase-1 data when it is there
-    with its tokenizer, else the bundled domain text, repeated to fill ~64 blocks of `seq_len`,
+    with its tokenizer, else the bundled domain text, repeated to fill at least `blocks` training
+    blocks of `seq_len` (a check run's global batch: a step may not repeat blocks, PhaseData),
     under the demo's tokenizer (only token ids matter to what is checked)."""
     given = next(iter(config.data_dirs(1).values()), None) or ""  # side by side: the first adapter's
     prepared = Path(given)
@@ -129,11 +130,16 @@ def check_data(config: RunConfig, root: Path, seq_len: int) -> tuple[Path, Path,
 
     tokenizer = write_tiny_model(root / "tokenizer")
     records = DOMAIN_TEXT.read_text().splitlines()
-    copies = max(1, math.ceil(64 * seq_len * 4 / sum(len(r) for r in records)))  # ~4 characters a token
-    text = root / "text.jsonl"
-    text.write_text("\n".join(records * copies) + "\n")
-    data = root / "data"
-    prepare(PrepareOptions(inputs=[str(text)], tokenizer=str(tokenizer), seq_len=seq_len, out=str(data), quiet=True))
+    copies = max(1, math.ceil(blocks * seq_len * 4 / sum(len(r) for r in records)))  # ~4 characters a token
+    text, data = root / "text.jsonl", root / "data"
+    while True:
+        text.write_text("\n".join(records * copies) + "\n")
+        prepare(PrepareOptions(inputs=[str(text)], tokenizer=str(tokenizer), seq_len=seq_len, out=str(data),
+                               quiet=True, force=data.exists()))
+        made = read_manifest(data)["counts"]["train"]
+        if made >= blocks:
+            break
+        copies = math.ceil(copies * blocks / made * 1.1)  # (a tokenizer of shorter tokens than guessed)
     return data, tokenizer, f"the bundled domain text at seq_len {seq_len} ({given or 'phase1.data'} is not " \
                             f"prepared){shared}"
 
@@ -357,13 +363,24 @@ class CheckCopy:
     dequantized: Path | None  # the copy holding its dequantized weights, under model.quantize
 
 
+def check_global_batch(config: RunConfig, on_tpu: bool) -> int:
+    """The most sequences a step of a check's run takes (at least 64): its micro-batch (the run's
+    on a TPU, 1 on a CPU) x its accumulation (at most 2: rehearsal.small_run) x the devices (the
+    slice's on a TPU; on a CPU the check's replicas)."""
+    devices = parse_tpu_type(config.tpu.type).devices if on_tpu else int(os.environ.get("CPU_NUM_DEVICES",
+                                                                                          CPU_REPLICAS))
+    micro_batch = config.train.micro_batch if on_tpu else 1
+    return max(64, micro_batch * min(config.train.grad_accum, 2) * devices)
+
+
 def check_copy(config: RunConfig, model_config, own: Path, seq_len: int, on_tpu: bool) -> CheckCopy:
     """The data (check_data) and the 2-layer copy of the configured model in own/model (and its
     dequantized twin in own/model_dequantized under model.quantize); on a CPU narrowed, at a
     sequence length of at most 128."""
     from transformers import AutoTokenizer
 
-    data, tokenizer_dir, data_note = check_data(config, own, seq_len if on_tpu else min(seq_len, 128))
+    data, tokenizer_dir, data_note = check_data(config, own, seq_len if on_tpu else min(seq_len, 128),
+                                                check_global_batch(config, on_tpu))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     small = check_model_config(model_config, len(tokenizer), full_width=on_tpu)
     architecture = write_check_model(small, tokenizer, own / "model", config.train.seed)

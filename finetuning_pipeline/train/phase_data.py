@@ -54,6 +54,22 @@ class PhaseData:
         self.batches_per_step = t.grad_accum * parallel.chips * t.micro_batch  # global blocks per step (per adapter)
         self.tokens_per_step = self.batches_per_step * self.seq_len * len(self.dirs)
         self.chips_changed = None
+        self._check_global_batch()
+
+    def _check_global_batch(self) -> None:
+        """A step's global batch within each adapter's training blocks. The micro-batch alone is
+        checked before any replica starts (run/input_checks.py); the devices multiplying it are
+        known only here, and every replica computes the same refusal from the same config, so all
+        stop at once, before their first step, saying the same line."""
+        for name, manifest in self.manifests.items():
+            blocks = manifest["counts"]["train"]
+            if self.batches_per_step > blocks:
+                product = (f"train.micro_batch {self.micro_batch} x train.grad_accum {self.grad_accum} x "
+                           f"{self.parallel.chips} devices")
+                raise ConfigError(
+                    f"phase {self.phase}: a global batch of {self.batches_per_step} sequences a step ({product}) is "
+                    f"more than the {blocks} training blocks of {self.dirs[name]}: every step would repeat blocks. "
+                    f"Choose train.micro_batch x train.grad_accum x devices <= {blocks}, or prepare more data")
 
     def resume(self, state: dict, resume_from: Path | None) -> int:
         """The first step to run; positions the loader at the global block it starts with."""

@@ -156,6 +156,8 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     guard = CompileGuard(phase, t.warmup_compiles_steps, t.recompile_policy, runtime)  # counts from here
     merged, continued = config.lineage(phase)
     adapters = list(config.phase(phase).adapters)
+    # First: its batch checked against the data on the devices now known, before a 7B is loaded
+    data = PhaseData(config.data_dirs(phase), train=t, eval=config.eval, parallel=parallel, phase=phase)
     with HOST_BUILD:
         seed_everything(t.seed + phase)
         model, lora_config = build_model(config.model, config.adapters(phase),
@@ -169,7 +171,6 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
                                 collectives=parallel.collectives, base_model=config.model.path, lora_config=lora_config,
                                 sync=runtime.step_boundary)
     checkpointer.clean()
-    data = PhaseData(config.data_dirs(phase), train=t, eval=config.eval, parallel=parallel, phase=phase)
     parallelized = runtime.parallelize(model, config, parallel, device, data.seq_len)
     if parallel.master:
         print(f"phase {phase}: {parallelized.description}", flush=True)

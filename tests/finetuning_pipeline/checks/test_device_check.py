@@ -252,13 +252,18 @@ def test_preflight_plans_with_the_chips_measured_figures_of_its_generation(tmp_p
 
 def test_without_prepared_data_the_check_fills_its_batches_from_the_bundled_text(tmp_path):
     """phase1.data not prepared and the model not downloaded (a Hub id): the bundled domain text,
-    repeated, prepared at the run's sequence length into enough blocks for the check's steps."""
+    repeated, prepared at the run's sequence length into at least the blocks of a check run's
+    global batch (a step may not repeat blocks): on a v5e-8, micro-batch 8 x accumulation 2 (the
+    check's at most) x 8 chips; on a CPU, 64 (micro-batch 1 there)."""
     from dataset.manifest import read_manifest
 
-    run = config(tmp_path, model={"path": "mistralai/Mistral-7B-v0.3"})
-    data, tokenizer, note = device_check.check_data(run, tmp_path / "check", seq_len=512)
+    run = config(tmp_path, model={"path": "mistralai/Mistral-7B-v0.3"}, train={"micro_batch": 8, "grad_accum": 4},
+                 tpu={"type": "v5e-8"})
+    assert device_check.check_global_batch(run, on_tpu=True) == 128
+    assert device_check.check_global_batch(run, on_tpu=False) == 64
+    data, tokenizer, note = device_check.check_data(run, tmp_path / "check", seq_len=512, blocks=128)
     manifest = read_manifest(data)
-    assert manifest["seq_len"] == 512 and manifest["counts"]["train"] >= 48
+    assert manifest["seq_len"] == 512 and manifest["counts"]["train"] >= 128
     assert (tokenizer / "tokenizer_config.json").is_file() and "bundled domain text at seq_len 512" in note
 
 

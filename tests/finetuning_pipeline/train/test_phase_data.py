@@ -1,5 +1,5 @@
 """A phase's data on a replica: what a resume on another number of devices is told when the
-checkpoint's global batch cannot be kept as it is."""
+checkpoint's global batch cannot be kept as it is, and a global batch beyond the data refused."""
 
 from __future__ import annotations
 
@@ -32,3 +32,36 @@ def test_devices_that_divide_it_are_given_a_setting_that_makes_it(saved, devices
     assert advice == expected
     numbers = [int(part.split("=")[1].rstrip(")")) for part in advice.split("(e.g. ")[1].split()]
     assert numbers[0] * numbers[1] * devices == saved
+
+
+def test_a_global_batch_beyond_the_training_blocks_is_refused_on_every_replica(tiny_model_dir, data):
+    """The micro-batch alone is bounded before the replicas start (run/input_checks.py); the
+    devices that multiply it are known on the replicas: one device more than the phase's blocks,
+    at micro-batch 1, would repeat a block in every step. Each replica (here the first and the
+    last) refuses with the same line, naming the product, the blocks and the data; as many
+    devices as blocks train."""
+    from types import SimpleNamespace
+
+    from dataset.manifest import read_manifest
+    from finetuning_pipeline.errors import ConfigError
+    from finetuning_pipeline.run_config import load_config
+    from finetuning_pipeline.train.phase_data import PhaseData
+
+    blocks = read_manifest(data[1])["counts"]["train"]
+    config = load_config(None, ["model.path=unused", "train.micro_batch=1", "train.grad_accum=1"])
+
+    def on(devices: int, rank: int) -> PhaseData:
+        parallel = SimpleNamespace(chips=devices, chips_per_process=1, rank=rank, world=devices)
+        return PhaseData({"": str(data[1])}, train=config.train, eval=config.eval, parallel=parallel, phase=1)
+
+    lines = set()
+    for rank in (0, blocks):
+        with pytest.raises(ConfigError) as refused:
+            on(blocks + 1, rank)
+        lines.add(str(refused.value))
+    [line] = lines
+    assert line == (f"phase 1: a global batch of {blocks + 1} sequences a step (train.micro_batch 1 x "
+                    f"train.grad_accum 1 x {blocks + 1} devices) is more than the {blocks} training blocks of "
+                    f"{data[1]}: every step would repeat blocks. Choose train.micro_batch x train.grad_accum x "
+                    f"devices <= {blocks}, or prepare more data")
+    assert on(blocks, 0).batches_per_step == blocks
