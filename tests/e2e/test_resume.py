@@ -91,11 +91,11 @@ def test_sigkill_at_a_random_step_then_resume_equals_the_uninterrupted_run(tiny_
 
 def test_a_stop_waits_for_two_queued_steps_at_most_not_for_all_the_host_ran_ahead(tiny_model_dir, data, tmp_path):
     """A preemption notice gives 30 s. Steps that are slow on the device (14 micro-batches of 8
-    on the tiny model, about 0.1 s: 112 of the data's 117 training blocks) and a run that logs once, so that only the run-ahead bound
-    makes the host wait: before it, the host had queued 32 steps when SIGTERM came 2 s in, and
-    the checkpoint was complete 32 step times after the signal. Step times are this run's own
-    (from its first logged step to its checkpoint the device runs without a pause), so a loaded
-    machine slows both sides of the comparison."""
+    on the tiny model, about 0.1 s: 112 of the data's 117 training blocks) and a run that logs
+    once, so that only the run-ahead bound makes the host wait: before it, the host had queued 32
+    steps when SIGTERM came 2 s in, and the checkpoint was complete 32 step times after the
+    signal. Step times are this run's own (from its first logged step to its checkpoint the device
+    runs without a pause), so a loaded machine slows both sides of the comparison."""
     config = write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out",
                               train={"max_steps": 200, "micro_batch": 8, "grad_accum": 14}, eval={"every": 0},
                               checkpoint={"every": 0}, logging={"every": 1000, "tensorboard": False})
