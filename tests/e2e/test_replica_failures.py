@@ -166,6 +166,25 @@ def test_a_signal_to_the_launching_process_alone_stops_its_replicas_with_a_check
     assert "(SIGINT)" in run.output() and "Traceback" not in run.output()
 
 
+def test_a_signal_to_the_launching_process_while_its_worker_starts_stops_both_replicas_before_a_step(
+        tiny_model_dir, data, tmp_path):
+    """The same Ctrl-C while the worker process is still starting (spawned, importing torch): the
+    launcher passes it on once the worker catches it (distributed/stop_relay.py; before, SIGINT
+    there was a KeyboardInterrupt traceback mid-import), and the worker's two replica threads vote
+    it before their first step: one line, exit 0, nothing trained, no checkpoint, no process left."""
+    config = config_for(tmp_path, tiny_model_dir, data)
+    run = launched(config, tmp_path / "run.log", devices=2)
+    worker = run.worker()  # (it exists: it is importing)
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(HANG) == [0], run.output()
+    output = run.output()
+    assert [line for line in output.splitlines() if line.startswith("stopped on")] == [
+        "stopped on SIGINT before the first step of phase 1: nothing of it was trained and no checkpoint written; "
+        "the same command starts it:"], output
+    assert "Traceback" not in output and "replica 0: stopped" not in output and not checkpoint_steps(out_of(config))
+    assert not process_alive(worker)
+
+
 def test_scanned_layers_on_two_replicas_stop_resume_and_take_the_layer_loops_steps(tiny_model_dir, data, tmp_path):
     """The scanned layers' hard case: two replicas, each its own LoRA dropout masks, the chunked
     loss's loop around the layers' loop, SIGTERM mid-run and a resume from the collective
