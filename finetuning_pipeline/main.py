@@ -49,6 +49,7 @@ from finetuning_pipeline.run.stop_signal import (
     PROCESS_SIGNALS,
     StopOnSignal,
     WallClockBudget,
+    stopped_before_processes,
     stopped_before_step,
     watch_parent,
 )
@@ -68,7 +69,7 @@ from finetuning_pipeline.distributed.torchrun_agent import run_torchrun_agent
 from finetuning_pipeline.errors import SEE_THE_MASTERS, ConfigError, OutputWriteError, run_command
 from finetuning_pipeline.monitor.console import summary_lines
 from finetuning_pipeline.monitor.metrics_log import plot_losses
-from finetuning_pipeline.run.checkpointing import complete_checkpoints, read_json
+from finetuning_pipeline.run.checkpointing import checkpoint_step, complete_checkpoints
 from finetuning_pipeline.run.input_checks import check_inputs, pin_model
 from finetuning_pipeline.run.resume_plan import PhasePlan, check_resumable, plan_phases
 from finetuning_pipeline.run.run_layout import OutputLock, RunLayout
@@ -234,9 +235,9 @@ def train(argv: list[str] | None) -> int:
     if args.nproc_per_node > 1 and torchrun_world() == 1:  # its processes run this command and say the rest
         resume_collector()  # (this process only waits on them)
         if PROCESS_SIGNALS.stop_requested:  # (while it started: no process started yet)
-            print(f"stopped on {PROCESS_SIGNALS.received} before the run's {args.nproc_per_node} processes were "
-                  "started: nothing was trained or written; the same command starts it:\n  "
-                  f"{resume_command(Path(__file__).resolve(), resume_arguments(args), ())}", flush=True)
+            print(stopped_before_processes(PROCESS_SIGNALS.received, args.nproc_per_node,
+                                           resume_command(Path(__file__).resolve(), resume_arguments(args), ())),
+                  flush=True)
             return 0
         return run_torchrun_agent(["--standalone"], args.nproc_per_node, script, command)
     say = print if launch_rank() == 0 else (lambda *args, **kwargs: None)  # torchrun: said once
@@ -262,9 +263,9 @@ def train(argv: list[str] | None) -> int:
     if PROCESS_SIGNALS.stop_requested and plans and torchrun_world() == 1:
         # A stop while this command started, which alone decides (torchrun's processes vote on
         # theirs before their first step): no replica is started
-        plan = plans[0]
-        step = read_json(plan.resume_from / "trainer_state.json")["step"] if plan.resume_from else 0
-        print(stopped_before_step(PROCESS_SIGNALS.received, step, plan.phase, resume), flush=True)
+        first = plans[0]
+        print(stopped_before_step(PROCESS_SIGNALS.received, checkpoint_step(first.resume_from), first.phase, resume),
+              flush=True)
         return 0
     budget = WallClockBudget(parse_duration(config.train.max_wall_time) if config.train.max_wall_time else None,
                              started, label=config.train.max_wall_time or "")

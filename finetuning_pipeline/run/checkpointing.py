@@ -216,6 +216,11 @@ def verify_checkpoint(path: Path) -> dict:
     return marker
 
 
+def checkpoint_step(checkpoint: Path | None) -> int:
+    """The step a complete checkpoint was saved at; 0 for none (a phase that starts fresh)."""
+    return read_json(checkpoint / "trainer_state.json")["step"] if checkpoint else 0
+
+
 def read_json(path: Path) -> dict:
     """A JSON object from `path`; a truncated or garbled file is a ValueError naming it."""
     try:

@@ -19,6 +19,7 @@ from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.run.checkpointing import (
     BASE_WEIGHTS_KEY,
     changed_resume_keys,
+    checkpoint_step,
     data_content_key,
     newest_intact_checkpoint,
     read_json,
@@ -82,7 +83,7 @@ def plan_phases(config: RunConfig, phases: list[int], resume: str, force: bool, 
 
 
 def resuming(phase: int, checkpoint: Path) -> str:
-    return f"phase {phase}: resuming from step {read_json(checkpoint / 'trainer_state.json')['step']} ({checkpoint})"
+    return f"phase {phase}: resuming from step {checkpoint_step(checkpoint)} ({checkpoint})"
 
 
 def check_resumable(config: RunConfig, plans: list[PhasePlan], accept_changes: bool = False, say=print) -> None:

@@ -231,6 +231,12 @@ def stopped_before_step(reason: str, step: int, phase: int, resume_command: str)
             f"written; the same command starts it:\n  {resume_command}")
 
 
+def stopped_before_processes(reason: str, processes: int, command: str) -> str:
+    """What main.py running torchrun's agent prints for a stop taken before it started the processes."""
+    return (f"stopped on {reason} before the run's {processes} processes were started: nothing was trained or "
+            f"written; the same command starts it:\n  {command}")
+
+
 class StopVote:
     """`due()` is True on every replica once any replica's stop flag is set: every step, so a
     30-second preemption notice is honoured within one step, however long `logging.every` is."""

@@ -24,7 +24,7 @@ from finetuning_pipeline.errors import SEE_THE_MASTERS, OutputWriteError
 from finetuning_pipeline.model.lineage import write_lineage
 from finetuning_pipeline.monitor.divergence import DivergenceMonitor
 from finetuning_pipeline.monitor.metrics_log import StepLogger
-from finetuning_pipeline.run.checkpointing import read_json
+from finetuning_pipeline.run.checkpointing import checkpoint_step
 from finetuning_pipeline.run.stop_signal import StopVote
 from finetuning_pipeline.run_config import RunConfig
 from finetuning_pipeline.train.adapter_results import weighted_mean
@@ -59,8 +59,7 @@ def run_phase(config: RunConfig, phase: int, *, parallel: Parallel, device, resu
     accepted_changes: settings changed at this resume (main.py --accept-changes), recorded.
     runtime: what executes the steps, torch_xla's or native PyTorch's (runtime/protocol.py)."""
     if StopVote(parallel.collectives, signalled).due():
-        return PhaseResult(phase, stopped_before_step=read_json(resume_from / "trainer_state.json")["step"]
-                           if resume_from else 0)
+        return PhaseResult(phase, stopped_before_step=checkpoint_step(resume_from))
     p = start_phase(config, phase, parallel, device, resume_from, stop_requested, accepted_changes, runtime=runtime)
     if StopVote(parallel.collectives, signalled).due():
         p.logger.close()
