@@ -242,7 +242,7 @@ def train(argv: list[str] | None) -> int:
         return run_torchrun_agent(["--standalone"], args.nproc_per_node, script, command)
     say = print if launch_rank() == 0 else (lambda *args, **kwargs: None)  # torchrun: said once
     runtime = backend(config, environ)
-    runtime.prepare_process(first_process=launch_rank() == 0)  # before transformers is imported
+    runtime.prepare_process(config, first_process=launch_rank() == 0)  # before transformers is imported
     say(choice_line(runtime, config), flush=True)
     phases = selected_phases(args.phase, config)
     pin_model(config)
@@ -316,7 +316,7 @@ def choose_config(given: str | None, overrides: list[str], phase: str = "all") -
     say(f"config: {DEMO_CONFIG} (the embedded default: no --config given and ${CONFIG_ENV} unset)", flush=True)
     anchored = anchored_paths(DEMO_CONFIG, REPO)
     demo = load_config(DEMO_CONFIG, anchored + overrides)
-    backend(demo).prepare_process(first_process=launch_rank() == 0)  # (building the demo's base imports transformers)
+    backend(demo).prepare_process(demo, first_process=launch_rank() == 0)  # (building its base imports transformers)
     ensure_demo_inputs(demo, selected_phases(phase, demo))
     return DEMO_CONFIG, anchored + overrides
 

@@ -13,6 +13,13 @@ from pathlib import Path
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 # Nothing in the tests reaches the Hugging Face Hub: a Hub id is read from a local cache.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# Two test workers share two cores, each running torch's threads and starting processes that run
+# theirs: an OpenMP thread with no work spins before it sleeps, on a core another process needs.
+# Waiting passively, the demo base's pretraining twice at once took 46 s and 51 CPU-s each where
+# spinning took 155 s and 160 CPU-s (alone 41 s against 28 s), and wrote the same bytes; `make
+# test` took 1,519 s against 1,764 s (docs/development.md). torch's OpenMP library reads it as
+# torch is imported (below); the processes the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch

@@ -131,7 +131,7 @@ class Backend(Protocol):
     def plans_gpu(self, config: RunConfig) -> bool:
         """Whether preflight plans gpu.type's GPUs for this run (planning/gpu_plan.py), else tpu.type's TPU."""
 
-    def prepare_process(self, first_process: bool) -> None:
+    def prepare_process(self, config: RunConfig, first_process: bool) -> None:
         """Before anything imports transformers (first_process: the first of a host's processes)."""
 
     def target_machine(self, config: RunConfig) -> TargetMachine:

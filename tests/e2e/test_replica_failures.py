@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,10 +156,14 @@ def test_a_failed_replica_whose_peer_never_returns_ends_the_run_in_bounded_time(
 def test_a_signal_to_the_launching_process_alone_stops_its_replicas_with_a_checkpoint(tiny_model_dir, data, tmp_path):
     """Ctrl-C, or `kill PID` of the command a user started, on a v5e/v6e host's shape (a worker
     process per chip, its one replica on a worker thread): the launcher passes the signal on
-    instead of dying first and leaving its workers behind."""
+    instead of dying first and leaving its workers behind. The launching process trains nothing
+    and never loads torch_xla (launch.HiddenTorchXla); its worker, which trains, does."""
     config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 0}, lora={"dropout": 0.0})
     run = launched(config, tmp_path / "run.log", devices=1)
     wait_for_replicas(run, out_of(config), 2)
+    launcher, worker = run.proc.pid, run.worker()
+    loaded = {pid: "_XLAC" in Path(f"/proc/{pid}/maps").read_text() for pid in (launcher, worker)}
+    assert loaded == {launcher: False, worker: True}, run.output()
     run.proc.send_signal(signal.SIGINT)
     assert run.wait(HANG) == [0], run.output()
     stopped = checkpoint_steps(out_of(config))

@@ -26,6 +26,7 @@ from trainer_helpers import (
     launcher_worker,
     poison_nan_in_steps,
     process_alive,
+    startup_patch,
     train_losses,
     wait_for_step,
     write_run_config,
@@ -47,15 +48,30 @@ def config_for(tmp_path, tiny_model_dir, data, **sections):
     return write_run_config(tmp_path / "run.yaml", tiny_model_dir, data, tmp_path / "out", **merged)
 
 
-def start(config: Path) -> subprocess.Popen:
+def start(config: Path, env: dict | None = None) -> subprocess.Popen:
     """The run as a TPU host starts it (parallel.launcher=tpu): this launching process and a
     worker process whose one replica runs on a worker thread, the shape of each chip of a v5e."""
     return subprocess.Popen(
         [sys.executable, "finetuning_pipeline/main.py", "--config", str(config), "--phase", "1",
          "parallel.launcher=tpu"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PJRT_DEVICE": "CPU", "PYTHONUNBUFFERED": "1", "CPU_NUM_DEVICES": "1"},
+        env={**os.environ, "PJRT_DEVICE": "CPU", "PYTHONUNBUFFERED": "1", "CPU_NUM_DEVICES": "1", **(env or {})},
     )
+
+
+# Each step from step 3 on logs, then waits half a second: a step of the tiny model takes about
+# 0.04 s, so without the wait the run could finish its last step before the SIGTERM sent on seeing
+# step 3 reaches its replica (passed on by the launcher, which wakes every 0.2 s), on a loaded machine.
+SLOW_FROM_STEP_3 = """
+import time
+from finetuning_pipeline.monitor import metrics_log
+write = metrics_log.MetricsLog.write
+def write_then_wait(self, record):
+    write(self, record)
+    if record["kind"] == "train" and record["step"] >= 3:
+        time.sleep(0.5)
+metrics_log.MetricsLog.write = write_then_wait
+"""
 
 
 def wait_for_step_of(proc: subprocess.Popen, out: Path, step: int) -> None:
@@ -120,7 +136,7 @@ def test_a_stop_waits_for_two_queued_steps_at_most_not_for_all_the_host_ran_ahea
 
 def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tiny_model_dir, data, reference, tmp_path):
     config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 0})  # only the one SIGTERM writes
-    proc = start(config)
+    proc = start(config, env=startup_patch(tmp_path, SLOW_FROM_STEP_3))
     wait_for_step_of(proc, tmp_path / "out", 3)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)

@@ -139,7 +139,7 @@ class NativeBackend:
     def plans_gpu(self, config: RunConfig) -> bool:
         return config.runtime.device != "tpu"  # (TorchTPU's device: tpu.type's TPU)
 
-    def prepare_process(self, first_process: bool) -> None:
+    def prepare_process(self, config: RunConfig, first_process: bool) -> None:
         """USE_TORCH_XLA=0, which transformers and accelerate read, so that they leave an installed
         torch_xla unimported (accelerate imports it at its own import otherwise, and it then takes a
         device), and the profiler that counts host syncs started once on this main thread

@@ -23,7 +23,12 @@ from finetuning_pipeline.runtime.xla.compile_cache import use_compile_cache
 from finetuning_pipeline.runtime.xla.counters import XlaCounters, donations_of_last_graphs, read_counters
 from finetuning_pipeline.runtime.xla.device import choose_device, device_kind, peak_memory_bytes
 from finetuning_pipeline.runtime.xla.kernel_attention import attention_here, enable_kernel_attention, this_machine
-from finetuning_pipeline.runtime.xla.launch import apply_single_chip, launch_replicas, resolve_launcher
+from finetuning_pipeline.runtime.xla.launch import (
+    HIDDEN_TORCH_XLA,
+    apply_single_chip,
+    launch_replicas,
+    resolve_launcher,
+)
 from finetuning_pipeline.runtime.xla.layer_scan import ScannedLayers
 from finetuning_pipeline.runtime.xla.replicas import start_replica
 from finetuning_pipeline.runtime.xla.scan_choice import scan_layers
@@ -130,10 +135,15 @@ class XlaBackend:
     def plans_gpu(self, config: RunConfig) -> bool:
         return False
 
-    def prepare_process(self, first_process: bool) -> None:
-        """The PJRT device chosen and said once (by the first process: torchrun's others inherit it)."""
+    def prepare_process(self, config: RunConfig, first_process: bool) -> None:
+        """The PJRT device chosen and said once (by the first process: torchrun's others inherit it).
+        A process that will start the TPU launcher's workers trains nothing itself: its
+        transformers and accelerate are told to leave torch_xla alone (launch.py,
+        HIDDEN_TORCH_XLA), and its workers are told otherwise again."""
         if first_process:
             choose_device()
+        if self.launcher(config) == "tpu":
+            HIDDEN_TORCH_XLA.hide()
 
     def target_machine(self, config: RunConfig) -> TargetMachine:
         return this_machine(config.model.attention)
@@ -154,15 +164,20 @@ class XlaBackend:
         if torchrun_world() > 1 and kind != "CPU":
             raise ConfigError("torchrun starts replicas on a CPU only (PJRT_DEVICE=CPU); on a TPU run plain python: "
                               "it starts one process per chip")
-        launcher = resolve_launcher(config.parallel.launcher, config.parallel.mode, kind, torchrun_world())
+        launcher = self.launcher(config)
         if config.parallel.single_chip:
             apply_single_chip(kind)
         if launcher == "tpu":
+            HIDDEN_TORCH_XLA.show()  # (the workers train: torch_xla is theirs)
             launch_replicas(replica, args, compile_cache=config.xla.compile_cache_dir, mode=config.parallel.mode)
         else:
             local = int(os.environ.get("LOCAL_RANK", "0"))
             use_compile_cache(config.xla.compile_cache_dir, config.parallel.mode, local)
             replica(*args)
+
+    def launcher(self, config: RunConfig) -> str:
+        """"tpu" (this process starts the TPU host's workers) or "process" (it is the replica)."""
+        return resolve_launcher(config.parallel.launcher, config.parallel.mode, device_kind(), torchrun_world())
 
     def start(self, config: RunConfig):
         """(XlaRuntime, Parallel, device): PJRT initialised for parallel.mode (replicas.py)."""

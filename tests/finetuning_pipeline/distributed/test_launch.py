@@ -38,6 +38,25 @@ def test_launcher_settings_that_cannot_work_are_config_errors(tmp_path):
         load_config(config, ["parallel.single_chip=true", "parallel.mode=fsdp"])
 
 
+@pytest.mark.parametrize("users", [None, "1"])
+def test_the_launching_process_hides_torch_xla_from_transformers_until_its_workers_start(monkeypatch, users):
+    """USE_TORCH_XLA=0 while the launching process checks the inputs (transformers and accelerate
+    then leave torch_xla unimported there), and the user's own setting, or none, for the workers it
+    spawns (their environment is its own as they start); hidden twice, shown once, is shown."""
+    if users is None:
+        monkeypatch.delenv("USE_TORCH_XLA", raising=False)
+    else:
+        monkeypatch.setenv("USE_TORCH_XLA", users)
+    hidden = launch.HiddenTorchXla()
+    hidden.hide()
+    hidden.hide()
+    assert os.environ["USE_TORCH_XLA"] == "0"
+    hidden.show()
+    assert os.environ.get("USE_TORCH_XLA") == users
+    hidden.show()  # (nothing hidden: nothing changed)
+    assert os.environ.get("USE_TORCH_XLA") == users
+
+
 def test_the_error_reported_is_the_cause_not_a_peer_that_saw_it():
     """Of several replicas' errors (threads of a process, or worker processes), the one that is
     not merely 'another replica stopped answering'; a dead worker process before its peers'."""

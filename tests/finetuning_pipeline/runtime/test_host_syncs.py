@@ -71,7 +71,7 @@ def test_counting_on_the_replicas_thread_prints_no_kineto_error_once_the_process
     script = ("import threading\n"
               "from finetuning_pipeline.runtime.native.runtime import NativeBackend\n"
               "from finetuning_pipeline.runtime.native.host_syncs import HostSyncCount\n"
-              f"if {prepared}: NativeBackend().prepare_process(first_process=True)\n"
+              f"if {prepared}: NativeBackend().prepare_process(None, first_process=True)\n"
               "def count():\n"
               "    with HostSyncCount() as c:\n"
               "        __import__('torch').ones(2).sum().item()\n"
