@@ -157,7 +157,8 @@ def test_a_signal_to_the_launching_process_alone_stops_its_replicas_with_a_check
     """Ctrl-C, or `kill PID` of the command a user started, on a v5e/v6e host's shape (a worker
     process per chip, its one replica on a worker thread): the launcher passes the signal on
     instead of dying first and leaving its workers behind. The launching process trains nothing
-    and never loads torch_xla (launch.HiddenTorchXla); its worker, which trains, does."""
+    and on a CPU never loads torch_xla (launch.HiddenTorchXla; a TPU host's counts its chips with
+    it); its worker, which trains, does."""
     config = config_for(tmp_path, tiny_model_dir, data, checkpoint={"every": 0}, lora={"dropout": 0.0})
     run = launched(config, tmp_path / "run.log", devices=1)
     wait_for_replicas(run, out_of(config), 2)

@@ -101,8 +101,10 @@ class HiddenTorchXla:
     modeling code imports accelerate, which imports torch_xla whole (its dynamo and inductor too)
     unless USE_TORCH_XLA=0, which both read at their import; the workers import it themselves, and
     train with it. Their environment (a spawned process's is its parent's as it starts) gets back
-    what the user had. (A 12-step run of the tiny model took 14.7 CPU-s against 15.7, farm-bench,
-    4 pairs; and the launching process loads no device runtime.)"""
+    what the user had. On a CPU the launching process then never imports torch_xla (a 12-step run
+    of the tiny model took 14.7 CPU-s against 15.7, farm-bench, 4 pairs); on a TPU host it still
+    does, once its checks are done, to count the chips as torch_xla's launcher does
+    (local_process_count), so there it saves nothing but keeps transformers' view of it out."""
 
     NAME = "USE_TORCH_XLA"
 

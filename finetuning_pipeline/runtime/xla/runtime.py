@@ -138,7 +138,7 @@ class XlaBackend:
     def prepare_process(self, config: RunConfig, first_process: bool) -> None:
         """The PJRT device chosen and said once (by the first process: torchrun's others inherit it).
         A process that will start the TPU launcher's workers trains nothing itself: its
-        transformers and accelerate are told to leave torch_xla alone (launch.py,
+        transformers and accelerate are told to leave torch_xla unimported (launch.py,
         HIDDEN_TORCH_XLA), and its workers are told otherwise again."""
         if first_process:
             choose_device()
