@@ -57,7 +57,7 @@ help:
 	@echo "make setup       create .venv with the xla extra (torch 2.9.0 + torch_xla 2.9.0) and test tools"
 	@echo "make test        run the test suite on CPU (PJRT_DEVICE=CPU), on every core (PARALLEL= : one process);"
 	@echo "                 sets up .venv first if needed; the native runtime's end-to-end runs are test-native's"
-	@echo "make test-fast   the unit tests only (no end-to-end runs: pytest -m 'not slow'), for the inner loop"
+	@echo "make test-fast   the quick unit tests (pytest -m 'not slow and not heavy': no end-to-end runs, no proof over ~4 s), for the inner loop"
 	@echo "make setup-native  .venv-native: the native extra with torch 2.13.0 (TorchTPU's range), no torch_xla"
 	@echo "make test-native the native runtime's tests in .venv-native (sets it up first if needed)"
 	@echo "make lint        ruff: imports, unused code, line length (configured in pyproject.toml; CI runs it)"
@@ -131,7 +131,7 @@ test: $(STAMP) $(LLAMA_CPP)
 	PJRT_DEVICE=CPU REQUIRE_LLAMA_CPP=1 $(BIN)/python -m pytest $(PARALLEL) -m "not (native and slow)" --durations=25
 
 test-fast: $(STAMP) $(LLAMA_CPP)
-	PJRT_DEVICE=CPU REQUIRE_LLAMA_CPP=1 $(BIN)/python -m pytest $(PARALLEL) -m "not slow"
+	PJRT_DEVICE=CPU REQUIRE_LLAMA_CPP=1 $(BIN)/python -m pytest $(PARALLEL) -m "not slow and not heavy"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

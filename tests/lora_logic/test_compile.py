@@ -47,6 +47,7 @@ def forward_backward(layer, hidden, position_embeddings) -> list[torch.Tensor]:
     return [out.detach(), hidden.grad, *(p.grad for p in layer.parameters() if p.requires_grad)]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_decoder_layer_compiles_whole_with_its_a_products_shared_and_equals_eager(arch):
     layer, hidden, position_embeddings = wrapped_layer(arch, torch.float64)
@@ -69,6 +70,7 @@ def test_a_decoder_layer_compiles_whole_with_its_a_products_shared_and_equals_ea
     assert all(s.pending() == 0 and s._input is None for s in shared)  # nothing kept after the compiled call
 
 
+@pytest.mark.heavy
 def test_the_compiled_layer_runs_inductors_kernels_within_rounding_of_eager():
     """Inductor (torch.compile's default backend) fuses and reorders: float32 within rounding."""
     layer, hidden, position_embeddings = wrapped_layer("llama", torch.float32)
@@ -78,6 +80,7 @@ def test_the_compiled_layer_runs_inductors_kernels_within_rounding_of_eager():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"output or gradient {index}")
 
 
+@pytest.mark.heavy
 def test_lora_dropout_compiles_to_int32_constants_that_triton_accepts():
     """LoRA dropout's hash multiplies element indices by a constant. Inductor folds an arange times
     a constant into an index expression and prints it unwrapped: with rows of 64, row * -104994018240
@@ -110,6 +113,7 @@ def test_lora_dropout_compiles_to_int32_constants_that_triton_accepts():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"output or gradient {index}")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "nf4"])
 def test_a_compiled_quantized_layer_saves_for_its_backward_what_the_full_precision_one_saves(fmt):
     """What one compiled decoder layer keeps for its backward beyond its own weights (bytes, by

@@ -58,6 +58,7 @@ def test_forward_backward_on_xla_matches_cpu():
             assert p_xla.grad is None, name
 
 
+@pytest.mark.heavy
 def test_optimizer_step_on_xla_then_save_and_load_on_cpu(tmp_path):
     """Trained on XLA, read back on the CPU: the same logits in exact arithmetic, so float64."""
     config = LoraConfig(r=4, alpha=8)
@@ -127,6 +128,7 @@ def aliased_inputs(env: dict) -> int:
     return int(done.stdout.split()[-1])
 
 
+@pytest.mark.heavy
 def test_on_xla_cpu_an_in_place_update_donates_no_buffer():
     """init_xla_device turns parameter aliasing off on XLA:CPU (a donated buffer makes every
     step boundary wait for the step to run there); accelerators keep torch_xla's default, and
@@ -179,6 +181,7 @@ def optimized_hlo(dump: Path) -> str:
     return "\n".join(hlo.read_text() for hlo in dump.glob("*cpu_after_optimizations.txt"))
 
 
+@pytest.mark.heavy
 def test_on_xla_cpu_a_long_reduction_is_one_fused_kernel_unless_the_user_says_otherwise(xla_dumps):
     """choose_device turns XLA:CPU's tree reduction rewriter off (it splits a reduction into a
     reduce-window and a reduce, compiled unfused at every occurrence), in time for a runtime
@@ -195,6 +198,7 @@ def test_on_xla_cpu_a_long_reduction_is_one_fused_kernel_unless_the_user_says_ot
     assert "reduce-window" in optimized_hlo(xla_dumps["xla's"])
 
 
+@pytest.mark.heavy
 def test_on_xla_cpu_a_kernel_keeps_its_loop_unless_the_user_says_otherwise(xla_dumps):
     """choose_device turns LLVM's loop unrolling off for XLA:CPU: the [16, 192] update compiles
     to a vectorized loop, a few vector stores in its optimized IR, where with unrolling (the

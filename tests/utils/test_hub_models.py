@@ -84,6 +84,7 @@ def test_preflight_reads_the_architecture_from_the_cache_offline_else_the_shippe
     assert config.model_type.startswith("gemma3") and "model_configs" in str(source)
 
 
+@pytest.mark.heavy
 def test_training_on_a_hub_id_records_the_commit_and_refuses_another_on_resume(hub, tiny_model_dir, tmp_path, capsys):
     data = prepare_demo_data(MODEL_ID, tmp_path / "data")  # prepare's --tokenizer takes the Hub id too
     out = tmp_path / "run"

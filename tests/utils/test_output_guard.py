@@ -28,6 +28,7 @@ import os, signal, sys
 from pathlib import Path
 from utils.output_guard import staged_directory, staged_file
 out, kind, sig = Path(sys.argv[1]), sys.argv[2], getattr(signal, sys.argv[3])
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal gives it (a background job's is ignored)
 try:
     with (staged_directory(out) if kind == "dir" else staged_file(out)) as staging:
         (staging / "half" if kind == "dir" else staging).write_bytes(b"half of it")

@@ -58,6 +58,7 @@ def test_a_command_on_a_bad_pjrt_device_says_one_line_and_exits_2(tmp_path, tiny
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.heavy
 def test_torch_xla_never_guesses_and_warns_in_a_command(tmp_path):
     """A command run without PJRT_DEVICE: our one line, not torch_xla's WARNING."""
     env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
@@ -68,6 +69,7 @@ def test_torch_xla_never_guesses_and_warns_in_a_command(tmp_path):
     assert "device: CPU (PJRT_DEVICE is not set" in done.stderr and "Defaulting to PJRT_DEVICE" not in done.stderr
 
 
+@pytest.mark.heavy
 def test_a_command_on_the_host_cpu_takes_the_cpu_without_a_probe_or_a_warning(tiny_model_dir):
     """generate (as export and evaluate --device cpu) computes on torch's CPU device: torch_xla,
     imported by transformers, is told CPU before it guesses."""

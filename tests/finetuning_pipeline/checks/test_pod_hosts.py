@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from trainer_helpers import free_port
 
 from finetuning_pipeline.checks.pod_hosts import ONE_HOST, HostBarrier, PodCheckError, PodHost, pod_host
@@ -69,6 +70,7 @@ def test_every_host_learns_at_the_barrier_why_another_could_not_set_up():
     assert barrier_on_threads(2, {}, [0, 1], timeout_s=30) == {0: [], 1: []}
 
 
+@pytest.mark.heavy
 def test_a_host_that_never_comes_is_named_after_the_timeout():
     started = time.monotonic()
     results = barrier_on_threads(3, {}, [0, 2], timeout_s=2)

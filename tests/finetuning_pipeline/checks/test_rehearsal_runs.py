@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from trainer_helpers import process_alive, startup_patch
 
 from finetuning_pipeline.checks import rehearsal
@@ -24,6 +25,7 @@ if sys.argv and sys.argv[0].endswith("main.py"):
 """
 
 
+@pytest.mark.heavy
 def test_a_run_that_hangs_is_killed_with_its_children_after_its_stacks_and_fails(tmp_path):
     env = {**startup_patch(tmp_path, HUNG_MAIN), "HUNG_CHILD_PID": str(tmp_path / "child.pid")}
     started = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -68,6 +69,7 @@ def test_command_line(tmp_path, capsys):
     assert (tmp_path / "cli" / "config.json").is_file()
 
 
+@pytest.mark.heavy
 def test_pretraining_is_deterministic_and_learns_text_with_the_end_of_turn_marker(tmp_path):
     """A few steps of the demo base's pretraining: the same seed gives the same weights, and
     the loss falls on a stream whose documents end with the chat template's end-of-turn marker

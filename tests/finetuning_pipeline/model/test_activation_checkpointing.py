@@ -42,6 +42,7 @@ def lora_grads(arch: str, checkpointed: bool, quantize: str | None = None) -> tu
     return [g.cpu() for g in grads], hlo
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_checkpointing_gives_the_same_gradients(arch):
     plain, plain_hlo = lora_grads(arch, checkpointed=False)
@@ -61,6 +62,7 @@ def hidden_state_barriers(hlo: str) -> list[str]:
     return [b for b in barriers if "f64[2,16,32]" in b]
 
 
+@pytest.mark.heavy
 def test_a_quantized_base_s_codes_and_scales_cross_each_layer_s_barrier():
     # transformers hands torch_xla's checkpoint a partial, not the layer's bound method, so
     # torch_xla would fence the hidden states only: the recomputed dequantization would then be

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 from tolerances import assert_equal_in_exact_arithmetic
 
@@ -62,6 +63,7 @@ print(json.dumps({{"loss": [float(sharded[0]), float(whole[0])], "grad": [sharde
 """
 
 
+@pytest.mark.heavy
 def test_each_chip_computes_the_head_for_its_own_rows_only(tmp_path):
     dump = tmp_path / "dump"
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(DEVICES)}

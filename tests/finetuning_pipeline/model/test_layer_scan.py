@@ -65,6 +65,7 @@ def loss_and_lora_grads(model, data: dict) -> tuple[float, dict[str, torch.Tenso
     return (loss_sum / count).item(), {k: v.cpu() for k, v in grads.items()}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("family", ["mistral", "llama", "qwen3", "gemma3"])  # mistral, gemma3: sliding
 def test_scanned_layers_give_the_loss_and_gradients_of_the_layer_loop(family):
     """XLA's loop and the unrolled layers sum in other orders: float64 (tests/tolerances.py)."""
@@ -82,6 +83,7 @@ def test_scanned_layers_give_the_loss_and_gradients_of_the_layer_loop(family):
     assert len(lora_parameters(model)) == 2 * len(LoraConfig().target_modules)
 
 
+@pytest.mark.heavy
 def test_a_captured_step_over_two_micro_batches_gives_the_layer_loop_losses():
     """The trainer's captured step (micro-batch loop around the layer loop), 4 steps, LoRA dropout."""
     from finetuning_pipeline.distributed.parallel import Parallel
@@ -119,6 +121,7 @@ def test_a_captured_step_over_two_micro_batches_gives_the_layer_loop_losses():
     assert_equal_in_exact_arithmetic(runs[1], runs[0], "losses")
 
 
+@pytest.mark.heavy
 def test_the_layer_is_traced_once_per_setting_and_replayed_for_later_batches(monkeypatch):
     """A traced layer (AOTAutograd, forward and backward: seconds of host time on a real model)
     is reused for every later call of the same shapes and settings: evaluation batch after

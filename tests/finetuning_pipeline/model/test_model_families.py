@@ -196,6 +196,7 @@ def test_kernel_inputs_give_the_dense_loss_and_gradients(family, kind, packed, m
     assert_same_loss_and_grads((loss, grads), (expected, expected_grads))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("family", sorted(SLIDING))
 def test_the_captured_step_gives_transformers_gradients(family):
     """The trainer's captured gradients (step_capture + the micro-batch loop) on every

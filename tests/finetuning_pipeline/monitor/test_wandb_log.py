@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 from trainer_helpers import write_run_config
 
 from finetuning_pipeline import main
@@ -61,6 +62,7 @@ def logged(records):
     return found
 
 
+@pytest.mark.heavy
 def test_a_phase_logs_its_config_records_and_summary_to_an_offline_wandb_run(tiny_model_dir, data, tmp_path,
                                                                               monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -186,6 +186,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.heavy
 def test_a_writer_killed_midway_leaves_no_checkpoint_that_looks_complete(tmp_path):
     root = tmp_path / "checkpoints"
     here = Path(__file__).resolve().parent

@@ -43,6 +43,7 @@ def graphs_compiled(layers: int) -> int:
     return counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.heavy
 def test_the_layers_share_their_compiled_graphs_whatever_the_depth():
     shallow, deep = graphs_compiled(2), graphs_compiled(12)  # 12: beyond dynamo's cache limit of 8
     assert 1 <= shallow == deep <= 3
@@ -89,6 +90,7 @@ def checkpointed_run(layers: int, quantize: str, checkpointing: str | None, comp
     return losses, grads, {key: dict(value) for key, value in counters.items()}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("quantize", ["none", "nf4"])
 def test_checkpointed_layers_compile_to_one_graph_and_equal_the_unchecked_eager_run(quantize):
     """Activation checkpointing inside the compiled layers (transformers checkpoints in the layer's
@@ -105,6 +107,7 @@ def test_checkpointed_layers_compile_to_one_graph_and_equal_the_unchecked_eager_
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"{checkpointing}: loss or gradient {index}")
 
 
+@pytest.mark.heavy
 def test_a_compiled_checkpoint_keeps_less_for_the_backward_full_least():
     """What the compiled layers keep for their backward beyond the model's own weights (bytes, by
     saved_tensors_hooks), with inductor's partitioner (its code generation left out): full keeps

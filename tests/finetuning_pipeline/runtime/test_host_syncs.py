@@ -59,6 +59,7 @@ def test_a_compiled_module_runs_compiled_inside_the_count_and_compiles_once():
     assert len(calls) == ran + 1 and counters["stats"]["unique_graphs"] == graphs == 1
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("prepared", [False, True])
 def test_counting_on_the_replicas_thread_prints_no_kineto_error_once_the_process_is_prepared(prepared):
     """kineto prints "ERROR: External init callback must run in same thread as registerClient" when

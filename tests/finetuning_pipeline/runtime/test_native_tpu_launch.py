@@ -60,6 +60,7 @@ torch.tpu = types.SimpleNamespace(distributed=types.SimpleNamespace(set_tpu_laun
 '''
 
 
+@pytest.mark.heavy
 def test_main_becomes_torchrun_whose_processes_run_main_with_the_same_arguments(tiny_model_dir, data, tmp_path):
     """Through the real command: main.py (no torchrun) sets the launch environment once and
     runs torchrun's agent over 2 processes (this host's chips), each main.py with the same arguments,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import tiny_causal_lm
 from tolerances import assert_equal_in_exact_arithmetic
@@ -38,6 +39,7 @@ class RecordGradients:
             p.grad.zero_()
 
 
+@pytest.mark.heavy
 def test_gradient_accumulation_equals_one_large_batch():
     """2 micro-batches of 2 give the same gradient as 1 batch of 4, on the XLA device: equal in
     exact arithmetic, summed in other orders, so in float64 (tests/tolerances.py)."""

@@ -16,6 +16,7 @@ from lora_logic.config import LoraConfig
 from lora_logic.inject import inject_lora
 
 
+@pytest.mark.heavy
 def test_lora_dropout_gradients_equal_eager_pytorch_with_the_same_masks():
     """The looped micro-batches' gradients with LoRA dropout 0.3 equal eager CPU autograd with
     the same seeds (the masks are a function of the seed: lora_logic/dropout.py), and equal the
