@@ -1,0 +1,127 @@
+"""Preference losses over pairs (chosen, rejected): DPO's sigmoid, IPO and hinge, as TRL
+1.16's `DPOTrainer` computes them, so that a step of ours and one of TRL's on the same model
+and pairs take the same loss and the same gradients (tests/finetuning_pipeline/model/
+test_preference_loss.py holds them to TRL in float64 and fp32).
+
+A pair is two rows of one length: the prompt then the chosen completion, the prompt then the
+rejected one, each from position 0 and padded on the right (dataset/preference.py writes them
+so). Labels are -100 except on the completion's tokens. A sequence's log-probability is the sum
+of its completion tokens' log-probabilities (TRL's `logps`, summed over the completion mask);
+its reward is beta times its log-ratio to the reference, log pi(y|x) - log pi_ref(y|x):
+
+    sigmoid  -log sigmoid(beta * (chosen log-ratio - rejected log-ratio))          (DPO)
+    hinge    max(0, 1 - beta * (chosen log-ratio - rejected log-ratio))           (SLiC)
+    ipo      (chosen log-ratio / chosen tokens - rejected log-ratio / rejected tokens
+              - 1 / (2 beta)) ** 2                                  (IPO, TRL's per-token average)
+
+The loss of a batch is the mean over its pairs. The training step accumulates sums (the loss
+summed over pairs, and the pair count) and divides once by the step's pairs, as it divides an
+SFT step's token losses by its label tokens (train/step.py): k micro-batches of p pairs give
+exactly the gradient of one batch of k*p pairs.
+
+The reference log-probabilities come from the model itself with another adapter in its layers
+(the frozen copy of the adapter the phase continues), or with none (the base): `only_adapter`
+routes every row through one of them, without a second model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dataset.encode import IGNORE_INDEX
+from finetuning_pipeline.model.attention_masks import attention_masks
+from lora_logic.adapters import only_adapter
+from utils.precision import at_least_fp32
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+# An adapter name no layer holds: routed through it, every row sees the base alone.
+BASE_REFERENCE = "<base>"
+# The sums a preference batch adds to its step, each over the batch's pairs (the metrics are
+# these divided by "pairs": TRL's names, metrics.py).
+METRIC_SUMS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+               "logps/chosen", "logps/rejected")
+
+
+@dataclass(frozen=True)
+class PreferenceSettings:
+    """A preference phase's loss: `loss` one of LOSS_TYPES, `beta` its temperature (TRL's default 0.1)."""
+
+    loss: str = "sigmoid"
+    beta: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSS_TYPES:
+            raise ValueError(f"preference.loss: {self.loss!r} is not one of {list(LOSS_TYPES)}")
+        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not self.beta > 0:
+            raise ValueError(f"preference.beta: must be a number > 0, got {self.beta!r}")
+
+
+def pair_rows(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) [2P, L]: the chosen rows, then the rejected ones (TRL's order)."""
+    input_ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]]).long()
+    labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]]).long()
+    return input_ids, labels
+
+
+def sequence_logps(model, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of each row's label tokens' log-probabilities, each row's label tokens), [rows] each,
+    fp32 or wider. Rows start at position 0 and are padded on the right: the causal mask alone
+    keeps a row's tokens from its padding."""
+    masks = attention_masks(model.config, input_ids.shape[1], input_ids.device, model.dtype, None)
+    logits = model(input_ids=input_ids, attention_mask=masks, use_cache=False).logits[:, :-1]
+    targets = labels[:, 1:]  # token t predicts token t + 1
+    token_losses = F.cross_entropy(at_least_fp32(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="none").view(targets.shape)
+    trained = targets != IGNORE_INDEX
+    return -token_losses.sum(-1), trained.sum(-1).to(token_losses.dtype)
+
+
+@torch.no_grad()
+def reference_logps(model, input_ids: torch.Tensor, labels: torch.Tensor, reference: str) -> torch.Tensor:
+    """Each row's completion log-probability under the reference: the model with every row routed
+    through adapter `reference` (BASE_REFERENCE: none, the base alone). No graph is kept."""
+    with only_adapter(model, reference):
+        return sequence_logps(model, input_ids, labels)[0]
+
+
+def pair_losses(settings: PreferenceSettings, policy: torch.Tensor, reference: torch.Tensor,
+                tokens: torch.Tensor) -> torch.Tensor:
+    """Each pair's loss, [P]. policy, reference: [2P] completion log-probabilities (chosen rows
+    then rejected); tokens: [2P] completion tokens (IPO averages over them)."""
+    chosen_ratio, rejected_ratio = (policy - reference).chunk(2)
+    beta = settings.beta
+    if settings.loss == "sigmoid":
+        return -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
+    if settings.loss == "hinge":
+        return torch.relu(1 - beta * (chosen_ratio - rejected_ratio))
+    chosen_tokens, rejected_tokens = tokens.clamp(min=1.0).chunk(2)
+    return (chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens - 1 / (2 * beta)) ** 2
+
+
+def metric_sums(settings: PreferenceSettings, policy: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """METRIC_SUMS of a batch, [6], summed over its pairs (no gradient)."""
+    policy, reference = policy.detach(), reference.detach()
+    chosen_logps, rejected_logps = policy.chunk(2)
+    chosen_rewards, rejected_rewards = (settings.beta * (policy - reference)).chunk(2)
+    return torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
+                        (chosen_rewards > rejected_rewards).to(policy.dtype).sum(),
+                        (chosen_rewards - rejected_rewards).sum(), chosen_logps.sum(), rejected_logps.sum()])
+
+
+def preference_loss_sum(model, batch: dict[str, torch.Tensor], settings: PreferenceSettings, reference: str,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss summed over the batch's pairs, pair count, METRIC_SUMS) of one batch of pairs.
+    The reference log-probabilities are batch["reference_logps"] ([2P], chosen rows then rejected:
+    computed once before the phase) when given, else the model's through adapter `reference`."""
+    input_ids, labels = pair_rows(batch)
+    if "reference_logps" in batch:
+        reference_values = batch["reference_logps"].to(torch.promote_types(model.dtype, torch.float32))
+    else:
+        reference_values = reference_logps(model, input_ids, labels, reference)
+    policy, tokens = sequence_logps(model, input_ids, labels)
+    losses = pair_losses(settings, policy, reference_values, tokens)
+    pairs = torch.tensor(float(losses.shape[0]), dtype=losses.dtype, device=losses.device)
+    return losses.sum(), pairs, metric_sums(settings, policy, reference_values)
