@@ -3,6 +3,7 @@
   text      {"text": str}                                     -> str (phase 1)
   messages  {"messages": [{"role", "content"}, ...]}          -> list of turns (phase 2)
   alpaca    {"instruction": str, "input": str?, "output": str} -> list of turns (phase 2)
+  preference {"prompt"?, "chosen", "rejected"} (TRL's forms)    -> a PreferencePair (dataset/preference.py)
 
 Validation raises `InvalidRecord(reason, detail)`; the reason codes are what stats.json
 counts. `columns` maps our field names to the record's own (e.g. {"text": "content"}).
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 from dataset.errors import InvalidRecord
 
-RECORD_FORMATS = ("text", "messages", "alpaca")
-PHASE_OF_FORMAT = {"text": 1, "messages": 2, "alpaca": 2}
+RECORD_FORMATS = ("text", "messages", "alpaca", "preference")
+PHASE_OF_FORMAT = {"text": 1, "messages": 2, "alpaca": 2, "preference": "preference"}
 ROLES = ("system", "user", "assistant")
 
 
@@ -29,8 +30,11 @@ def remap_columns(record: dict, columns: dict[str, str] | None) -> dict:
 
 
 def detect_format(record: dict) -> str | None:
-    """The format a record looks like, or None. Checked in this order: a record with
-    "messages" is a conversation even if it also carries a "text" column."""
+    """The format a record looks like, or None. Checked in this order: a record with "chosen" and
+    "rejected" is a preference pair; one with "messages" is a conversation even if it also carries
+    a "text" column."""
+    if "chosen" in record and "rejected" in record:
+        return "preference"
     if "messages" in record:
         return "messages"
     if "instruction" in record and "output" in record:
@@ -112,6 +116,10 @@ def alpaca_to_messages(record: dict) -> list[dict]:
 NORMALIZERS = {"text": normalize_text, "messages": normalize_messages, "alpaca": alpaca_to_messages}
 
 
-def normalize(record: dict, record_format: str) -> str | list[dict]:
-    """The document (text) or conversation (messages, alpaca) inside a validated record."""
+def normalize(record: dict, record_format: str):
+    """The document (text), conversation (messages, alpaca) or pair (preference) inside a validated record."""
+    if record_format == "preference":
+        from dataset.preference import normalize_preference  # (it builds on this module's checks)
+
+        return normalize_preference(record)
     return NORMALIZERS[record_format](record)

@@ -26,7 +26,7 @@ import torch
 from dataset.encode import IGNORE_INDEX
 from dataset.errors import DataError
 from dataset.manifest import check_manifest, read_manifest
-from dataset.shards import ARRAYS, open_split
+from dataset.shards import ARRAYS, arrays_of, open_split
 
 
 def open_prepared(directory: str | Path, *, fingerprint: str | None = None, seq_len: int | None = None,
@@ -52,7 +52,8 @@ def open_shards(directory: str | Path, split: str, manifest: dict | None = None)
     """The memory-mapped arrays of one split of a prepared dataset, checked against its manifest."""
     manifest = read_manifest(directory) if manifest is None else manifest
     blocks = manifest.get("counts", {}).get(split)
-    return open_split(Path(directory) / split, None if blocks is None else (blocks, manifest.get("seq_len")))
+    return open_split(Path(directory) / split, None if blocks is None else (blocks, manifest.get("seq_len")),
+                      arrays_of(manifest.get("phase")))
 
 
 class ShardLoader:
@@ -72,7 +73,7 @@ class ShardLoader:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.arrays = open_shards(directory, split)
-        self.rows = self.arrays["input_ids"].shape[0]
+        self.rows = next(iter(self.arrays.values())).shape[0]
         if self.rows == 0:
             raise DataError(f"{Path(directory) / split}: no blocks; prepare more data or lower --seq-len")
         self.micro_batch = micro_batch
@@ -117,7 +118,7 @@ class ShardLoader:
     def next_batch(self) -> dict[str, torch.Tensor]:
         positions = self.next_positions() % 2**31
         indices = self.next_indices()
-        batch = {name: torch.from_numpy(np.asarray(self.arrays[name][indices])) for name in ARRAYS}
+        batch = {name: torch.from_numpy(np.asarray(array[indices])) for name, array in self.arrays.items()}
         return {**batch, "stream_position": torch.from_numpy(positions.astype(np.int32).reshape(-1, 1))}
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:

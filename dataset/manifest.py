@@ -72,6 +72,15 @@ def content_digest(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode("utf-8")).hexdigest()[:16]
 
 
+def require_next_token_data(manifest: dict, directory: str | Path, key: str) -> None:
+    """Refuse preference pairs where next-token data is read (`key` names the setting): this
+    version's phases and `evaluate` train and score next-token loss on text or chat data."""
+    if manifest.get("phase") == "preference":
+        raise DataError(f"{key}: {directory} holds preference pairs (prepared with --format preference), which "
+                        "this version cannot train or evaluate yet: its phases take next-token data. Prepare the "
+                        "phase's data as text, messages or alpaca")
+
+
 def is_packed(manifest: dict) -> bool:
     """Phase-2 blocks pack separate conversations; phase-1 blocks are one stream of text."""
     return manifest["phase"] == 2

@@ -5,6 +5,8 @@
 
 or the same keys from YAML (`--config prep.yaml`; command-line flags win). Writes, under OUT:
   train/, eval/      input_ids.npy, labels.npy, position_ids.npy: int32 [N, seq_len], mmap-able
+                     (preference pairs: chosen_input_ids, chosen_labels, rejected_input_ids,
+                     rejected_labels, [pairs, seq_len]: dataset/preference.py)
   manifest.json      phase, seq_len, tokenizer fingerprint, sources with sha256, counts
   stats.json         records read / kept / skipped by reason, tokens, truncated, fill ratio
 
@@ -37,8 +39,9 @@ from dataset.formats import PHASE_OF_FORMAT, RECORD_FORMATS, detect_format, norm
 from dataset.hf_source import iter_hf_records
 from dataset.manifest import MANIFEST_NAME, MANIFEST_VERSION, read_manifest, tokenizer_fingerprint
 from dataset.packing import BestFitPacker, StreamPacker
+from dataset.preference import fit_pair, pair_block, tokenize_pair
 from dataset.readers import SourceFile, iter_file_records
-from dataset.shards import SplitWriter
+from dataset.shards import PREFERENCE, SplitWriter, arrays_of
 from utils.atomic_io import atomic_write_json
 from utils.hub_models import HubModelError, resolve_model
 from utils.interrupts import report_interrupted, stop_signals_unwind
@@ -69,13 +72,16 @@ class PrepareOptions:
     tokenizer: a Hugging Face tokenizer directory (usually the base model's).
     seq_len: tokens per packed block; the trainer must use the same.
     out: output directory.
-    format: text | messages | alpaca | hf | auto (detected per file from its first record).
-    phase: 1 (causal LM on every token) or 2 (assistant tokens only); default from the format.
+    format: text | messages | alpaca | preference | hf | auto (detected per file from its first record).
+    phase: 1 (causal LM on every token) or 2 (assistant tokens only); default from the format
+        (preference pairs are their own kind: "preference" in the manifest).
     eval_fraction: share of records held out for eval, drawn deterministically from `seed`.
     skip_invalid: skip and count bad records instead of stopping at them.
     seed: seeds the train/eval draw.
     overlong: phase 2 conversations longer than seq_len are truncated or dropped (counted
         either way). Phase 1 documents never are: they are concatenated and cut into blocks.
+    max_prompt_len: preference pairs: a prompt keeps its last max_prompt_len tokens (default half
+        of seq_len), then each row its first seq_len (dataset/preference.py); cut pairs are counted.
     columns: our field name -> the input's column name, e.g. {"text": "content"}.
     split / hf_name: the split and config name for format hf.
     max_errors: how many problems to report before stopping (strict mode).
@@ -97,6 +103,7 @@ class PrepareOptions:
     skip_invalid: bool = False
     seed: int = 0
     overlong: str = "truncate"
+    max_prompt_len: int | None = None
     columns: dict[str, str] = field(default_factory=dict)
     split: str = "train"
     hf_name: str | None = None
@@ -132,7 +139,9 @@ class PrepareOptions:
             raise DataError(f"overlong: must be one of {list(OVERLONG_POLICIES)}, got {self.overlong!r}")
         if not isinstance(self.columns, dict):
             raise DataError(f"columns: must be a mapping of our field name to the input's, got {self.columns!r}")
-        for key in ("max_errors", "batch_size", "max_record_chars"):
+        if self.max_prompt_len is None:
+            self.max_prompt_len = self.seq_len // 2
+        for key in ("max_errors", "batch_size", "max_record_chars", "max_prompt_len"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DataError(f"{key}: must be an integer >= 1, got {value!r} (--{key.replace('_', '-')})")
@@ -146,7 +155,7 @@ class TooManyErrors(Exception):
 class Sample:
     file_index: int
     split: str
-    payload: object  # str (document) or list of turns (conversation)
+    payload: object  # str (document), list of turns (conversation) or PreferencePair
     path: str  # where the record came from, for a problem found when it is tokenized
     line: int
 
@@ -190,6 +199,7 @@ class Preparation:
         self.samples = 0  # phase 2: a conversation is one sample, or one per answer (chat_samples.py)
         self.samples_skipped = Counter()  # phase 2: overlong samples dropped, by reason (a kept record's too)
         self.pending: list[Sample] = []
+        self.writers: dict[str, SplitWriter] = {}  # per split, made with the packers (take)
         self.pending_chars = 0
 
     # -- reading and validation ------------------------------------------------------------
@@ -250,6 +260,10 @@ class Preparation:
         if not self.pending:
             return
         batch, self.pending, self.pending_chars = self.pending, [], 0
+        if self.phase == PREFERENCE:
+            for sample in batch:
+                self.take_pair(sample)
+            return
         if self.phase == 1:
             encoded = encode_documents(self.tokenizer, [s.payload for s in batch])
             for sample, ids in zip(batch, encoded):
@@ -285,6 +299,27 @@ class Preparation:
         self.write(split, self.packers[split].add(ids, labels))
         return None
 
+    def take_pair(self, sample: Sample) -> None:
+        """Tokenize one preference pair as TRL does, cut it to shape and write its block: kept
+        (truncated: counted), skipped with its reason when no completion token is left, or a
+        problem when it cannot be tokenized into one."""
+        options = self.options
+        try:
+            (prompt, chosen, rejected), cut = fit_pair(*tokenize_pair(self.tokenizer, sample.payload),
+                                                        options.seq_len, options.max_prompt_len)
+        except InvalidRecord as err:
+            if err.reason == "no_completion_left":  # a shape's outcome, as phase 2's overlong answers
+                self.accounts.skip(sample.file_index, err.reason)
+                return
+            self.report(sample.file_index, RecordIssue(sample.path, sample.line, err.reason, err.detail))
+            return
+        self.accounts.keep(sample.file_index)
+        self.accounts.truncated += cut
+        self.samples += 1
+        self.tokens += 2 * len(prompt) + len(chosen) + len(rejected)
+        self.writers[sample.split].write(pair_block(prompt, chosen, rejected, options.seq_len, self.pad_id),
+                                         2 * len(prompt) + len(chosen) + len(rejected))
+
     def write(self, split: str, blocks) -> None:
         for block, real_tokens in blocks:
             self.writers[split].write(block, real_tokens)
@@ -299,7 +334,7 @@ class Preparation:
         progress = Progress(options)
         try:
             with staged_directory(out) as staging:
-                self.writers = {split: SplitWriter(staging / split, options.seq_len) for split in ("train", "eval")}
+                self.staging = staging  # the writers are made there with the packers, once the phase is known
                 self.packers = None
                 try:
                     for file_index, path, line, value in self.iter_records():
@@ -336,8 +371,8 @@ class Preparation:
         record_format = self.format_of(path, record)
         if record_format is None:
             self.report(file_index, RecordIssue(path, line, "unknown_format",
-                                                "record has none of the fields text, messages or instruction/output "
-                                                "(map yours with --column)"))
+                                                "record has none of the fields text, messages, instruction/output or "
+                                                "chosen/rejected (map yours with --column)"))
             return
         try:
             payload = normalize(record, record_format)
@@ -352,8 +387,10 @@ class Preparation:
                 f"needs about {BYTES_PER_CHAR} bytes of memory per character of a record. Split it into "
                 "several records, or raise --max-record-chars if the memory is there"))
             return
-        if self.packers is None:
+        if self.packers is None:  # the first record to keep: the phase is known (given, or detected)
             self.packers = make_packers(self.phase, options.seq_len, self.pad_id)
+            self.writers = {split: SplitWriter(self.staging / split, options.seq_len, arrays_of(self.phase))
+                            for split in ("train", "eval")}
         split = "eval" if self.draw.random() < options.eval_fraction else "train"
         self.pending.append(Sample(file_index, split, payload, path, line))
         self.pending_chars += chars
@@ -383,6 +420,7 @@ class Preparation:
             "seed": self.options.seed,
             "eval_fraction": self.options.eval_fraction,
             "overlong": self.options.overlong,
+            **({"max_prompt_len": self.options.max_prompt_len} if self.phase == PREFERENCE else {}),
         }
 
     def stats(self, seconds: float) -> dict:
@@ -411,9 +449,11 @@ class Preparation:
 
 
 def payload_chars(payload) -> int:
-    """Characters a record puts through the tokenizer (a document, or a conversation's contents)."""
+    """Characters a record puts through the tokenizer (a document, a conversation's contents, a pair's)."""
     if isinstance(payload, str):
         return len(payload)
+    if hasattr(payload, "chars"):  # a PreferencePair
+        return payload.chars()
     return sum(len(turn["content"]) for turn in payload)
 
 
@@ -426,7 +466,9 @@ def is_prepared_dir(path: Path) -> bool:
     return isinstance(manifest, dict) and manifest.get("created_by") == "dataset.prepare"
 
 
-def make_packers(phase: int, seq_len: int, pad_id: int) -> dict:
+def make_packers(phase, seq_len: int, pad_id: int) -> dict:
+    if phase == PREFERENCE:
+        return {}  # a pair is a block of its own (take_pair)
     if phase == 1:
         return {split: StreamPacker(seq_len, pad_id) for split in ("train", "eval")}
     return {split: BestFitPacker(seq_len, pad_id) for split in ("train", "eval")}
@@ -504,6 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="skip and count bad records instead of stopping")
     parser.add_argument("--seed", type=int, help="seed of the train/eval split (default 0)")
     parser.add_argument("--overlong", choices=OVERLONG_POLICIES, help="phase 2 samples over seq_len (default truncate)")
+    parser.add_argument("--max-prompt-len", dest="max_prompt_len", type=int,
+                        help="preference pairs: a prompt keeps its last N tokens (default seq_len / 2), then each "
+                        "row its first seq_len")
     parser.add_argument("--column", dest="columns", action="append", metavar="OURS=THEIRS",
                         help="map an input column to ours, e.g. --column text=content")
     parser.add_argument("--split", help="split of an hf dataset (default train)")
@@ -565,7 +610,8 @@ def summary(stats: dict, out: str) -> str:
         + (f"  samples: {stats['samples']} (one per answer where the chat template renders earlier turns "
            f"differently), skipped: {stats['samples_skipped'] or 'none'}\n"
            if stats["samples"] != records["kept"] or stats["samples_skipped"] else "")
-        + f"  blocks: {splits['train']['blocks']} train, {splits['eval']['blocks']} eval; "
+        + f"  {'pairs' if stats['phase'] == PREFERENCE else 'blocks'}: {splits['train']['blocks']} train, "
+        f"{splits['eval']['blocks']} eval; "
         f"{stats['tokens']:,} tokens, fill ratio {stats['fill_ratio']:.3f}, "
         + (f"{stats['tokens_per_sec']:,} tokens/s" if stats["tokens_per_sec"] is not None
            else "tokens/s n/a (too fast to time)")

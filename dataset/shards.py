@@ -1,7 +1,9 @@
 """Fixed-shape shards on disk: int32 [N, seq_len] `.npy` files, written streaming, read mmap'd.
 
 A split directory (`train/`, `eval/`) holds input_ids.npy, labels.npy and position_ids.npy,
-all [N, seq_len] int32, row i of each describing the same block. They are standard `.npy`
+all [N, seq_len] int32, row i of each describing the same block; a split of preference pairs
+holds chosen_input_ids.npy, chosen_labels.npy, rejected_input_ids.npy and rejected_labels.npy,
+row i of each the same pair (dataset/preference.py). They are standard `.npy`
 files (`np.load(path, mmap_mode="r")` reads them). N is unknown until the input ends, so the
 writer reserves a fixed-size header, streams the rows, and patches N into the header last.
 """
@@ -16,6 +18,13 @@ import numpy as np
 from dataset.errors import DataError
 
 ARRAYS = ("input_ids", "labels", "position_ids")
+PREFERENCE_ARRAYS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+PREFERENCE = "preference"  # the manifest's "phase" of preference pairs (1 and 2: the masking of text)
+
+
+def arrays_of(phase) -> tuple[str, ...]:
+    """The arrays of a split of data prepared for `phase` (the manifest's)."""
+    return PREFERENCE_ARRAYS if phase == PREFERENCE else ARRAYS
 HEADER_BYTES = 128  # multiple of 64, as the .npy format asks; room for any realistic N
 
 
@@ -51,36 +60,38 @@ class NpyRowWriter:
 
 
 class SplitWriter:
-    """The three arrays of one split, written row by row together."""
+    """The arrays of one split (`names`), written row by row together."""
 
-    def __init__(self, directory: str | Path, seq_len: int) -> None:
+    def __init__(self, directory: str | Path, seq_len: int, names: tuple[str, ...] = ARRAYS) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.writers = [NpyRowWriter(self.directory / f"{name}.npy", seq_len) for name in ARRAYS]
+        self.writers = [NpyRowWriter(self.directory / f"{name}.npy", seq_len) for name in names]
+        self.labels = [index for index, name in enumerate(names) if name.endswith("labels")]
         self.rows = 0
         self.tokens = 0  # non-pad tokens (position of real content), for the fill ratio
         self.label_tokens = 0
 
     def write(self, block: tuple[np.ndarray, np.ndarray, np.ndarray], real_tokens: int) -> None:
-        for writer, array in zip(self.writers, block):
+        for writer, array in zip(self.writers, block, strict=True):
             writer.write(array)
         self.rows += 1
         self.tokens += real_tokens
-        self.label_tokens += int((block[1] != -100).sum())
+        self.label_tokens += sum(int((block[index] != -100).sum()) for index in self.labels)
 
     def close(self) -> None:
         for writer in self.writers:
             writer.close()
 
 
-def open_split(directory: str | Path, shape: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
-    """The memory-mapped arrays of a split directory, checked for matching shapes, and against
-    `shape` (blocks, seq_len: what the manifest says) when given. A missing, truncated or
+def open_split(directory: str | Path, shape: tuple[int, int] | None = None,
+               names: tuple[str, ...] = ARRAYS) -> dict[str, np.ndarray]:
+    """The memory-mapped arrays (`names`) of a split directory, checked for matching shapes, and
+    against `shape` (blocks, seq_len: what the manifest says) when given. A missing, truncated or
     misshapen file is a DataError naming it: prepared data copied half-way, or edited."""
     directory = Path(directory)
     again = "prepare it again (python -m dataset.prepare), or copy the whole directory again"
     arrays = {}
-    for name in ARRAYS:
+    for name in names:
         path = directory / f"{name}.npy"
         if not path.is_file():
             raise DataError(f"{path}: missing, so the prepared data is incomplete; {again}")
@@ -89,9 +100,10 @@ def open_split(directory: str | Path, shape: tuple[int, int] | None = None) -> d
         except (ValueError, OSError) as err:  # "mmap length is greater than file size": cut short
             raise DataError(f"{path}: truncated or unreadable ({err}); {again}") from None
     shapes = {name: a.shape for name, a in arrays.items()}
-    if len(set(shapes.values())) != 1 or arrays["input_ids"].ndim != 2:
+    first = arrays[names[0]]
+    if len(set(shapes.values())) != 1 or first.ndim != 2:
         raise DataError(f"{directory}: arrays disagree in shape {shapes}; {again}")
-    if shape is not None and tuple(arrays["input_ids"].shape) != tuple(shape):
-        raise DataError(f"{directory}: {arrays['input_ids'].shape[0]} blocks of {arrays['input_ids'].shape[1]} tokens, "
+    if shape is not None and tuple(first.shape) != tuple(shape):
+        raise DataError(f"{directory}: {first.shape[0]} blocks of {first.shape[1]} tokens, "
                         f"its manifest says {shape[0]} of {shape[1]}; {again}")
     return arrays

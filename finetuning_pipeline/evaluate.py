@@ -20,7 +20,7 @@ import torch
 
 from dataset.encode import IGNORE_INDEX
 from dataset.loader import open_prepared
-from dataset.manifest import is_packed, tokenizer_fingerprint
+from dataset.manifest import is_packed, require_next_token_data, tokenizer_fingerprint
 from dataset.shards import open_split
 from finetuning_pipeline.errors import run_command
 from finetuning_pipeline.model.loading import DTYPES, check_new_tokens, context_length, load_model
@@ -108,6 +108,7 @@ def evaluate(argv: list[str] | None) -> int:
     model, _ = load_model(args.model, args.adapter, DTYPES[args.dtype])
     tokenizer = load_tokenizer(args.model, "--model")
     manifest = open_prepared(args.data, fingerprint=tokenizer_fingerprint(tokenizer))
+    require_next_token_data(manifest, args.data, "--data")
     if manifest["phase"] == 2 and args.samples > 0:
         check_new_tokens(args.max_new_tokens, context_length(model.config))
     # Every batch is padded to --micro-batch rows: more rows than the split holds would only be
