@@ -3,7 +3,7 @@
   text      {"text": str}                                     -> str (phase 1)
   messages  {"messages": [{"role", "content"}, ...]}          -> list of turns (phase 2)
   alpaca    {"instruction": str, "input": str?, "output": str} -> list of turns (phase 2)
-  preference {"prompt"?, "chosen", "rejected"} (TRL's forms)    -> a PreferencePair (dataset/preference.py)
+  preference {"prompt"?, "chosen", "rejected"} (TRL's forms)    -> a pair (dataset/preference.py)
 
 Validation raises `InvalidRecord(reason, detail)`; the reason codes are what stats.json
 counts. `columns` maps our field names to the record's own (e.g. {"text": "content"}).
@@ -116,10 +116,7 @@ def alpaca_to_messages(record: dict) -> list[dict]:
 NORMALIZERS = {"text": normalize_text, "messages": normalize_messages, "alpaca": alpaca_to_messages}
 
 
-def normalize(record: dict, record_format: str):
-    """The document (text), conversation (messages, alpaca) or pair (preference) inside a validated record."""
-    if record_format == "preference":
-        from dataset.preference import normalize_preference  # (it builds on this module's checks)
-
-        return normalize_preference(record)
+def normalize(record: dict, record_format: str) -> str | list[dict]:
+    """The document (text) or conversation (messages, alpaca) inside a validated record (a
+    preference pair's: dataset/preference.py's normalize_preference, which builds on these checks)."""
     return NORMALIZERS[record_format](record)

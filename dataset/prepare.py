@@ -39,7 +39,7 @@ from dataset.formats import PHASE_OF_FORMAT, RECORD_FORMATS, detect_format, norm
 from dataset.hf_source import iter_hf_records
 from dataset.manifest import MANIFEST_NAME, MANIFEST_VERSION, read_manifest, tokenizer_fingerprint
 from dataset.packing import BestFitPacker, StreamPacker
-from dataset.preference import fit_pair, pair_block, tokenize_pair
+from dataset.preference import fit_pair, normalize_preference, pair_block, tokenize_pair
 from dataset.readers import SourceFile, iter_file_records
 from dataset.shards import PREFERENCE, SplitWriter, arrays_of
 from utils.atomic_io import atomic_write_json
@@ -375,7 +375,10 @@ class Preparation:
                                                 "chosen/rejected (map yours with --column)"))
             return
         try:
-            payload = normalize(record, record_format)
+            if record_format == "preference":
+                payload = normalize_preference(record)
+            else:
+                payload = normalize(record, record_format)
         except InvalidRecord as err:
             self.report(file_index, RecordIssue(path, line, err.reason, err.detail))
             return

@@ -13,6 +13,7 @@ SAMPLES_DIR = Path(__file__).resolve().parent
 DOMAIN_TEXT = SAMPLES_DIR / "domain_text.jsonl"  # phase 1: {"text": ...}
 CHAT_QA = SAMPLES_DIR / "chat_qa.jsonl"  # phase 2: {"messages": [{role, content}, ...]}
 ALPACA = SAMPLES_DIR / "alpaca.jsonl"  # phase 2: {"instruction", "input", "output"}
+PREFERENCE_PAIRS = SAMPLES_DIR / "preference.jsonl"  # a preference phase: {"prompt", "chosen", "rejected"}
 
 
 def iter_sample_texts() -> Iterator[str]:

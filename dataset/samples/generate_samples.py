@@ -6,6 +6,9 @@ writes, next to this file:
   domain_text.jsonl  raw text for phase 1 ({"text": ...}), one paragraph a line
   chat_qa.jsonl      chat Q&A for phase 2 ({"messages": [{role, content}, ...]})
   alpaca.jsonl       instruction data ({"instruction", "input", "output"})
+  preference.jsonl   preference pairs (TRL's conversational form: "prompt", "chosen", "rejected"):
+                     the fact chosen, a near miss rejected (another seat of the county's region,
+                     another region, another river: the confusions a small model makes)
 
 The domain is Romanian geography (the reference use case is Romanian), written for this
 project. The texts follow recurring patterns on purpose: a tiny model trained for a few
@@ -241,6 +244,28 @@ def alpaca(rng: random.Random) -> list[dict]:
     return records
 
 
+def preference(rng: random.Random) -> list[dict]:
+    """A pair per fact of county_qa but the places: the fact chosen, a near miss rejected."""
+    regions = sorted({region for _, _, region, _, _ in COUNTIES})
+    rivers = sorted({river for _, _, _, river, _ in COUNTIES if river})
+    records = []
+    for county, seat, region, river, places in COUNTIES:
+        neighbours = sorted({s for _, s, r, _, _ in COUNTIES if r == region and s != seat}
+                            or {s for _, s, _, _, _ in COUNTIES if s != seat})
+        misses = [f"Reședința județului {county} este municipiul {rng.choice(neighbours)}.",
+                  f"Județul {county} se află în {rng.choice([r for r in regions if r != region])}."]
+        if river:
+            misses.append(f"Orașul {seat} este așezat pe râul {rng.choice([r for r in rivers if r != river])}.")
+        facts = [(q, a) for q, a in county_qa(county, seat, region, river, places) if not q.startswith("Ce pot")]
+        for (question, answer), miss in zip(facts, misses, strict=True):
+            prompt = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] if rng.random() < 0.3 else []
+            records.append({"prompt": prompt + [{"role": "user", "content": question}],
+                            "chosen": [{"role": "assistant", "content": answer}],
+                            "rejected": [{"role": "assistant", "content": miss}]})
+    rng.shuffle(records)
+    return records
+
+
 def write_jsonl(path: Path, records: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for record in records:
@@ -253,6 +278,7 @@ def render_all() -> dict[str, list[dict]]:
         "domain_text.jsonl": domain_text(random.Random(SEED)),
         "chat_qa.jsonl": chat_qa(random.Random(SEED + 1)),
         "alpaca.jsonl": alpaca(random.Random(SEED + 2)),
+        "preference.jsonl": preference(random.Random(SEED + 3)),
     }
 
 
