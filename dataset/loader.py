@@ -26,7 +26,7 @@ import torch
 from dataset.encode import IGNORE_INDEX
 from dataset.errors import DataError
 from dataset.manifest import check_manifest, read_manifest
-from dataset.shards import ARRAYS, arrays_of, open_split
+from dataset.shards import arrays_of, open_split
 
 
 def open_prepared(directory: str | Path, *, fingerprint: str | None = None, seq_len: int | None = None,
@@ -139,29 +139,35 @@ class ShardLoader:
         self.position = int(state["position"])
 
 
+def filler_row(name: str, seq_len: int, pad_id: int) -> np.ndarray:
+    """A padding row of array `name` (labels: nothing to train; positions: 0..L-1; ids: pad)."""
+    if name.endswith("labels"):
+        return np.full(seq_len, IGNORE_INDEX, dtype=np.int32)
+    if name == "position_ids":
+        return np.arange(seq_len, dtype=np.int32)
+    return np.full(seq_len, pad_id, dtype=np.int32)
+
+
 def iter_eval_batches(
     directory: str | Path, micro_batch: int, *, pad_id: int, rank: int = 0, world_size: int = 1, split: str = "eval"
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Every eval block exactly once across replicas, in order, in fixed-shape batches.
 
     Replica r gets blocks r, r + W, ...; the last batches are filled with padding rows whose
-    labels are all -100, so they add nothing to the loss, and every replica yields the same
-    number of batches (replicas must agree on the number of steps).
+    labels are all -100, so they add nothing to the loss (nor, preference pairs, to the pairs:
+    model/preference_loss.py), and every replica yields the same number of batches (replicas must
+    agree on the number of steps).
     """
     arrays = open_shards(directory, split)
-    rows, seq_len = arrays["input_ids"].shape
+    rows, seq_len = next(iter(arrays.values())).shape
     mine = np.arange(rank, rows, world_size)
     per_replica = -(-rows // world_size)
     batches = -(-per_replica // micro_batch)
-    filler = {
-        "input_ids": np.full(seq_len, pad_id, dtype=np.int32),
-        "labels": np.full(seq_len, IGNORE_INDEX, dtype=np.int32),
-        "position_ids": np.arange(seq_len, dtype=np.int32),
-    }
+    filler = {name: filler_row(name, seq_len, pad_id) for name in arrays}
     for b in range(batches):
         indices = mine[b * micro_batch : (b + 1) * micro_batch]
         batch = {}
-        for name in ARRAYS:
+        for name in arrays:
             data = np.asarray(arrays[name][indices])
             missing = micro_batch - len(indices)
             if missing:

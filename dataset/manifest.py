@@ -73,12 +73,12 @@ def content_digest(manifest: dict) -> str:
 
 
 def require_next_token_data(manifest: dict, directory: str | Path, key: str) -> None:
-    """Refuse preference pairs where next-token data is read (`key` names the setting): this
-    version's phases and `evaluate` train and score next-token loss on text or chat data."""
+    """Refuse preference pairs where next-token data is read (`key` names the setting): `evaluate`
+    scores next-token loss on text or chat data."""
     if manifest.get("phase") == "preference":
         raise DataError(f"{key}: {directory} holds preference pairs (prepared with --format preference), which "
-                        "this version cannot train or evaluate yet: its phases take next-token data. Prepare the "
-                        "phase's data as text, messages or alpaca")
+                        "evaluate cannot score yet (a preference phase evaluates them as it trains: its metrics.jsonl "
+                        "has their loss, reward margin and accuracy). Give it text, messages or alpaca data")
 
 
 def is_packed(manifest: dict) -> bool:

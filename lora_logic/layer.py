@@ -105,8 +105,9 @@ class LoRALinear(nn.Module):
 
     @property
     def adapters(self) -> list[str]:
-        """The adapters this layer holds (those of `groups` that target it), in the order added."""
-        return list(self.lora_A)
+        """The adapters this layer trains (those of `groups` that target it), in the order added; not
+        a frozen copy it holds beside them (add_frozen_copy)."""
+        return [name for name in self.lora_A if name in self.groups]
 
     def add_adapter(self, name: str, config: LoraConfig, dropout_salt: int = 0,
                     lora_dtype: torch.dtype | None = None) -> None:
@@ -139,6 +140,24 @@ class LoRALinear(nn.Module):
         # against 5 for a tensor operand, measured), in the forward and again in the backward.
         self.register_buffer(scaling_buffer(name), torch.tensor(self.scaling[name], dtype=lora_dtype, device=device),
                              persistent=False)
+
+    @torch.no_grad()
+    def add_frozen_copy(self, source: str, name: str) -> None:
+        """Adapter `name`: a frozen copy of adapter `source` (its weights, rank and scaling; no
+        dropout), outside the model's groups, so no row goes through it and no optimizer sees
+        it until `only_adapter(model, name)` routes the rows there: a preference phase's
+        reference, the adapter as the phase started (finetuning_pipeline/model/preference_loss.py)."""
+        if name in self.lora_A or name in self.groups:
+            raise ValueError(f"adapter {name!r}: already here, or one of the model's adapters {self.groups}")
+        for matrices in (self.lora_A, self.lora_B):
+            weight = matrices[source].weight
+            copy = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+            copy.weight.copy_(weight)
+            copy.weight.requires_grad_(False)
+            matrices[name] = copy
+        self.lora_dropout[name] = nn.Identity()
+        self.r[name], self.scaling[name] = self.r[source], self.scaling[source]
+        self.register_buffer(scaling_buffer(name), getattr(self, scaling_buffer(source)).clone(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)  # every group's rows at once: the base's weights read once

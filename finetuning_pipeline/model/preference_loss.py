@@ -39,6 +39,8 @@ from utils.precision import at_least_fp32
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 # An adapter name no layer holds: routed through it, every row sees the base alone.
 BASE_REFERENCE = "<base>"
+# The frozen copy of the adapter a phase continues, held beside it (LoRALinear.add_frozen_copy).
+REFERENCE_ADAPTER = "reference"
 # The sums a preference batch adds to its step, each over the batch's pairs (the metrics are
 # these divided by "pairs": TRL's names, metrics.py).
 METRIC_SUMS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -101,21 +103,25 @@ def pair_losses(settings: PreferenceSettings, policy: torch.Tensor, reference: t
     return (chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens - 1 / (2 * beta)) ** 2
 
 
-def metric_sums(settings: PreferenceSettings, policy: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """METRIC_SUMS of a batch, [6], summed over its pairs (no gradient)."""
+def metric_sums(settings: PreferenceSettings, policy: torch.Tensor, reference: torch.Tensor,
+                weight: torch.Tensor) -> torch.Tensor:
+    """METRIC_SUMS of a batch, [6], summed over its pairs (weight: [P], 1 for a pair, 0 for an
+    evaluation's filler row), no gradient."""
     policy, reference = policy.detach(), reference.detach()
     chosen_logps, rejected_logps = policy.chunk(2)
     chosen_rewards, rejected_rewards = (settings.beta * (policy - reference)).chunk(2)
-    return torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
-                        (chosen_rewards > rejected_rewards).to(policy.dtype).sum(),
-                        (chosen_rewards - rejected_rewards).sum(), chosen_logps.sum(), rejected_logps.sum()])
+    values = [chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).to(policy.dtype),
+              chosen_rewards - rejected_rewards, chosen_logps, rejected_logps]
+    return torch.stack([(value * weight).sum() for value in values])
 
 
 def preference_loss_sum(model, batch: dict[str, torch.Tensor], settings: PreferenceSettings, reference: str,
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss summed over the batch's pairs, pair count, METRIC_SUMS) of one batch of pairs.
-    The reference log-probabilities are batch["reference_logps"] ([2P], chosen rows then rejected:
-    computed once before the phase) when given, else the model's through adapter `reference`."""
+    """(loss summed over the batch's pairs, pair count, METRIC_SUMS) of one batch of pairs, on
+    the device. A row of no completion token (the filler an evaluation's last batch is padded
+    with) is no pair: it adds nothing to any of them. The reference log-probabilities are
+    batch["reference_logps"] ([2P], chosen rows then rejected: computed once before the phase)
+    when given, else the model's through adapter `reference`."""
     input_ids, labels = pair_rows(batch)
     if "reference_logps" in batch:
         reference_values = batch["reference_logps"].to(torch.promote_types(model.dtype, torch.float32))
@@ -123,5 +129,27 @@ def preference_loss_sum(model, batch: dict[str, torch.Tensor], settings: Prefere
         reference_values = reference_logps(model, input_ids, labels, reference)
     policy, tokens = sequence_logps(model, input_ids, labels)
     losses = pair_losses(settings, policy, reference_values, tokens)
-    pairs = torch.tensor(float(losses.shape[0]), dtype=losses.dtype, device=losses.device)
-    return losses.sum(), pairs, metric_sums(settings, policy, reference_values)
+    real = (batch["chosen_labels"] != IGNORE_INDEX).any(-1)
+    weight = real.to(losses.dtype)
+    # The pairs counted in fp32 from integers, as a next-token batch's label tokens are (a float64
+    # run keeps a float64 value float64, and the step's running count is one tensor of one dtype).
+    pairs = real.sum().to(torch.float32)
+    return (losses * weight).sum(), pairs, metric_sums(settings, policy, reference_values, weight)
+
+
+def metrics_of(sums: list[float], pairs: float) -> dict[str, float | None]:
+    """TRL's metrics, each a mean over pairs, from METRIC_SUMS' host values (None without pairs)."""
+    return {name: (value / pairs if pairs else None) for name, value in zip(METRIC_SUMS, sums, strict=True)}
+
+
+@dataclass(frozen=True)
+class PreferenceObjective:
+    """A preference phase's loss, as the training step calls it (train/step.py's `objective`):
+    objective(model, batch) -> preference_loss_sum's (loss sum, pairs, METRIC_SUMS).
+    reference: the adapter the reference's rows go through (BASE_REFERENCE: the base)."""
+
+    settings: PreferenceSettings
+    reference: str
+
+    def __call__(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return preference_loss_sum(model, batch, self.settings, self.reference)

@@ -20,6 +20,9 @@ def step_line(label: str, step: int, max_steps: int, values: dict, adapters: dic
     else:
         parts = [f"loss {number(values['loss'], '.4f')}", f"lr {number(values['lr'], '.2e')}",
                  f"grad norm {number(values['grad_norm'], '.3f')}"]
+        if "rewards/margins" in values:  # a preference phase's
+            parts += [f"margin {number(values['rewards/margins'], '.4f')}",
+                      f"accuracy {number(values['rewards/accuracies'], '.2f')}"]
     if values.get("skipped_steps"):
         parts.append(f"{values['skipped_steps']} skipped steps")
     if tokens_per_sec:
@@ -68,6 +71,13 @@ def summary_lines(summary: dict) -> str:
 def evaluation(result: dict) -> str:
     if result["eval_loss_after"] is None:
         return "no eval data"
+    preference = result.get("preference")
+    if preference:  # a preference phase: no perplexity; its reward margin and accuracy instead
+        before, after = preference["eval_before"], preference["eval_after"]
+        return (f"eval loss {number(result['eval_loss_before'], '.4f')} -> {number(result['eval_loss_after'], '.4f')} "
+                f"(reward margin {number(before['rewards/margins'], '.4f')} -> "
+                f"{number(after['rewards/margins'], '.4f')}, accuracy {number(before['rewards/accuracies'], '.2f')} -> "
+                f"{number(after['rewards/accuracies'], '.2f')} over {after['pairs']} pairs)")
     return (f"eval loss {number(result['eval_loss_before'], '.4f')} -> {number(result['eval_loss_after'], '.4f')} "
             f"(perplexity {number(result['perplexity_before'], '.1f')} -> "
             f"{number(result['perplexity_after'], '.1f')})")

@@ -160,9 +160,10 @@ class StepLogger:
         self._last: tuple[float, int] | None = None
 
     def log_train(self, step: int, values: dict, adapters: dict[str, dict] | None = None) -> None:
-        """values: host floats of loss, lr, grad_norm, label_tokens, skipped_steps; adapters:
-        the same of each adapter side by side (the record's "adapters"; values then hold their
-        token-weighted mean loss and total tokens)."""
+        """values: host floats of loss, lr, grad_norm, label_tokens, skipped_steps (a preference
+        phase's: its pairs for label_tokens, and its metrics under TRL's names, "rewards/margins",
+        ..., written beside them); adapters: the same of each adapter side by side (the record's
+        "adapters"; values then hold their token-weighted mean loss and total tokens)."""
         now = time.perf_counter()
         rate = None
         if self._last is not None:
@@ -178,6 +179,7 @@ class StepLogger:
         record = {"kind": "train", "step": step, "loss": values["loss"], "lr": values["lr"],
                   "grad_norm": values["grad_norm"], "label_tokens": int(values["label_tokens"]),
                   "skipped_steps": int(values["skipped_steps"])}
+        record.update({key: value for key, value in values.items() if "/" in key})  # TRL's metric names
         if adapters is not None:
             record["adapters"] = adapters
         if rate:

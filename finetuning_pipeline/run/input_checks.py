@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 
 from dataset.loader import open_prepared
-from dataset.manifest import require_next_token_data, tokenizer_fingerprint
+from dataset.manifest import tokenizer_fingerprint
+from dataset.shards import PREFERENCE
 from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.model.attention_choice import TargetMachine, choose_attention
 from finetuning_pipeline.model.attention_masks import mask_windows
@@ -54,7 +55,10 @@ def check_inputs(config: RunConfig, phases: list[int], *, machine: TargetMachine
             raise ConfigError(f"{key}: {data} does not exist; run `python -m dataset.prepare ... --out {data}` first")
         manifest = open_prepared(data, fingerprint=fingerprint, seq_len=config.phase(phase).seq_len,
                                  setting=f"phase{phase}.seq_len")
-        require_next_token_data(manifest, data, key)
+        if manifest.get("phase") == PREFERENCE and config.phase(phase).adapters:
+            raise ConfigError(f"{key}: {data} holds preference pairs, and phase{phase} trains adapters side by side: "
+                              "this version trains preference pairs with one adapter a phase. Train each adapter's "
+                              "preference phase in a run of its own")
         if max_positions is not None and manifest["seq_len"] > max_positions:
             raise ConfigError(
                 f"{key}: seq_len {manifest['seq_len']} exceeds the model's max_position_embeddings {max_positions}"

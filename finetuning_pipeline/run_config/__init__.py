@@ -12,6 +12,7 @@ from finetuning_pipeline.run_config.schema import (
                                                    ModelConfig,
                                                    ParallelConfig,
                                                    PhaseConfig,
+                                                   PreferenceConfig,
                                                    RunConfig,
                                                    RuntimeConfig,
                                                    TpuConfig,
@@ -22,5 +23,5 @@ from finetuning_pipeline.run_config.schema import (
 )
 
 __all__ = ["AdapterConfig", "CheckpointConfig", "ConfigError", "EvalConfig", "GpuConfig", "LoggingConfig",
-           "ModelConfig", "ParallelConfig", "PhaseConfig", "RunConfig", "RuntimeConfig", "TpuConfig", "TrainConfig",
-           "WandbConfig", "XlaConfig", "load_config", "phase_number", "read_config_file"]
+           "ModelConfig", "ParallelConfig", "PhaseConfig", "PreferenceConfig", "RunConfig", "RuntimeConfig",
+           "TpuConfig", "TrainConfig", "WandbConfig", "XlaConfig", "load_config", "phase_number", "read_config_file"]

@@ -24,6 +24,8 @@ WandbMode = Literal["online", "offline", "disabled"]
 ParallelMode = Literal["dp", "fsdp"]
 Launcher = Literal["auto", "tpu", "process"]
 PhaseInit = Literal["continue", "merge", "fresh"]
+PreferenceLoss = Literal["sigmoid", "ipo", "hinge"]
+PreferenceReference = Literal["auto", "base"]
 Backend = Literal["auto", "xla", "native"]
 NativeDevice = Literal["auto", "cpu", "cuda", "tpu"]
 NativeCompile = Literal["auto", "layers", "eager"]
@@ -297,6 +299,23 @@ class AdapterConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """A preference phase's loss (`phaseN.preference`): a phase is one when its data is preference
+    pairs (`dataset.prepare --format preference`); these keys say how it trains on them
+    (finetuning_pipeline/model/preference_loss.py: equal to TRL 1.16's DPOTrainer).
+    loss: sigmoid (DPO), ipo or hinge, TRL's formulas over each completion's summed log-probability.
+    beta: the reward's temperature, beta times the log-ratio to the reference (TRL's default 0.1).
+    reference: "auto", the model the phase starts from: with init continue a frozen copy of the
+        adapter it continues (held beside it in the same layers: rank-r matrices, not a second
+        model), with merge the merged base, with fresh the base; "base": the phase's base weights
+        alone, its adapter switched off (TRL's choice for a new adapter), whatever the init."""
+
+    loss: PreferenceLoss = "sigmoid"
+    beta: float = 0.1
+    reference: PreferenceReference = "auto"
+
+
+@dataclass
 class PhaseConfig:
     """One phase of the curriculum, `phaseN:` in the YAML (phase1, phase2, phase3, ...; any
     number of them, run in order; `phaseN.key=value` overrides).
@@ -312,7 +331,8 @@ class PhaseConfig:
     adapters: instead of `data`, several named adapters trained side by side in this phase over
     one frozen base (lora_logic/layer.py), each with its own data, lr and max_steps, and
     its own output `phaseN/adapters/<name>/`. Such a phase starts fresh or on a merged base
-    (init fresh or merge), and no later phase continues or merges its adapters."""
+    (init fresh or merge), and no later phase continues or merges its adapters.
+    preference: a preference phase's loss (PreferenceConfig), read where the data is preference pairs."""
 
     data: str = ""
     seq_len: int | None = None
@@ -320,6 +340,7 @@ class PhaseConfig:
     lr: float | None = None
     init: PhaseInit = "continue"
     adapters: dict[str, AdapterConfig] = field(default_factory=dict)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
 
 
 # The curriculum's sections: phase1, phase2, phase3, ... (RunConfig.phases).
@@ -433,5 +454,6 @@ class RunConfig:
         flat[f"phase{phase}.adapters"] = sorted(self.adapters(phase))
         for name, adapter in phase_cfg.pop("adapters").items():
             flat.update({f"phase{phase}.adapters.{name}.{k}": v for k, v in adapter.items()})
+        flat.update({f"phase{phase}.preference.{k}": v for k, v in phase_cfg.pop("preference").items()})
         flat.update({f"phase{phase}.{k}": v for k, v in phase_cfg.items()})
         return flat

@@ -120,6 +120,9 @@ def validate(config: RunConfig) -> None:
             raise ConfigError(f"phase{number}.max_steps must be >= 1, got {phase.max_steps}")
         if phase.lr is not None and not phase.lr > 0:
             raise ConfigError(f"phase{number}.lr must be > 0, got {phase.lr}")
+        if not phase.preference.beta > 0:
+            raise ConfigError(f"phase{number}.preference.beta must be > 0 (the reward's temperature; TRL's default "
+                              f"is 0.1), got {phase.preference.beta}")
         if phase.adapters:
             validate_side_by_side(config, number)
     for number in config.phase_numbers():

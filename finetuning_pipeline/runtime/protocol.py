@@ -76,8 +76,10 @@ class Runtime(Protocol):
         checkpoint was loaded, on the host; before the optimizer is built)."""
 
     def step_execution(self, model: torch.nn.Module, optimizer, *, train, parallel: Parallel, device, packed: bool,
-                       loss_chunk: int, activation_checkpointing: bool) -> StepExecution:
-        """How this runtime runs the phase's optimizer steps (train/stepper.py drives it)."""
+                       loss_chunk: int, activation_checkpointing: bool, objective=None) -> StepExecution:
+        """How this runtime runs the phase's optimizer steps (train/stepper.py drives it). objective: a
+        preference phase's loss (train/step.py's; its step's results then hold "metric_sums"), or
+        None for next-token loss."""
 
     # -- batches and step boundaries ----------------------------------------------------------
     def device_batches(self, data, device) -> Iterator[dict]:

@@ -9,6 +9,7 @@ import torch
 
 from dataset.loader import ShardLoader
 from dataset.manifest import is_packed, read_manifest
+from dataset.shards import PREFERENCE
 from finetuning_pipeline.distributed.parallel import Parallel
 from finetuning_pipeline.errors import ConfigError
 from finetuning_pipeline.run_config import EvalConfig, TrainConfig
@@ -43,6 +44,7 @@ class PhaseData:
         # Text rows take the position ids 0..L-1 they have, so a batch mixing text and chat is
         # run as packed (masks from position ids): the same result for the text rows.
         self.packed = any(is_packed(m) for m in self.manifests.values())
+        self.preference = any(m.get("phase") == PREFERENCE for m in self.manifests.values())  # pairs (pair_rows)
         self.pad_id = next(iter(self.manifests.values()))["tokenizer"]["pad_id"]
         self.parallel = parallel
         self.loaders = {name: ShardLoader(d, t.micro_batch * parallel.chips_per_process, seed=t.seed,
@@ -97,11 +99,19 @@ class PhaseData:
 
     def batches(self):
         """The replica's micro-batches on the host: each adapter's rows one after another, each row
-        with the seed of its LoRA dropout masks ("lora_seed", lora_dropout_seeds)."""
+        with the seed of its LoRA dropout masks ("lora_seed", lora_dropout_seeds). A batch of pairs
+        (preference data) is run as its chosen rows, then its rejected rows: a seed for each."""
         for parts in zip(*self.loaders.values()):
             batch = parts[0] if len(parts) == 1 else {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
-            positions = batch.pop("stream_position")
-            yield {**batch, "lora_seed": lora_dropout_seeds(positions, self.seed, self.phase)}
+            seeds = lora_dropout_seeds(batch.pop("stream_position"), self.seed, self.phase)
+            if self.preference:
+                seeds = torch.cat([seeds, seeds ^ REJECTED_ROW_SALT])
+            yield {**batch, "lora_seed": seeds}
+
+
+# A pair's rejected row draws other LoRA dropout masks than its chosen row (an odd constant: any
+# seed maps to another, and no pair's rejected seed is a chosen seed of the pairs near it).
+REJECTED_ROW_SALT = 0x2545F491
 
 
 def lora_dropout_seeds(positions: torch.Tensor, seed: int, phase: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ from pathlib import Path
 from finetuning_pipeline.distributed.parallel import Parallel
 from finetuning_pipeline.errors import SEE_THE_MASTERS, OutputWriteError
 from finetuning_pipeline.model.lineage import write_lineage
+from finetuning_pipeline.model.preference_loss import BASE_REFERENCE, metrics_of
 from finetuning_pipeline.monitor.divergence import DivergenceMonitor
 from finetuning_pipeline.monitor.metrics_log import StepLogger
 from finetuning_pipeline.run.checkpointing import checkpoint_step
@@ -173,11 +174,23 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
         "seq_len": p.data.seq_len,
         "global_batch": p.data.batches_per_step,
     }
+    if p.objective is not None:
+        summary["preference"] = preference_summary(p.objective, p.eval_before, eval_after)
     if p.adapters:
         summary["skipped_steps"] = sum(final_state["skipped_steps"].values())
         summary["adapters"] = adapter_summaries(p, final_state, eval_after)
     atomic_write_json(layout.summary(p.number), summary)  # written last: marks the phase as done
     return summary
+
+
+def preference_summary(objective, eval_before: dict, eval_after: dict) -> dict:
+    """A preference phase's loss, its reference, and its evaluations' pairs and TRL metrics."""
+    def metrics(result: dict) -> dict:
+        return {key: value for key, value in result.items() if key == "pairs" or "/" in key}
+
+    return {"loss": objective.settings.loss, "beta": objective.settings.beta,
+            "reference": "base" if objective.reference == BASE_REFERENCE else "the continued adapter, frozen",
+            "eval_before": metrics(eval_before), "eval_after": metrics(eval_after)}
 
 
 def adapter_summaries(p: Phase, final_state: dict, eval_after: dict) -> dict[str, dict]:
@@ -202,12 +215,13 @@ def log_step(logger: StepLogger, monitor: DivergenceMonitor, step: int, results:
     # A step closure: runs once the step's graph has been issued; reading the results waits
     # for that step only, on log steps only. Every replica runs it with the same values
     # (losses are summed over replicas), so every replica takes the same stop decision.
-    loss, grad_norm, tokens, skipped, worst, lr = to_host(results["loss"], results["grad_norm"], results["tokens"],
-                                                          skipped, worst, results["lr"])
+    preference = [results["metric_sums"]] if "metric_sums" in results else []  # a preference phase's
+    loss, grad_norm, tokens, skipped, worst, lr, *metric_sums = to_host(
+        results["loss"], results["grad_norm"], results["tokens"], skipped, worst, results["lr"], *preference)
     monitor.observe(worst)
     if not adapters:
         logger.log_train(step, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "label_tokens": tokens,
-                                "skipped_steps": skipped})
+                                "skipped_steps": skipped, **(metrics_of(metric_sums[0], tokens) if preference else {})})
         return
     # Side by side: each adapter's values, while it steps (an adapter whose steps are done has none).
     each = {name: {"loss": loss[k], "lr": lr[k], "grad_norm": grad_norm[k], "label_tokens": tokens[k],

@@ -29,6 +29,12 @@ from finetuning_pipeline.distributed.parallel import Parallel
 from finetuning_pipeline.model.activation_checkpointing import checkpointing_mode, enable_activation_checkpointing
 from finetuning_pipeline.model.lineage import lineage_with, quantized_with
 from finetuning_pipeline.model.loading import DTYPES, load_model
+from finetuning_pipeline.model.preference_loss import (
+    BASE_REFERENCE,
+    REFERENCE_ADAPTER,
+    PreferenceObjective,
+    PreferenceSettings,
+)
 from finetuning_pipeline.model.quantized_base import quantized_summary
 from finetuning_pipeline.monitor.compile_guard import CompileGuard
 from finetuning_pipeline.monitor.divergence import DivergenceMonitor
@@ -36,13 +42,13 @@ from finetuning_pipeline.monitor.metrics_log import MetricsLog, StepLogger
 from finetuning_pipeline.run.checkpointing import Checkpointer, load_checkpoint, load_optimizer_state, resume_keys
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run.stop_signal import StopVote
-from finetuning_pipeline.run_config import LoggingConfig, ModelConfig, RunConfig
+from finetuning_pipeline.run_config import LoggingConfig, ModelConfig, PreferenceConfig, RunConfig
 from finetuning_pipeline.train.adamw import MaskedAdamW
 from finetuning_pipeline.train.adapter_results import side_by_side_results
-from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss
+from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss, evaluate_pairs
 from finetuning_pipeline.train.phase_data import PhaseData
 from finetuning_pipeline.train.stepper import Stepper
-from lora_logic.adapters import adapter_groups, lora_parameters, only_adapter
+from lora_logic.adapters import adapter_groups, lora_modules, lora_parameters, only_adapter
 from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
 from lora_logic.inject import inject_lora
 from utils.hub_models import model_dir
@@ -84,6 +90,18 @@ def build_model(model_settings: ModelConfig, adapters: dict[str, LoraConfig], *,
     return model, adapters
 
 
+def preference_objective(model, settings: PreferenceConfig, continues: bool) -> PreferenceObjective:
+    """A preference phase's loss, its reference in the model: with reference auto and a continued
+    adapter, a frozen copy of that adapter as it is now, beside it in every layer it adapts
+    (REFERENCE_ADAPTER); otherwise the base the phase's adapter is on (BASE_REFERENCE)."""
+    reference = BASE_REFERENCE
+    if settings.reference == "auto" and continues:
+        for _, module in lora_modules(model):
+            module.add_frozen_copy(DEFAULT_ADAPTER, REFERENCE_ADAPTER)
+        reference = REFERENCE_ADAPTER
+    return PreferenceObjective(PreferenceSettings(settings.loss, settings.beta), reference)
+
+
 @dataclass
 class Phase:
     """Everything one replica's phase is made of, built by `start_phase`."""
@@ -118,6 +136,7 @@ class Phase:
     adapters: dict[str, int]  # adapters side by side, in their rows' order -> their max_steps ({}: one adapter)
     quantized_base: dict | None  # model.quantize's decoder Linears (quantized_base.quantized_summary), or None
     activation_checkpointing: str | None  # the mode its decoder layers were checkpointed in (full, selective), or None
+    objective: object = None  # a preference phase's loss (model/preference_loss.PreferenceObjective), or None
 
     def evaluate(self) -> dict:
         """The eval loss; side by side, each adapter's on its own data (alone on every row), and
@@ -129,6 +148,12 @@ class Phase:
         return side_by_side_results(each) if self.adapters else each[DEFAULT_ADAPTER]
 
     def _evaluate(self, data_dir: str) -> dict:
+        if self.objective is not None:
+            return evaluate_pairs(self.model, data_dir, self.objective, micro_batch=self.data.eval_micro_batch,
+                                  pad_id=self.data.pad_id, device=self.device, max_batches=self.eval_max_batches,
+                                  collectives=self.parallel.collectives, input_sharding=self.parallel.input_sharding(),
+                                  replicate=self.parallel.replicate, to_device=self.runtime.to_device,
+                                  boundary=self.runtime.step_boundary)
         return evaluate_loss(self.model, data_dir, micro_batch=self.data.eval_micro_batch, pad_id=self.data.pad_id,
                              packed=self.data.packed, device=self.device, max_batches=self.eval_max_batches,
                              loss_chunk=self.stepper.loss_chunk,
@@ -163,6 +188,10 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
         model, lora_config = build_model(config.model, config.adapters(phase),
                                          merged=[layout.adapter(n) for n in merged],
                                          continued=layout.adapter(continued) if continued else None)
+        # A preference phase's reference: the adapter as the phase starts (before a checkpoint's
+        # weights are loaded into it), or the base.
+        objective = preference_objective(model, config.phase(phase).preference, continued is not None) \
+            if data.preference else None
         # The resumed adapter goes into the layers before they are stacked (on the host), the
         # optimizer's moments into the optimizer built on the stacks.
         state = load_checkpoint(resume_from, model=model) if resume_from else {}
@@ -195,7 +224,7 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
         max_steps = [config.adapter_max_steps(phase, name) for name in adapters]
     stepper = Stepper(model, optimizer, t, phase=phase, lr=lr, max_steps=max_steps,
                       activation_checkpointing=config.model.activation_checkpointing, parallel=parallel,
-                      device=device, start_step=start_step, packed=data.packed, runtime=runtime)
+                      device=device, start_step=start_step, packed=data.packed, runtime=runtime, objective=objective)
     if monitor.diverged:  # adapters stopped before the checkpoint stay stopped
         stepper.disable([adapters.index(name) for name in monitor.diverged])
     if parallel.master and stepper.note:
@@ -216,7 +245,7 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
                                                      config.model.revision), config.model.quantize, config.model.dtype),
               accepted_changes={**state.get("accepted_changes", {}), **(accepted_changes or {})},
               adapters={name: config.adapter_max_steps(phase, name) for name in adapters}, quantized_base=quantized,
-              activation_checkpointing=checkpointing_mode(config.model.activation_checkpointing))
+              activation_checkpointing=checkpointing_mode(config.model.activation_checkpointing), objective=objective)
     if p.eval_before is None:
         p.eval_before = p.evaluate()
         p.logger.log_eval(0, p.eval_before)

@@ -7,6 +7,11 @@ Loss normalisation: each micro-batch returns the *sum* of token losses and the n
 label tokens; gradients are divided by the step's total label count (all micro-batches, all
 replicas) before clipping. So k micro-batches of b sequences give exactly the gradient of one
 batch of k*b (a mean of per-micro-batch means would weight short micro-batches more).
+
+A preference phase (`objective`: model/preference_loss.py's PreferenceObjective) returns the sum
+of its pairs' losses and its pair count instead, and the sums of its metrics besides: the same
+arithmetic divides by the step's pairs, and the metric sums travel with the step's results
+("metric_sums", summed over micro-batches and replicas like the loss).
 """
 
 from __future__ import annotations
@@ -22,37 +27,44 @@ from utils.precision import float64_throughout
 
 
 def micro_batch_gradients(model, optimizer, batch: dict[str, torch.Tensor], packed: bool = True,
-                          loss_chunk: int = 0) -> list[torch.Tensor]:
+                          loss_chunk: int = 0, objective=None) -> list[torch.Tensor]:
     """[flat LoRA gradient of the loss sum, loss sum, label tokens] of one micro-batch; leaves
     no `.grad` behind, so it can be traced once and looped (runtime/xla/micro_batch_loop.py).
+    objective: a preference phase's (module docstring): [gradient, loss sum, pairs, metric sums].
     batch["lora_seed"] (int32 [1] or [rows, 1], optional): the seeds of its LoRA dropout masks
     (lora_logic/dropout.py; the trainer's: one per sequence, train/phase_data.py's lora_dropout_seeds).
     A model of K adapters side by side: loss sum and label tokens per adapter, [K]; the gradient
     of their total is each adapter's own, as its rows reach only its weights."""
     # The optimizer's groups are the model's adapters (one per adapter side by side): known, not
     # looked up in the model's modules at every trace.
-    loss_sum, count = micro_batch_backward(
-        model, batch, lambda b: causal_lm_loss_sum(model, b, packed, loss_chunk, groups=optimizer.group_count))
+    def loss_sums(b):
+        if objective is not None:
+            return objective(model, b)
+        return causal_lm_loss_sum(model, b, packed, loss_chunk, groups=optimizer.group_count)
+
+    sums = micro_batch_backward(model, batch, loss_sums)
     grad = optimizer.flat_grad()
     optimizer.zero_grad()
-    return [grad, loss_sum, count]
+    return [grad, *sums]
 
 
-def micro_batch_backward(model, batch: dict[str, torch.Tensor], loss_sums) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward of one micro-batch's loss sum, its gradients added to the `.grad`s: (loss sum,
-    label tokens). loss_sums(batch): causal_lm_loss_sum of the model, or what computes it through a
-    wrapper (the native runtime's DistributedDataParallel)."""
+def micro_batch_backward(model, batch: dict[str, torch.Tensor], loss_sums) -> list[torch.Tensor]:
+    """The backward of one micro-batch's loss sum, its gradients added to the `.grad`s: [loss sum,
+    label tokens] (a preference objective's: [loss sum, pairs, metric sums]). loss_sums(batch):
+    causal_lm_loss_sum of the model, or the objective's, or what computes it through a wrapper (the
+    native runtime's DistributedDataParallel)."""
     set_dropout_seed(model, batch.get("lora_seed"))
     with float64_throughout(model.dtype):  # (the backward too: a checkpointed layer's forward runs again in it)
-        loss_sum, count = loss_sums(batch)
+        loss_sum, *rest = loss_sums(batch)
         loss_sum.sum().backward()  # (a checkpointed layer recomputes its forward here, with the same masks)
     set_dropout_seed(model, None)
-    return loss_sum.detach(), count
+    return [loss_sum.detach(), *rest]
 
 
 def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, collectives: Collectives | None = None,
                packed: bool = True, loss_chunk: int = 0, seeds: list[int] | None = None,
-               active: torch.Tensor | None = None, seed_rng=None, replicated=None) -> dict[str, torch.Tensor]:
+               active: torch.Tensor | None = None, seed_rng=None, replicated=None,
+               objective=None) -> dict[str, torch.Tensor]:
     """Accumulate gradients over `micro_batches`, average, clip, step. Returns device tensors:
     loss (mean per label token), tokens (label tokens in the step), grad_norm (before
     clipping) and applied (False when the loss or the gradient norm was not finite: the
@@ -67,13 +79,15 @@ def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, collect
     the LoRA gradients over the replicas in the backward of the step's last micro-batch, as that
     backward produces them: the micro-batches before it run under its no_sync(), their gradients
     adding up in the .grads, and the step reads the gradient once; `collectives` then sums the
-    loss sums and label tokens only. The same sums as reading each micro-batch's gradient."""
+    loss sums and label tokens only. The same sums as reading each micro-batch's gradient.
+    objective: a preference phase's loss (the module's docstring); the results then hold its
+    "metric_sums" too."""
     sums = None
     for i, batch in enumerate(micro_batches):
         if seeds is not None:
             seed_rng(seeds[i])
         if replicated is None:
-            out = micro_batch_gradients(model, optimizer, batch, packed, loss_chunk)
+            out = micro_batch_gradients(model, optimizer, batch, packed, loss_chunk, objective)
         else:
             with replicated.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
                 out = micro_batch_backward(model, batch, replicated)
@@ -81,12 +95,13 @@ def train_step(model, optimizer, micro_batches, *, max_grad_norm: float, collect
     if replicated is not None:  # the gradient is already summed over the replicas
         grad = optimizer.flat_grad()
         optimizer.zero_grad()
-        loss_total, tokens = collectives.sum_device(sums)
+        loss_total, tokens, *metrics = collectives.sum_device(sums)
     else:
-        grad, loss_total, tokens = sums
-        if collectives is not None:  # sums over the replicas (one collective for all three)
-            grad, loss_total, tokens = collectives.sum_device([grad, loss_total, tokens])
-    return apply_update(optimizer, grad, loss_total, tokens, max_grad_norm, active)
+        grad, loss_total, tokens, *metrics = sums
+        if collectives is not None:  # sums over the replicas (one collective for them all)
+            grad, loss_total, tokens, *metrics = collectives.sum_device([grad, loss_total, tokens, *metrics])
+    results = apply_update(optimizer, grad, loss_total, tokens, max_grad_norm, active)
+    return {**results, "metric_sums": metrics[0]} if metrics else results
 
 
 def apply_update(optimizer, grad: torch.Tensor, loss_total: torch.Tensor, tokens: torch.Tensor,

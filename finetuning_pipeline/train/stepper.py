@@ -36,12 +36,13 @@ class Stepper:
 
     def __init__(self, model, optimizer, train: TrainConfig, *, phase: int, lr: float | list[float],
                  max_steps: int | list[int], activation_checkpointing: bool, parallel: Parallel, device,
-                 start_step: int, packed: bool, runtime) -> None:
+                 start_step: int, packed: bool, runtime, objective=None) -> None:
         """train: the train section (seed, clipping, schedule shape, chunked loss, capture_step);
         lr, max_steps: the phase's peak LR and length, or a list of each adapter's, for an
         optimizer of adapters side by side (its groups); activation_checkpointing: the model's
         layers are recomputed in the backward (model.activation_checkpointing); runtime: what
-        executes the step (runtime/protocol.py)."""
+        executes the step (runtime/protocol.py); objective: a preference phase's loss (train/step.py),
+        None for next-token loss."""
         t = train
         self.optimizer, self.parallel, self.device = optimizer, parallel, device
         self.seed, self.phase = t.seed, phase
@@ -58,7 +59,7 @@ class Stepper:
                                      min_lr_ratio=t.min_lr_ratio).to(device)
         self.execution = runtime.step_execution(model, optimizer, train=t, parallel=parallel, device=device,
                                                 packed=packed, loss_chunk=self.loss_chunk,
-                                                activation_checkpointing=activation_checkpointing)
+                                                activation_checkpointing=activation_checkpointing, objective=objective)
 
     @property
     def note(self) -> str | None:

@@ -150,19 +150,24 @@ def test_a_prompt_longer_than_the_block_leaves_no_completion_and_is_counted(tiny
     assert np.load(out / "train" / "chosen_input_ids.npy").shape[1] == 16
 
 
-def test_the_trainer_refuses_preference_data_by_its_key(tiny_model_dir, data, tmp_path, capsys):
+def test_adapters_side_by_side_and_evaluate_refuse_pairs_by_their_key(tiny_model_dir, data, tmp_path, capsys):
     from trainer_helpers import write_run_config
 
-    from finetuning_pipeline import main
+    from finetuning_pipeline import evaluate, main
 
     pairs = write_jsonl(tmp_path / "p.jsonl", [STANDARD, IMPLICIT_TEXT])
     prepared = tmp_path / "pairs"
     assert prepare.main(["--tokenizer", str(tiny_model_dir), "--seq-len", "128", "--out", str(prepared), "--quiet",
                          "--eval-fraction", "0", "--input", pairs]) == 0
-    config = write_run_config(tmp_path / "r.yaml", tiny_model_dir, {1: data[1], 2: prepared}, tmp_path / "o")
+    capsys.readouterr()
+    side_by_side = {"data": "", "init": "fresh",
+                    "adapters": {"a": {"data": str(prepared)}, "b": {"data": str(data[2])}}}
+    config = write_run_config(tmp_path / "r.yaml", tiny_model_dir, data, tmp_path / "o", phase2=side_by_side)
     assert main.main(["--config", str(config)]) == 2
-    err = capsys.readouterr().err
-    assert f"phase2.data: {prepared} holds preference pairs (prepared with --format preference)" in err
+    assert (f"phase2.adapters.a.data: {prepared} holds preference pairs, and phase2 trains adapters side by side"
+            in capsys.readouterr().err)
+    assert evaluate.main(["--model", str(tiny_model_dir), "--data", str(prepared)]) == 2
+    assert f"--data: {prepared} holds preference pairs" in capsys.readouterr().err
 
 
 def test_a_hugging_face_dataset_of_pairs_with_its_own_column_names(tokenizer, tiny_model_dir, tmp_path):

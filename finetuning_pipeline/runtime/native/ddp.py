@@ -27,14 +27,18 @@ from finetuning_pipeline.model.causal_lm_loss import causal_lm_loss_sum
 
 
 class BatchLoss(torch.nn.Module):
-    """What DDP wraps: a micro-batch's loss sums and label tokens (causal_lm_loss_sum), so that the
-    trainer's own forward, the chunked loss included, is DDP's."""
+    """What DDP wraps: a micro-batch's loss sums and label tokens (causal_lm_loss_sum), or a
+    preference objective's sums (train/step.py), so that the trainer's own forward, the chunked
+    loss included, is DDP's."""
 
-    def __init__(self, model: torch.nn.Module, packed: bool, loss_chunk: int, groups: int) -> None:
+    def __init__(self, model: torch.nn.Module, packed: bool, loss_chunk: int, groups: int, objective=None) -> None:
         super().__init__()
         self.model, self.packed, self.loss_chunk, self.groups = model, packed, loss_chunk, groups
+        self.objective = objective
 
     def forward(self, batch: dict[str, torch.Tensor]):
+        if self.objective is not None:
+            return self.objective(self.model, batch)
         return causal_lm_loss_sum(self.model, batch, self.packed, self.loss_chunk, groups=self.groups)
 
 
@@ -45,9 +49,9 @@ def summed(group, bucket):  # (unannotated: DDP refuses a return annotation that
 
 
 def replicate(model: torch.nn.Module, packed: bool, loss_chunk: int, groups: int,
-              device: torch.device) -> DistributedDataParallel:
+              device: torch.device, objective=None) -> DistributedDataParallel:
     """The model's loss under DDP, in torch.distributed's default process group (runtime/native/runtime.py)."""
-    module = BatchLoss(model, packed, loss_chunk, groups)
+    module = BatchLoss(model, packed, loss_chunk, groups, objective)
     frozen = [name for name, p in module.named_parameters() if not p.requires_grad]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         module, frozen + [name for name, _ in module.named_buffers()])

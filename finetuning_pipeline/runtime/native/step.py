@@ -36,12 +36,13 @@ class NativeStepExecution:
     updated_state_tensors = updated_state_bytes = None  # (no buffers are donated: PyTorch frees what it drops)
 
     def __init__(self, model, optimizer, *, train: TrainConfig, parallel, device, packed: bool, loss_chunk: int,
-                 activation_checkpointing: bool) -> None:
+                 activation_checkpointing: bool, objective=None) -> None:
         self.model, self.optimizer, self.parallel = model, optimizer, parallel
         self.packed, self.loss_chunk, self.max_grad_norm = packed, loss_chunk, train.max_grad_norm
+        self.objective = objective  # a preference phase's loss (train/step.py), or None
         self.ddp = None
         if parallel.world > 1 and parallel.mode == "dp":  # DDP sums the gradients (ddp.py)
-            self.ddp = replicate(model, packed, loss_chunk, optimizer.group_count, device)
+            self.ddp = replicate(model, packed, loss_chunk, optimizer.group_count, device, objective)
 
     def seed_rng(self, seed: int) -> None:
         torch.manual_seed(seed)  # every device's default generator (CPU and CUDA alike)
@@ -51,7 +52,8 @@ class NativeStepExecution:
         with lost_replica_named(self.parallel.collectives) if self.ddp is not None else contextlib.nullcontext():
             return train_step(self.model, self.optimizer, micro_batches, max_grad_norm=self.max_grad_norm,
                               collectives=self.parallel.collectives, packed=self.packed, loss_chunk=self.loss_chunk,
-                              seeds=seeds, active=active, seed_rng=self.seed_rng, replicated=self.ddp)
+                              seeds=seeds, active=active, seed_rng=self.seed_rng, replicated=self.ddp,
+                              objective=self.objective)
 
 
 def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor") -> int:

@@ -23,10 +23,12 @@ from finetuning_pipeline.train.step import apply_update, micro_batch_gradients, 
 
 class XlaStepExecution:
     def __init__(self, model, optimizer: MaskedAdamW, *, train: TrainConfig, parallel, device, packed: bool,
-                 loss_chunk: int, activation_checkpointing: bool) -> None:
+                 loss_chunk: int, activation_checkpointing: bool, objective=None) -> None:
         t = train
         self.model, self.optimizer, self.parallel, self.device = model, optimizer, parallel, device
         self.packed, self.loss_chunk, self.max_grad_norm = packed, loss_chunk, t.max_grad_norm
+        self.objective = objective  # a preference phase's loss (train/step.py), or None
+        self.sums = SUMS + (("metric_sums",) if objective is not None else ())
         self.gradients = self.update = None
         self.note = None
         dropouts = model_dropouts(model.config) if activation_checkpointing else {}
@@ -41,7 +43,7 @@ class XlaStepExecution:
             # the phase's model and optimizer alive after it (until a garbage collection happened
             # to run), while the next phase loads its own.
             self.gradients = CapturedStep(
-                functools.partial(gradient_sums, model, optimizer, packed, loss_chunk),
+                functools.partial(gradient_sums, model, optimizer, packed, loss_chunk, objective),
                 functools.partial(model_state, model), name="gradients")
             self.update = CapturedStep(functools.partial(update_from_sums, optimizer, self.max_grad_norm),
                                        functools.partial(optimizer_state, optimizer), name="update")
@@ -73,16 +75,16 @@ class XlaStepExecution:
             self.optimizer.lr, active = lr_and_active()
             return train_step(self.model, self.optimizer, micro_batches, max_grad_norm=self.max_grad_norm,
                               collectives=self.parallel.collectives, packed=self.packed, loss_chunk=self.loss_chunk,
-                              seeds=seeds, active=active, seed_rng=self.seed_rng)
+                              seeds=seeds, active=active, seed_rng=self.seed_rng, objective=self.objective)
         inputs = (micro_batches, torch.tensor(seeds, dtype=torch.int64).to(self.device))
         if not self.gradients.captured:
             self._capture(inputs, lr_examples())
         sums = self.gradients(inputs)
-        sums = self.parallel.collectives.sum_device([sums[k] for k in SUMS])
+        sums = self.parallel.collectives.sum_device([sums[k] for k in self.sums])
         lr, active = lr_and_active()  # (after the capture: nothing of the step may be pending then)
-        results = self.update(sums + [lr] + ([active] if active is not None else []))
+        results = self.update(sums[:len(SUMS)] + [lr] + ([active] if active is not None else []))
         self.optimizer.lr = lr  # (the update's trace left its example there)
-        return results
+        return {**results, "metric_sums": sums[len(SUMS)]} if self.objective is not None else results
 
     def _capture(self, inputs: tuple[list[dict], torch.Tensor], lr_examples: list[torch.Tensor]) -> None:
         """Both traces, before anything of the first step is pending (see CapturedStep.capture):
@@ -106,16 +108,18 @@ def optimizer_state(optimizer: MaskedAdamW) -> list[torch.Tensor]:
     return optimizer.params + optimizer.state_tensors()
 
 
-def gradient_sums(model, optimizer: MaskedAdamW, packed: bool, loss_chunk,
+def gradient_sums(model, optimizer: MaskedAdamW, packed: bool, loss_chunk, objective,
                   inputs: tuple[list[dict], torch.Tensor]) -> dict:
-    """Traced once: (the step's micro-batches, their seeds [grad_accum]) -> the SUMS."""
+    """Traced once: (the step's micro-batches, their seeds [grad_accum]) -> the SUMS (and a
+    preference objective's metric sums)."""
     micro_batches, seeds = inputs
-    grad, loss_total, tokens = summed_over_micro_batches(
-        lambda batch: micro_batch_gradients(model, optimizer, batch, packed, loss_chunk),
+    grad, loss_total, tokens, *metrics = summed_over_micro_batches(
+        lambda batch: micro_batch_gradients(model, optimizer, batch, packed, loss_chunk, objective),
         micro_batches, seeds, reads=model_state(model))
     # [1] (or [K] side by side), not 0-dim: the update is traced on zeros of these shapes, and
     # a 0-dim zero reaches the device as a constant, not as data.
-    return {"grad": grad, "loss_total": loss_total.reshape(-1), "tokens": tokens.reshape(-1)}
+    sums = {"grad": grad, "loss_total": loss_total.reshape(-1), "tokens": tokens.reshape(-1)}
+    return {**sums, "metric_sums": metrics[0]} if metrics else sums
 
 
 def update_from_sums(optimizer: MaskedAdamW, max_grad_norm: float, inputs: list[torch.Tensor]) -> dict:

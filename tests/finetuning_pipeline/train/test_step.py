@@ -81,3 +81,50 @@ def test_gradient_accumulation_equals_one_large_batch():
     assert_equal_in_exact_arithmetic(results_a["grad_norm"], results_b["grad_norm"], "gradient norm")
     assert results_a["tokens"].item() == results_b["tokens"].item() == (labels[:, 1:] != -100).sum().item()
     assert bool(results_a["applied"]) and bool(results_b["applied"])
+
+
+def test_preference_pairs_accumulate_to_the_gradient_of_the_mean_over_every_pair():
+    """A preference objective: 2 micro-batches of 2 pairs give the gradient and loss of their 4
+    pairs' mean loss (autograd of it, the reference a frozen copy of the adapter's first weights),
+    and the step's metric sums are those of the 4 pairs; on the CPU, in float64."""
+    from finetuning_pipeline.model.preference_loss import (
+        PreferenceObjective,
+        PreferenceSettings,
+        preference_loss_sum,
+    )
+    from utils.precision import float64_throughout
+
+    generator = torch.Generator().manual_seed(0)
+    pairs = {}
+    for side in ("chosen", "rejected"):
+        ids = torch.randint(0, 128, (4, 16), generator=generator, dtype=torch.int32)
+        labels = ids.clone()
+        labels[:, :5] = -100  # the prompt
+        labels[1, 12:] = -100 if side == "chosen" else labels[1, 12:]  # completions of other lengths
+        pairs[f"{side}_input_ids"], pairs[f"{side}_labels"] = ids, labels
+
+    def model_and_objective():
+        model = tiny_causal_lm("llama").to(torch.float64)
+        inject_lora(model, LoraConfig(r=4, alpha=8))
+        for _, m in lora_modules(model):
+            m.add_frozen_copy("default", "reference")  # the reference: B = 0, the base, as a fresh adapter
+            with torch.no_grad():
+                m.lora_B["default"].weight.normal_(std=0.1, generator=generator)
+        return model.train(), PreferenceObjective(PreferenceSettings("sigmoid", 0.5), "reference")
+
+    torch.manual_seed(1)
+    model, objective = model_and_objective()
+    params = lora_parameters(model)
+    recorder = RecordGradients(params)
+    split = [{k: v[:2] for k, v in pairs.items()}, {k: v[2:] for k, v in pairs.items()}]
+    results = train_step(model, recorder, split, max_grad_norm=0.0, objective=objective)
+
+    with float64_throughout(model.dtype):  # as the step computes (transformers' fp32 islands kept float64)
+        loss_sum, count, sums = preference_loss_sum(model, pairs, objective.settings, "reference")
+        expected = torch.autograd.grad(loss_sum / count, params)
+    assert count.item() == 4 and results["tokens"].item() == 4
+    assert_equal_in_exact_arithmetic(results["loss"], loss_sum.detach() / count, "loss")
+    assert_equal_in_exact_arithmetic(results["metric_sums"], sums, "metric sums")
+    assert any(g.abs().max() > 0 for g in expected)
+    for ours, theirs in zip(recorder.grads, expected, strict=True):
+        assert_equal_in_exact_arithmetic(ours, theirs, "gradient")

@@ -1,0 +1,125 @@
+"""A preference phase end to end: phase 3 of the curriculum on the bundled pairs
+(dataset/samples/preference.jsonl), continuing phase 2's adapter, in float64 with LoRA dropout
+and two micro-batches a step. One run of phases 1 and 2 is shared; each test runs phase 3 on a
+copy of it, in this process (main.main).
+
+Claims: the phase starts from its reference (the continued adapter, frozen: its first evaluation
+is ln 2 with every reward 0); its step is one captured graph (no compile after warm-up, no host
+sync); the captured step equals the step traced every time, and the native runtime equals the
+XLA runtime, within float64's bound; a resumed phase is the uninterrupted one bitwise; the loss,
+beta and reference settings reach the run; TRL's metrics are logged under TRL's names and the
+saved adapter holds the policy only."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from native_helpers import NATIVE, adapters_of, assert_runs_equal
+from tolerances import assert_equal_in_exact_arithmetic
+from trainer_helpers import SEQ_LEN, metric_records, write_run_config
+
+from dataset.prepare import PrepareOptions, prepare
+from dataset.samples import PREFERENCE_PAIRS
+from finetuning_pipeline import main
+from finetuning_pipeline.model.preference_loss import METRIC_SUMS
+from finetuning_pipeline.run.checkpointing import complete_checkpoints
+
+SECTIONS = {"train": {"max_steps": 4, "micro_batch": 2, "grad_accum": 2}, "lora": {"r": 8, "alpha": 16, "dropout": 0.1},
+            "eval": {"every": 2, "max_batches": 2}, "checkpoint": {"every": 2, "keep": 3},
+            "logging": {"every": 1, "progress_bar": False, "tensorboard": True}}
+
+
+@pytest.fixture(scope="module")
+def curriculum(tiny_model_dir, data, tmp_path_factory) -> dict:
+    """Phases 1 and 2 run once (float64), the pairs prepared, and the config of all three."""
+    root = tmp_path_factory.mktemp("preference")
+    pairs = root / "pairs"
+    prepare(PrepareOptions(inputs=[str(PREFERENCE_PAIRS)], tokenizer=str(tiny_model_dir), seq_len=SEQ_LEN,
+                           out=str(pairs), eval_fraction=0.1, quiet=True))
+    config = write_run_config(root / "run.yaml", tiny_model_dir, data, root / "base",
+                              model={"path": str(tiny_model_dir), "dtype": "float64"},
+                              phase3={"data": str(pairs), "init": "continue"}, **SECTIONS)
+    assert main.main(["--config", str(config), "--phase", "1"]) == 0
+    assert main.main(["--config", str(config), "--phase", "2"]) == 0
+    return {"config": config, "base": root / "base"}
+
+
+def phase3(curriculum, out: Path, *overrides: str) -> Path:
+    """Phase 3 into `out`, on a copy of the shared phases 1 and 2."""
+    for phase in ("phase1", "phase2"):
+        shutil.copytree(curriculum["base"] / phase, out / phase)
+    assert main.main(["--config", str(curriculum["config"]), "--phase", "3", f"output_dir={out}", *overrides]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def captured(curriculum, tmp_path_factory) -> Path:
+    """Phase 3 as it runs by default on XLA: the step captured once, replayed."""
+    return phase3(curriculum, tmp_path_factory.mktemp("captured") / "out")
+
+
+def test_the_phase_starts_from_its_reference_and_steps_in_one_graph(captured):
+    first = metric_records(captured, "eval", 3)[0]
+    assert first["step"] == 0 and first["pairs"] > 0
+    assert abs(first["loss"] - math.log(2)) <= 1e-15  # policy = reference: sigmoid(0) for every pair
+    assert all(first[name] == 0.0 for name in ("rewards/chosen", "rewards/rejected", "rewards/margins",
+                                               "rewards/accuracies"))
+    summary = json.loads((captured / "phase3" / "summary.json").read_text())
+    assert summary["compiles_after_warmup"] == 0 and summary["host_syncs_per_step"] == 0
+    assert summary["preference"]["reference"] == "the continued adapter, frozen"
+    assert summary["preference"]["loss"] == "sigmoid" and summary["preference"]["beta"] == 0.1
+    assert summary["eval_loss_before"] == first["loss"] and summary["perplexity_after"] is None
+    train = metric_records(captured, "train", 3)
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert all(set(METRIC_SUMS) <= set(r) and r["label_tokens"] == 4 for r in train)  # 4 pairs a step
+    assert any(r["rewards/margins"] != 0.0 for r in train[1:])  # the policy moved away from its reference
+    # The saved adapter is the policy alone, in PEFT's layout: the reference is not an adapter of the run.
+    (tensors,) = adapters_of(captured, 3).values()
+    assert len(tensors) == 2 * 7 * 2 and not any("reference" in key for key in tensors)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((captured / "phase3").glob("**/events.out.tfevents.*")).parent))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/rewards/margins", "train/rewards/accuracies", "eval/rewards/margins"} <= tags
+
+
+@pytest.mark.parametrize("how", ["traced every step", "native runtime"])
+def test_the_traced_step_and_the_native_runtime_equal_the_captured_step(curriculum, captured, how, tmp_path):
+    overrides = ["train.capture_step=false"] if how == "traced every step" else NATIVE
+    out = phase3(curriculum, tmp_path / "out", *overrides)
+    assert_runs_equal(out, captured, [3])
+    for kind in ("train", "eval"):
+        ours, theirs = metric_records(out, kind, 3), metric_records(captured, kind, 3)
+        assert_equal_in_exact_arithmetic([r[m] for r in ours for m in METRIC_SUMS],
+                                         [r[m] for r in theirs for m in METRIC_SUMS], f"{kind} metrics")
+
+
+def test_a_resumed_phase_is_the_uninterrupted_one_bitwise(curriculum, captured, tmp_path):
+    checkpoint = complete_checkpoints(captured / "phase3" / "checkpoints")[0]
+    assert checkpoint.name.endswith("00000002")
+    out = phase3(curriculum, tmp_path / "out", "--resume", str(checkpoint))
+    assert json.loads((out / "phase3" / "summary.json").read_text())["resumed_from_step"] == 2
+    resumed = {r["step"]: r for r in metric_records(out, "train", 3)}
+    uninterrupted = {r["step"]: r for r in metric_records(captured, "train", 3)}
+    assert sorted(resumed) == [3, 4]
+    assert all(resumed[s]["loss"] == uninterrupted[s]["loss"] and resumed[s]["rewards/margins"]
+               == uninterrupted[s]["rewards/margins"] for s in resumed)
+    (ours,), (theirs,) = adapters_of(out, 3).values(), adapters_of(captured, 3).values()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_the_loss_beta_and_reference_settings_reach_the_phase(curriculum, tmp_path):
+    """reference=base on a continued adapter: the reference is phase 2's base without the adapter,
+    so the phase does not start at ln 2; loss=ipo with its beta is what the summary records."""
+    out = phase3(curriculum, tmp_path / "out", "phase3.preference.reference=base", "phase3.preference.loss=ipo",
+                 "phase3.preference.beta=0.5", "train.max_steps=2")
+    summary = json.loads((out / "phase3" / "summary.json").read_text())["preference"]
+    assert (summary["reference"], summary["loss"], summary["beta"]) == ("base", "ipo", 0.5)
+    first = metric_records(out, "eval", 3)[0]
+    assert first["rewards/margins"] != 0.0 and abs(first["loss"] - 1.0) > 1e-3  # IPO at the reference: (0 - 1)^2
