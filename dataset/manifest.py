@@ -72,15 +72,6 @@ def content_digest(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode("utf-8")).hexdigest()[:16]
 
 
-def require_next_token_data(manifest: dict, directory: str | Path, key: str) -> None:
-    """Refuse preference pairs where next-token data is read (`key` names the setting): `evaluate`
-    scores next-token loss on text or chat data."""
-    if manifest.get("phase") == "preference":
-        raise DataError(f"{key}: {directory} holds preference pairs (prepared with --format preference), which "
-                        "evaluate cannot score yet (a preference phase evaluates them as it trains: its metrics.jsonl "
-                        "has their loss, reward margin and accuracy). Give it text, messages or alpaca data")
-
-
 def is_packed(manifest: dict) -> bool:
     """Phase-2 blocks pack separate conversations; phase-1 blocks are one stream of text."""
     return manifest["phase"] == 2

@@ -7,6 +7,17 @@ The loss is the trainer's (mean next-token loss over label tokens, packed segmen
 apart), so the figures compare with the eval records in metrics.jsonl. For chat data
 (phase 2), `--samples N` decodes the first N prompts of the split, generates an answer
 greedily and prints it beside the reference answer.
+
+Preference pairs (`dataset.prepare --format preference`): the preference loss and TRL's metrics
+(rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
+logps/rejected), averaged over the pairs, as a preference phase evaluates them:
+    python -m finetuning_pipeline.evaluate --model DIR [--adapter DIR ...] --data PAIRS
+        (--reference-adapter DIR | --reference base) [--loss sigmoid|ipo|hinge] [--beta 0.1]
+The model is the base with the --adapters (the last one evaluated, those before it merged
+beneath it, as a phase's summary lists them); its reference the same with --reference-adapter in
+place of the last (the adapter a `continue` phase started from), or without it (--reference
+base). The reference's log-probabilities are computed first, with the reference loaded alone,
+then the model's: one model in memory at a time.
 """
 
 from __future__ import annotations
@@ -20,15 +31,21 @@ import torch
 
 from dataset.encode import IGNORE_INDEX
 from dataset.loader import open_prepared
-from dataset.manifest import is_packed, require_next_token_data, tokenizer_fingerprint
-from dataset.shards import open_split
+from dataset.manifest import is_packed, tokenizer_fingerprint
+from dataset.shards import PREFERENCE, open_split
 from finetuning_pipeline.errors import run_command
 from finetuning_pipeline.model.loading import DTYPES, check_new_tokens, context_length, load_model
+from finetuning_pipeline.model.preference_loss import (
+    BASE_REFERENCE,
+    LOSS_TYPES,
+    PreferenceObjective,
+    PreferenceSettings,
+)
 from finetuning_pipeline.runtime import XLA_INSTALL, torch_xla_installed
 from finetuning_pipeline.runtime.native.device import native_device
 from finetuning_pipeline.runtime.xla.device import choose_device, device_kind, init_xla_device, on_the_host_only
 from finetuning_pipeline.runtime.xla.runtime import XlaRuntime
-from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss
+from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss, evaluate_pairs, split_reference_logps
 from utils.cli_types import non_negative_int, positive_int
 from utils.hub_models import resolve_model
 from utils.tokenizer_loading import load_tokenizer
@@ -66,6 +83,26 @@ def chat_samples(model, tokenizer, data: str, split: str, n: int, max_new_tokens
     return samples
 
 
+def evaluate_preference(args, model, settings: PreferenceSettings, manifest: dict, micro_batch: int, device,
+                        on_device: dict) -> dict:
+    """The preference loss and TRL's metrics of the model (on `device`) over the split's pairs,
+    against the reference the arguments name, whose log-probabilities are computed first on a
+    reference model loaded alone (then freed)."""
+    pad_id = manifest["tokenizer"]["pad_id"]
+    reference_adapters = args.adapter[:-1] + ([args.reference_adapter] if args.reference_adapter else [])
+    policy_device = next(model.parameters()).device
+    model.to("cpu")  # (one model on the device at a time)
+    reference, _ = load_model(args.model, reference_adapters, DTYPES[args.dtype])
+    references = split_reference_logps(reference.to(device), args.data, micro_batch=micro_batch, pad_id=pad_id,
+                                       device=device, split=args.split, **on_device)
+    del reference
+    model.to(policy_device)
+    result = evaluate_pairs(model, args.data, PreferenceObjective(settings, BASE_REFERENCE), micro_batch=micro_batch,
+                            pad_id=pad_id, device=device, split=args.split, references=references, **on_device)
+    return {**result, "loss_type": settings.loss, "beta": settings.beta,
+            "reference": args.reference_adapter or "base"}
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_command(evaluate, argv)
 
@@ -91,7 +128,18 @@ def evaluate(argv: list[str] | None) -> int:
                         help="the dtype to evaluate in (default float32; bfloat16 as a TPU trains; float64 for "
                         "the CPU's exact comparisons with a model.dtype=float64 run)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    pairs = parser.add_argument_group("preference pairs", "the reference (one of the two is required) and the loss")
+    pairs.add_argument("--reference-adapter", metavar="DIR",
+                       help="the reference: this adapter in place of the last --adapter (the adapter a `continue` "
+                       "preference phase started from)")
+    pairs.add_argument("--reference", choices=("base",),
+                       help="the reference: the model without its last --adapter (the base, with the adapters before "
+                       "it merged)")
+    pairs.add_argument("--loss", choices=LOSS_TYPES, default="sigmoid", help="the preference loss (default sigmoid)")
+    pairs.add_argument("--beta", type=float, default=0.1, help="the reward's temperature (default 0.1, TRL's)")
     args = parser.parse_args(argv)
+    if args.reference_adapter and args.reference:
+        parser.error("--reference-adapter and --reference base name two references: give one")
     if args.device == "xla":
         if not torch_xla_installed():
             parser.error(f"--device xla: torch_xla is not installed in this environment; {XLA_INSTALL}, or evaluate "
@@ -108,7 +156,19 @@ def evaluate(argv: list[str] | None) -> int:
     model, _ = load_model(args.model, args.adapter, DTYPES[args.dtype])
     tokenizer = load_tokenizer(args.model, "--model")
     manifest = open_prepared(args.data, fingerprint=tokenizer_fingerprint(tokenizer))
-    require_next_token_data(manifest, args.data, "--data")
+    preference = manifest.get("phase") == PREFERENCE
+    if preference and not (args.reference_adapter or args.reference):
+        parser.error(f"--data {args.data} holds preference pairs: name their reference, --reference-adapter DIR (the "
+                     "adapter the phase started from, usually the previous phase's) or --reference base (the model "
+                     "without its last --adapter)")
+    if not preference and (args.reference_adapter or args.reference):
+        parser.error(f"--reference-adapter / --reference: --data {args.data} holds no preference pairs (its phase is "
+                     f"{manifest.get('phase')}): a reference is for pairs prepared with --format preference")
+    if preference:
+        try:
+            settings = PreferenceSettings(args.loss, args.beta)
+        except ValueError as err:
+            parser.error(str(err).replace("preference.beta", "--beta"))
     if manifest["phase"] == 2 and args.samples > 0:
         check_new_tokens(args.max_new_tokens, context_length(model.config))
     # Every batch is padded to --micro-batch rows: more rows than the split holds would only be
@@ -119,6 +179,10 @@ def evaluate(argv: list[str] | None) -> int:
         device, xla = init_xla_device(), XlaRuntime()
         on_device = {"to_device": xla.to_device, "boundary": xla.step_boundary}
     model.to(device)
+    if preference:
+        result = evaluate_preference(args, model, settings, manifest, micro_batch, device, on_device)
+        print(json.dumps(result, indent=2) if args.json else f"{args.split}: {describe_eval(result)}")
+        return 0
     result = evaluate_loss(
         model,
         args.data,

@@ -14,7 +14,7 @@ import torch
 from dataset.loader import iter_eval_batches
 from finetuning_pipeline.distributed.collectives import Collectives
 from finetuning_pipeline.model.causal_lm_loss import auto_chunk_tokens
-from finetuning_pipeline.model.preference_loss import METRIC_SUMS, metrics_of
+from finetuning_pipeline.model.preference_loss import METRIC_SUMS, metrics_of, pair_rows, sequence_logps
 from finetuning_pipeline.train.step import eval_sums
 from utils.device_tensors import device_counter, to_host
 from utils.precision import float64_throughout
@@ -65,15 +65,24 @@ def evaluate_loss(model, data_dir: str, *, micro_batch: int, pad_id: int, packed
 
 def evaluate_pairs(model, data_dir: str, objective, *, micro_batch: int, pad_id: int, device, split: str = "eval",
                    max_batches: int | None = None, collectives: Collectives | None = None, input_sharding=None,
-                   replicate=lambda tensors: None, to_device=None, boundary=lambda: None) -> dict:
+                   replicate=lambda tensors: None, to_device=None, boundary=lambda: None,
+                   references: list[torch.Tensor] | None = None) -> dict:
     """A split of preference pairs: {"loss" (the mean over its pairs of objective's loss, as the
     trainer takes it), "perplexity": None, "pairs", and TRL's metrics (preference_loss.METRIC_SUMS'
-    names)}; the arguments as evaluate_loss's."""
+    names)}; the arguments as evaluate_loss's. references: each batch's reference log-probabilities,
+    computed before (split_reference_logps), in place of the objective's reference forward."""
     if max_batches == 0:
         return dict(NO_EVAL_DATA)
     dtype = torch.promote_types(model.dtype, torch.float32)
+    given = iter(references) if references is not None else None
+
+    def batch_sums(batch):
+        if given is not None:
+            batch = {**batch, "reference_logps": next(given).to(device)}
+        return evaluated(model, objective, batch)
+
     loss, pairs, sums = summed_over_split(
-        model, data_dir, lambda batch: evaluated(model, objective, batch),
+        model, data_dir, batch_sums,
         [(dtype, 1), (torch.float32, 1), (dtype, len(METRIC_SUMS))], micro_batch=micro_batch, pad_id=pad_id,
         device=device,
         split=split, max_batches=max_batches, collectives=collectives, input_sharding=input_sharding,
@@ -81,6 +90,25 @@ def evaluate_pairs(model, data_dir: str, objective, *, micro_batch: int, pad_id:
     if not pairs:
         return dict(NO_EVAL_DATA)
     return {"loss": loss / pairs, "perplexity": None, "pairs": int(pairs), **metrics_of(sums, pairs)}
+
+
+@torch.no_grad()
+def split_reference_logps(model, data_dir: str, *, micro_batch: int, pad_id: int, device, split: str = "eval",
+                          to_device=None, boundary=lambda: None) -> list[torch.Tensor]:
+    """Each eval batch's reference log-probabilities ([2P] on the host: chosen rows then rejected),
+    under `model` as it is (the reference model: evaluate's --reference-adapter or base), in the
+    batches' order evaluate_pairs takes them again."""
+    to_device = to_device or (lambda batch, device, sharding: {k: t.to(device) for k, t in batch.items()})
+    was_training = model.training
+    model.eval()
+    found = []
+    for batch in iter_eval_batches(data_dir, micro_batch, pad_id=pad_id, split=split):
+        batch = to_device(batch, device, None)
+        with float64_throughout(model.dtype):
+            found.append(sequence_logps(model, *pair_rows(batch))[0])
+        boundary()
+    model.train(was_training)
+    return [values.cpu() for values in found]
 
 
 @torch.no_grad()

@@ -150,7 +150,7 @@ def test_a_prompt_longer_than_the_block_leaves_no_completion_and_is_counted(tiny
     assert np.load(out / "train" / "chosen_input_ids.npy").shape[1] == 16
 
 
-def test_adapters_side_by_side_and_evaluate_refuse_pairs_by_their_key(tiny_model_dir, data, tmp_path, capsys):
+def test_adapters_side_by_side_refuse_pairs_and_a_reference_needs_pairs(tiny_model_dir, data, tmp_path, capsys):
     from trainer_helpers import write_run_config
 
     from finetuning_pipeline import evaluate, main
@@ -166,8 +166,10 @@ def test_adapters_side_by_side_and_evaluate_refuse_pairs_by_their_key(tiny_model
     assert main.main(["--config", str(config)]) == 2
     assert (f"phase2.adapters.a.data: {prepared} holds preference pairs, and phase2 trains adapters side by side"
             in capsys.readouterr().err)
-    assert evaluate.main(["--model", str(tiny_model_dir), "--data", str(prepared)]) == 2
-    assert f"--data: {prepared} holds preference pairs" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_status:  # argparse's usage error
+        evaluate.main(["--model", str(tiny_model_dir), "--data", str(data[2]), "--reference", "base"])
+    assert exit_status.value.code == 2
+    assert f"--data {data[2]} holds no preference pairs (its phase is 2)" in capsys.readouterr().err
 
 
 def test_a_hugging_face_dataset_of_pairs_with_its_own_column_names(tokenizer, tiny_model_dir, tmp_path):

@@ -8,7 +8,8 @@ is ln 2 with every reward 0); its step is one captured graph (no compile after w
 sync); the captured step equals the step traced every time, and the native runtime equals the
 XLA runtime, within float64's bound; a resumed phase is the uninterrupted one bitwise; the loss,
 beta and reference settings reach the run; TRL's metrics are logged under TRL's names and the
-saved adapter holds the policy only."""
+saved adapter holds the policy only; `evaluate` on the pairs reports what the phase's last
+evaluation reported, with either reference."""
 
 from __future__ import annotations
 
@@ -25,12 +26,12 @@ from trainer_helpers import SEQ_LEN, metric_records, write_run_config
 
 from dataset.prepare import PrepareOptions, prepare
 from dataset.samples import PREFERENCE_PAIRS
-from finetuning_pipeline import main
+from finetuning_pipeline import evaluate, main
 from finetuning_pipeline.model.preference_loss import METRIC_SUMS
 from finetuning_pipeline.run.checkpointing import complete_checkpoints
 
 SECTIONS = {"train": {"max_steps": 4, "micro_batch": 2, "grad_accum": 2}, "lora": {"r": 8, "alpha": 16, "dropout": 0.1},
-            "eval": {"every": 2, "max_batches": 2}, "checkpoint": {"every": 2, "keep": 3},
+            "eval": {"every": 2, "max_batches": 8}, "checkpoint": {"every": 2, "keep": 3},
             "logging": {"every": 1, "progress_bar": False, "tensorboard": True}}
 
 
@@ -46,7 +47,7 @@ def curriculum(tiny_model_dir, data, tmp_path_factory) -> dict:
                               phase3={"data": str(pairs), "init": "continue"}, **SECTIONS)
     assert main.main(["--config", str(config), "--phase", "1"]) == 0
     assert main.main(["--config", str(config), "--phase", "2"]) == 0
-    return {"config": config, "base": root / "base"}
+    return {"config": config, "base": root / "base", "pairs": pairs, "model": tiny_model_dir}
 
 
 def phase3(curriculum, out: Path, *overrides: str) -> Path:
@@ -89,6 +90,31 @@ def test_the_phase_starts_from_its_reference_and_steps_in_one_graph(captured):
     assert {"train/rewards/margins", "train/rewards/accuracies", "eval/rewards/margins"} <= tags
 
 
+def evaluated(curriculum, out: Path, capsys, *reference: str) -> dict:
+    """`evaluate --json` of phase 3's adapter on the pairs' eval split, in float64."""
+    capsys.readouterr()
+    assert evaluate.main(["--model", str(curriculum["model"]), "--adapter", str(out / "phase3" / "adapter"),
+                          "--data", str(curriculum["pairs"]), "--dtype", "float64", "--device", "cpu", "--json",
+                          *reference]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def assert_evaluates_as_the_phase_ended(result: dict, out: Path) -> None:
+    last = metric_records(out, "eval", 3)[-1]
+    assert result["pairs"] == last["pairs"]
+    assert_equal_in_exact_arithmetic([result["loss"]] + [result[m] for m in METRIC_SUMS],
+                                     [last["loss"]] + [last[m] for m in METRIC_SUMS], "evaluate against the phase")
+
+
+def test_evaluate_reports_the_phases_last_evaluation_against_the_adapter_it_continued(curriculum, captured, capsys):
+    result = evaluated(curriculum, captured, capsys, "--reference-adapter", str(captured / "phase2" / "adapter"))
+    assert (result["loss_type"], result["beta"]) == ("sigmoid", 0.1) and result["perplexity"] is None
+    assert_evaluates_as_the_phase_ended(result, captured)
+    with pytest.raises(SystemExit) as exit_status:  # argparse's usage error
+        evaluate.main(["--model", str(curriculum["model"]), "--data", str(curriculum["pairs"])])
+    assert exit_status.value.code == 2 and "holds preference pairs: name their reference" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("how", ["traced every step", "native runtime"])
 def test_the_traced_step_and_the_native_runtime_equal_the_captured_step(curriculum, captured, how, tmp_path):
     overrides = ["train.capture_step=false"] if how == "traced every step" else NATIVE
@@ -114,7 +140,7 @@ def test_a_resumed_phase_is_the_uninterrupted_one_bitwise(curriculum, captured, 
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-def test_the_loss_beta_and_reference_settings_reach_the_phase(curriculum, tmp_path):
+def test_the_loss_beta_and_reference_settings_reach_the_phase(curriculum, tmp_path, capsys):
     """reference=base on a continued adapter: the reference is phase 2's base without the adapter,
     so the phase does not start at ln 2; loss=ipo with its beta is what the summary records."""
     out = phase3(curriculum, tmp_path / "out", "phase3.preference.reference=base", "phase3.preference.loss=ipo",
@@ -123,3 +149,5 @@ def test_the_loss_beta_and_reference_settings_reach_the_phase(curriculum, tmp_pa
     assert (summary["reference"], summary["loss"], summary["beta"]) == ("base", "ipo", 0.5)
     first = metric_records(out, "eval", 3)[0]
     assert first["rewards/margins"] != 0.0 and abs(first["loss"] - 1.0) > 1e-3  # IPO at the reference: (0 - 1)^2
+    result = evaluated(curriculum, out, capsys, "--reference", "base", "--loss", "ipo", "--beta", "0.5")
+    assert_evaluates_as_the_phase_ended(result, out)
