@@ -120,11 +120,12 @@ def preference_loss_sum(model, batch: dict[str, torch.Tensor], settings: Prefere
     """(loss summed over the batch's pairs, pair count, METRIC_SUMS) of one batch of pairs, on
     the device. A row of no completion token (the filler an evaluation's last batch is padded
     with) is no pair: it adds nothing to any of them. The reference log-probabilities are
-    batch["reference_logps"] ([2P], chosen rows then rejected: computed once before the phase)
+    batch["reference_logps"] ([P, 2]: each pair's chosen and rejected, computed before the phase)
     when given, else the model's through adapter `reference`."""
     input_ids, labels = pair_rows(batch)
     if "reference_logps" in batch:
-        reference_values = batch["reference_logps"].to(torch.promote_types(model.dtype, torch.float32))
+        given = batch["reference_logps"].to(torch.promote_types(model.dtype, torch.float32))
+        reference_values = torch.cat([given[:, 0], given[:, 1]])  # chosen rows, then rejected (pair_rows)
     else:
         reference_values = reference_logps(model, input_ids, labels, reference)
     policy, tokens = sequence_logps(model, input_ids, labels)

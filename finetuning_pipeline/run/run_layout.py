@@ -36,7 +36,7 @@ from utils.output_guard import overlaps
 # it holds nothing else.
 # wandb/ and wandb_run_id: W&B's files, when logging.wandb is set (wandb_log.py).
 PHASE_ENTRIES = frozenset({"adapter", "adapters", "checkpoints", "metrics.jsonl", "tb", "summary.json", "wandb",
-                           "wandb_run_id"})
+                           "wandb_run_id", "reference_logps.npy"})
 
 
 class RunLayout:
@@ -96,6 +96,10 @@ class RunLayout:
 
     def summary(self, phase: int) -> Path:
         return self.phase_dir(phase) / "summary.json"
+
+    def reference_logps(self, phase: int) -> Path:
+        """A preference phase's precomputed reference log-probabilities (preference.precompute_reference)."""
+        return self.phase_dir(phase) / "reference_logps.npy"
 
     @property
     def loss_plot(self) -> Path:

@@ -308,11 +308,15 @@ class PreferenceConfig:
     reference: "auto", the model the phase starts from: with init continue a frozen copy of the
         adapter it continues (held beside it in the same layers: rank-r matrices, not a second
         model), with merge the merged base, with fresh the base; "base": the phase's base weights
-        alone, its adapter switched off (TRL's choice for a new adapter), whatever the init."""
+        alone, its adapter switched off (TRL's choice for a new adapter), whatever the init.
+    precompute_reference: compute each training pair's reference log-probabilities once, before
+        the first step, and keep them with the phase (phaseN/reference_logps.npy, read again by a
+        resume): the step then runs no reference forward (train/reference_logps.py)."""
 
     loss: PreferenceLoss = "sigmoid"
     beta: float = 0.1
     reference: PreferenceReference = "auto"
+    precompute_reference: bool = False
 
 
 @dataclass

@@ -95,9 +95,9 @@ def evaluate_pairs(model, data_dir: str, objective, *, micro_batch: int, pad_id:
 @torch.no_grad()
 def split_reference_logps(model, data_dir: str, *, micro_batch: int, pad_id: int, device, split: str = "eval",
                           to_device=None, boundary=lambda: None) -> list[torch.Tensor]:
-    """Each eval batch's reference log-probabilities ([2P] on the host: chosen rows then rejected),
-    under `model` as it is (the reference model: evaluate's --reference-adapter or base), in the
-    batches' order evaluate_pairs takes them again."""
+    """Each eval batch's reference log-probabilities ([P, 2] on the host: each pair's chosen and
+    rejected), under `model` as it is (the reference model: evaluate's --reference-adapter or base),
+    in the batches' order evaluate_pairs takes them again."""
     to_device = to_device or (lambda batch, device, sharding: {k: t.to(device) for k, t in batch.items()})
     was_training = model.training
     model.eval()
@@ -105,7 +105,7 @@ def split_reference_logps(model, data_dir: str, *, micro_batch: int, pad_id: int
     for batch in iter_eval_batches(data_dir, micro_batch, pad_id=pad_id, split=split):
         batch = to_device(batch, device, None)
         with float64_throughout(model.dtype):
-            found.append(sequence_logps(model, *pair_rows(batch))[0])
+            found.append(torch.stack(sequence_logps(model, *pair_rows(batch))[0].chunk(2), dim=1))
         boundary()
     model.train(was_training)
     return [values.cpu() for values in found]

@@ -73,6 +73,12 @@ class PhaseData:
                     f"more than the {blocks} training blocks of {self.dirs[name]}: every step would repeat blocks. "
                     f"Choose train.micro_batch x train.grad_accum x devices <= {blocks}, or prepare more data")
 
+    def attach_reference_logps(self, values) -> None:
+        """A preference phase's precomputed reference log-probabilities ([pairs, 2], in the pairs'
+        order: reference_logps.py): each batch then carries its pairs' ("reference_logps")."""
+        for loader in self.loaders.values():
+            loader.arrays = {**loader.arrays, "reference_logps": values}
+
     def resume(self, state: dict, resume_from: Path | None) -> int:
         """The first step to run; positions the loader at the global block it starts with."""
         start_step = state.get("step", 0)

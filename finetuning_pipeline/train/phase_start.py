@@ -47,6 +47,7 @@ from finetuning_pipeline.train.adamw import MaskedAdamW
 from finetuning_pipeline.train.adapter_results import side_by_side_results
 from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss, evaluate_pairs
 from finetuning_pipeline.train.phase_data import PhaseData
+from finetuning_pipeline.train.reference_logps import compute_reference_logps, kept_reference_logps
 from finetuning_pipeline.train.stepper import Stepper
 from lora_logic.adapters import adapter_groups, lora_modules, lora_parameters, only_adapter
 from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
@@ -100,6 +101,24 @@ def preference_objective(model, settings: PreferenceConfig, continues: bool) -> 
             module.add_frozen_copy(DEFAULT_ADAPTER, REFERENCE_ADAPTER)
         reference = REFERENCE_ADAPTER
     return PreferenceObjective(PreferenceSettings(settings.loss, settings.beta), reference)
+
+
+def precompute_reference(data: PhaseData, objective: PreferenceObjective, path: Path, *, model, device,
+                         parallel: Parallel, runtime, resuming: bool, phase: int) -> None:
+    """The training pairs' reference log-probabilities, computed once (or read again on a resume)
+    and attached to the phase's batches (train/reference_logps.py)."""
+    (data_dir,) = data.dirs.values()  # (one adapter a preference phase: input_checks)
+    pairs = data.manifests[next(iter(data.dirs))]["counts"]["train"]
+    values, read = kept_reference_logps(
+        path, pairs, lambda: compute_reference_logps(
+            model, objective.reference, data_dir, micro_batch=data.eval_micro_batch, pad_id=data.pad_id,
+            device=device, to_device=runtime.to_device, boundary=runtime.step_boundary,
+            input_sharding=parallel.input_sharding()),
+        resuming=resuming, master=parallel.master)
+    data.attach_reference_logps(values)
+    if parallel.master:
+        print(f"phase {phase}: the reference log-probabilities of {pairs} pairs "
+              f"{'read from' if read else 'computed once, kept in'} {path}", flush=True)
 
 
 @dataclass
@@ -203,6 +222,9 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     parallelized = runtime.parallelize(model, config, parallel, device, data.seq_len)
     if parallel.master:
         print(f"phase {phase}: {parallelized.description}", flush=True)
+    if objective is not None and config.phase(phase).preference.precompute_reference:
+        precompute_reference(data, objective, layout.reference_logps(phase), model=model, device=device,
+                             parallel=parallel, runtime=runtime, resuming=resume_from is not None, phase=phase)
         if quantized:
             size, bf16 = quantized["weight_bytes"], quantized["bf16_bytes"]
             print(f"phase {phase}: base quantized: {quantized['linears']} decoder Linears in {quantized['format']}, "

@@ -151,3 +151,25 @@ def test_the_loss_beta_and_reference_settings_reach_the_phase(curriculum, tmp_pa
     assert first["rewards/margins"] != 0.0 and abs(first["loss"] - 1.0) > 1e-3  # IPO at the reference: (0 - 1)^2
     result = evaluated(curriculum, out, capsys, "--reference", "base", "--loss", "ipo", "--beta", "0.5")
     assert_evaluates_as_the_phase_ended(result, out)
+
+
+def test_precomputed_reference_log_probabilities_equal_the_reference_forward_and_a_resume_reads_them(
+        curriculum, captured, tmp_path, capsys):
+    """preference.precompute_reference: computed once before the first step and kept with the
+    phase; the run equals the one whose step runs the reference's forward (float64's bound), and a
+    resume reads the kept ones (it says so) and is the uninterrupted run bitwise."""
+    precompute = "phase3.preference.precompute_reference=true"
+    out = phase3(curriculum, tmp_path / "out", precompute)
+    kept = out / "phase3" / "reference_logps.npy"
+    assert "computed once, kept in" in capsys.readouterr().out and kept.is_file()
+    assert_runs_equal(out, captured, [3])
+    # A resume from step 2 in an output dir holding the kept values (as the run's own resume would).
+    (tmp_path / "resumed" / "phase3").mkdir(parents=True)
+    shutil.copy(kept, tmp_path / "resumed" / "phase3")
+    checkpoint = complete_checkpoints(out / "phase3" / "checkpoints")[0]
+    resumed = phase3(curriculum, tmp_path / "resumed", precompute, "--resume", str(checkpoint))
+    assert f"read from {resumed / 'phase3' / 'reference_logps.npy'}" in capsys.readouterr().out
+    (ours,), (theirs,) = adapters_of(resumed, 3).values(), adapters_of(out, 3).values()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert [r["loss"] for r in metric_records(resumed, "train", 3)] == \
+           [r["loss"] for r in metric_records(out, "train", 3) if r["step"] > 2]
