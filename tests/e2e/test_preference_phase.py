@@ -4,9 +4,11 @@ and two micro-batches a step. One run of phases 1 and 2 is shared; each test run
 copy of it, in this process (main.main).
 
 Claims: the phase starts from its reference (the continued adapter, frozen: its first evaluation
-is ln 2 with every reward 0); its step is one captured graph (no compile after warm-up, no host
-sync); the captured step equals the step traced every time, and the native runtime equals the
-XLA runtime, within float64's bound; a resumed phase is the uninterrupted one bitwise; the loss,
+is ln 2 with every reward 0; over a q8_0 base too); its step is one captured graph (no compile
+after warm-up, no host sync); the captured step equals the step traced every time, the native
+runtime equals the XLA runtime, 2 torchrun processes and fsdp over 2 chips (layers recomputed)
+equal one device, and precomputed reference log-probabilities equal the reference's forward,
+within float64's bound; a resumed phase is the uninterrupted one bitwise; the loss,
 beta and reference settings reach the run; TRL's metrics are logged under TRL's names and the
 saved adapter holds the policy only; `evaluate` on the pairs reports what the phase's last
 evaluation reported, with either reference."""
@@ -21,8 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 from native_helpers import NATIVE, adapters_of, assert_runs_equal
+from replica_helpers import torchrun
 from tolerances import assert_equal_in_exact_arithmetic
-from trainer_helpers import SEQ_LEN, metric_records, write_run_config
+from trainer_helpers import SEQ_LEN, metric_records, train_in_fresh_process, write_run_config
 
 from dataset.prepare import PrepareOptions, prepare
 from dataset.samples import PREFERENCE_PAIRS
@@ -50,11 +53,17 @@ def curriculum(tiny_model_dir, data, tmp_path_factory) -> dict:
     return {"config": config, "base": root / "base", "pairs": pairs, "model": tiny_model_dir}
 
 
-def phase3(curriculum, out: Path, *overrides: str) -> Path:
-    """Phase 3 into `out`, on a copy of the shared phases 1 and 2."""
+def copy_of_phases_1_and_2(curriculum, out: Path) -> list[str]:
+    """`out` holding the shared phases 1 and 2; main.py's arguments to run phase 3 into it."""
     for phase in ("phase1", "phase2"):
         shutil.copytree(curriculum["base"] / phase, out / phase)
-    assert main.main(["--config", str(curriculum["config"]), "--phase", "3", f"output_dir={out}", *overrides]) == 0
+    return ["--phase", "3", f"output_dir={out}"]
+
+
+def phase3(curriculum, out: Path, *overrides: str) -> Path:
+    """Phase 3 into `out`, on a copy of the shared phases 1 and 2, in this process."""
+    arguments = copy_of_phases_1_and_2(curriculum, out)
+    assert main.main(["--config", str(curriculum["config"]), *arguments, *overrides]) == 0
     return out
 
 
@@ -126,6 +135,24 @@ def test_the_traced_step_and_the_native_runtime_equal_the_captured_step(curricul
                                          [r[m] for r in theirs for m in METRIC_SUMS], f"{kind} metrics")
 
 
+@pytest.mark.parametrize("how", ["2 processes (torchrun)", "fsdp over 2 chips, layers recomputed"])
+def test_replicas_and_fsdp_equal_one_device(curriculum, captured, how, tmp_path):
+    """The same global batch of 4 pairs a step: 2 torchrun processes of 1 pair a micro-batch (their
+    sums through gloo), or SPMD over 2 virtual XLA:CPU chips with activation checkpointing (a
+    process of its own: SPMD is process-wide)."""
+    out = tmp_path / "out"
+    arguments = [*copy_of_phases_1_and_2(curriculum, out), "train.micro_batch=1"]
+    if how.startswith("2 processes"):
+        torchrun(2, curriculum["config"], *arguments)
+    else:
+        done = train_in_fresh_process(curriculum["config"], *arguments, "parallel.mode=fsdp",
+                                      "model.activation_checkpointing=true", env={"CPU_NUM_DEVICES": "2"})
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert_runs_equal(out, captured, [3])
+    summary = json.loads((out / "phase3" / "summary.json").read_text())
+    assert summary["compiles_after_warmup"] == 0 and summary["global_batch"] == 4
+
+
 def test_a_resumed_phase_is_the_uninterrupted_one_bitwise(curriculum, captured, tmp_path):
     checkpoint = complete_checkpoints(captured / "phase3" / "checkpoints")[0]
     assert checkpoint.name.endswith("00000002")
@@ -173,3 +200,13 @@ def test_precomputed_reference_log_probabilities_equal_the_reference_forward_and
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert [r["loss"] for r in metric_records(resumed, "train", 3)] == \
            [r["loss"] for r in metric_records(out, "train", 3) if r["step"] > 2]
+
+
+def test_a_quantized_base_starts_from_its_reference_too(curriculum, tmp_path):
+    """model.quantize=q8_0 under the policy and its reference (the same quantized layers): the first
+    evaluation is ln 2, the step one graph."""
+    out = phase3(curriculum, tmp_path / "out", "model.quantize=q8_0", "train.max_steps=2")
+    first = metric_records(out, "eval", 3)[0]
+    assert abs(first["loss"] - math.log(2)) <= 1e-15 and first["rewards/margins"] == 0.0
+    summary = json.loads((out / "phase3" / "summary.json").read_text())
+    assert summary["quantized_base"]["format"] == "q8_0" and summary["compiles_after_warmup"] == 0
