@@ -43,7 +43,7 @@ DEMO := outputs/demo
 # the merge, the questions and the GGUF read that run's adapter and write beside it.
 DEMO_RUN = $(or $(patsubst output_dir=%,%,$(lastword $(filter output_dir=%,$(ARGS)))),$(DEMO))
 DEMO_BASE := $(DEMO)/base/config.json
-DEMO_DATA := $(DEMO)/data/phase1/manifest.json $(DEMO)/data/phase2/manifest.json
+DEMO_DATA := $(DEMO)/data/phase1/manifest.json $(DEMO)/data/phase2/manifest.json $(DEMO)/data/phase3/manifest.json
 SAMPLES := dataset/samples
 DEMO_QUESTION := În ce regiune istorică se află județul Brașov?
 DEMO_ANSWER := Județul Brașov se află în Transilvania.
@@ -62,7 +62,7 @@ help:
 	@echo "make test-native the native runtime's tests in .venv-native (sets it up first if needed)"
 	@echo "make lint        ruff: imports, unused code, line length (configured in pyproject.toml; CI runs it)"
 	@echo "make demo        the whole curriculum on the tiny model, on XLA:CPU: base model -> prepare ->"
-	@echo "                 phase 1 -> phase 2 -> merged export -> a generated answer -> Q8_0 GGUF -> loss.png"
+	@echo "                 phase 1 -> phase 2 -> phase 3 (DPO) -> merged export -> a generated answer -> Q8_0 GGUF -> loss.png"
 	@echo "make phase1      phase 1 of CONFIG (default: the demo config); extra overrides in ARGS=\"k=v ...\""
 	@echo "make phase2      phase 2 of CONFIG (make phase3, phase4, ... for a longer curriculum)"
 	@echo "make preflight   check CONFIG and plan its TPU time (HBM, step time, TPU-hours) on this CPU, with a"
@@ -151,20 +151,23 @@ $(DEMO)/data/phase1/manifest.json: $(DEMO_BASE) $(SAMPLES)/domain_text.jsonl
 $(DEMO)/data/phase2/manifest.json: $(DEMO_BASE) $(SAMPLES)/chat_qa.jsonl $(SAMPLES)/alpaca.jsonl
 	$(BIN)/python -m finetuning_pipeline.demo.inputs phase2 --force
 
+$(DEMO)/data/phase3/manifest.json: $(DEMO_BASE) $(SAMPLES)/preference.jsonl
+	$(BIN)/python -m finetuning_pipeline.demo.inputs phase3 --force
+
 demo-data: $(DEMO_DATA)
 
 demo: $(DEMO_DATA)
 	$(BIN)/python finetuning_pipeline/main.py --config $(DEMO_CONFIG) --resume never --force $(ARGS)
-	$(BIN)/python -m finetuning_pipeline.export --base $(DEMO)/base --adapter $(DEMO_RUN)/phase2/adapter --out $(DEMO_RUN)/merged --force
+	$(BIN)/python -m finetuning_pipeline.export --base $(DEMO)/base --adapter $(DEMO_RUN)/phase3/adapter --out $(DEMO_RUN)/merged --force
 	@echo "--- a question from the bundled chat data: $(DEMO_QUESTION)"
 	@echo "    (its answer there: $(DEMO_ANSWER))"
 	@set -e; \
 	before=$$($(BIN)/python -m finetuning_pipeline.generate --model $(DEMO)/base --prompt "$(DEMO_QUESTION)"); \
 	after=$$($(BIN)/python -m finetuning_pipeline.generate --model $(DEMO_RUN)/merged --prompt "$(DEMO_QUESTION)"); \
 	echo "base model (pretrained on the domain text): $$before"; \
-	echo "after phase 1 + phase 2 (merged model):     $$after"
+	echo "after phases 1, 2 and 3 (merged model):    $$after"
 	$(BIN)/python -m finetuning_pipeline.export --format gguf --outtype q8_0 --base $(DEMO)/base \
-		--adapter $(DEMO_RUN)/phase2/adapter --out $(DEMO_RUN)/merged-q8_0.gguf --force
+		--adapter $(DEMO_RUN)/phase3/adapter --out $(DEMO_RUN)/merged-q8_0.gguf --force
 	@set -e; \
 	if $(BIN)/python -c "import llama_cpp" 2>/dev/null; then \
 		answer=$$($(BIN)/python -m finetuning_pipeline.generate --model $(DEMO_RUN)/merged-q8_0.gguf --prompt "$(DEMO_QUESTION)"); \
@@ -172,7 +175,7 @@ demo: $(DEMO_DATA)
 	else \
 		echo "(llama.cpp is not installed here: make llama-cpp, then make demo again, asks the GGUF the same question)"; \
 	fi
-	@echo "--- outputs in $(DEMO_RUN)/: phase1/ phase2/ (adapter, checkpoints, metrics.jsonl, summary.json), merged/,"
+	@echo "--- outputs in $(DEMO_RUN)/: phase1/ phase2/ phase3/ (adapter, checkpoints, metrics.jsonl, summary.json), merged/,"
 	@echo "    merged-q8_0.gguf (llama.cpp, Ollama, LM Studio), loss.png"
 
 # phase1, phase2, phase3, ...: that phase of CONFIG's curriculum.

@@ -428,15 +428,16 @@ class Preparation:
 
     def stats(self, seconds: float) -> dict:
         splits = {}
+        rows_per_block = 2 if self.phase == PREFERENCE else 1  # a pair's block: its chosen and rejected rows
         for split, w in self.writers.items():
-            capacity = w.rows * self.options.seq_len
+            capacity = w.rows * self.options.seq_len * rows_per_block
             splits[split] = {
                 "blocks": w.rows,
                 "tokens": w.tokens,
                 "label_tokens": w.label_tokens,
                 "fill_ratio": round(w.tokens / capacity, 4) if capacity else 0.0,
             }
-        all_capacity = sum(s["blocks"] for s in splits.values()) * self.options.seq_len
+        all_capacity = sum(s["blocks"] for s in splits.values()) * self.options.seq_len * rows_per_block
         return {
             "phase": self.phase,
             "seq_len": self.options.seq_len,

@@ -25,9 +25,9 @@ def test_the_demo_merges_asks_and_exports_the_run_it_trained(args, run):
     commands = demo_commands(args)
     trained = [line for line in commands.splitlines() if "finetuning_pipeline/main.py" in line]
     assert len(trained) == 1 and trained[0].endswith(args)
-    assert f"--adapter {run}/phase2/adapter --out {run}/merged " in commands
+    assert f"--adapter {run}/phase3/adapter --out {run}/merged " in commands  # the last phase's
     assert f"--model {run}/merged --prompt" in commands
-    assert f"--adapter {run}/phase2/adapter --out {run}/merged-q8_0.gguf" in commands
+    assert f"--adapter {run}/phase3/adapter --out {run}/merged-q8_0.gguf" in commands
     assert f"--model {run}/merged-q8_0.gguf --prompt" in commands
     if run != "outputs/demo":  # the base it was trained on stays the demo's; nothing else of outputs/demo is read
         assert "outputs/demo/phase2" not in commands and "outputs/demo/merged" not in commands

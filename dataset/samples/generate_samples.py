@@ -8,7 +8,8 @@ writes, next to this file:
   alpaca.jsonl       instruction data ({"instruction", "input", "output"})
   preference.jsonl   preference pairs (TRL's conversational form: "prompt", "chosen", "rejected"):
                      the fact chosen, a near miss rejected (another seat of the county's region,
-                     another region, another river: the confusions a small model makes)
+                     another region, another river: the confusions a small model makes), two
+                     near misses per fact
 
 The domain is Romanian geography (the reference use case is Romanian), written for this
 project. The texts follow recurring patterns on purpose: a tiny model trained for a few
@@ -245,23 +246,27 @@ def alpaca(rng: random.Random) -> list[dict]:
 
 
 def preference(rng: random.Random) -> list[dict]:
-    """A pair per fact of county_qa but the places: the fact chosen, a near miss rejected."""
+    """Two pairs per fact of county_qa but the places: the fact chosen, each a different near miss
+    rejected (as preference data often has several rejected answers to one prompt)."""
     regions = sorted({region for _, _, region, _, _ in COUNTIES})
     rivers = sorted({river for _, _, _, river, _ in COUNTIES if river})
+    seats = sorted({seat for _, seat, _, _, _ in COUNTIES})
     records = []
     for county, seat, region, river, places in COUNTIES:
-        neighbours = sorted({s for _, s, r, _, _ in COUNTIES if r == region and s != seat}
-                            or {s for _, s, _, _, _ in COUNTIES if s != seat})
-        misses = [f"Reședința județului {county} este municipiul {rng.choice(neighbours)}.",
-                  f"Județul {county} se află în {rng.choice([r for r in regions if r != region])}."]
+        neighbours = sorted({s for _, s, r, _, _ in COUNTIES if r == region and s != seat})
+        wrong_seats = (neighbours + rng.sample([s for s in seats if s != seat and s not in neighbours], 2))[:2]
+        misses = [[f"Reședința județului {county} este municipiul {s}." for s in wrong_seats],
+                  [f"Județul {county} se află în {r}." for r in rng.sample([r for r in regions if r != region], 2)]]
         if river:
-            misses.append(f"Orașul {seat} este așezat pe râul {rng.choice([r for r in rivers if r != river])}.")
+            misses.append([f"Orașul {seat} este așezat pe râul {r}."
+                           for r in rng.sample([r for r in rivers if r != river], 2)])
         facts = [(q, a) for q, a in county_qa(county, seat, region, river, places) if not q.startswith("Ce pot")]
-        for (question, answer), miss in zip(facts, misses, strict=True):
-            prompt = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] if rng.random() < 0.3 else []
-            records.append({"prompt": prompt + [{"role": "user", "content": question}],
-                            "chosen": [{"role": "assistant", "content": answer}],
-                            "rejected": [{"role": "assistant", "content": miss}]})
+        for (question, answer), wrong in zip(facts, misses, strict=True):
+            for miss in wrong:
+                prompt = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] if rng.random() < 0.3 else []
+                records.append({"prompt": prompt + [{"role": "user", "content": question}],
+                                "chosen": [{"role": "assistant", "content": answer}],
+                                "rejected": [{"role": "assistant", "content": miss}]})
     rng.shuffle(records)
     return records
 

@@ -86,25 +86,37 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
+MARGIN = "rewards/margins"  # a preference phase's reward margin (model/preference_loss.py)
+
+
 def plot_losses(output_dir: str | Path, phases: list[int]) -> Path | None:
     """Train and eval loss of the run's `phases` on one axis, in order (phase N's steps follow
-    phase N-1's); a phase with no metrics yet is left out."""
+    phase N-1's); a phase with no metrics yet is left out. A preference phase's loss is its
+    preference loss (per pair, labelled so), and its reward margin gets an axis of its own below."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     layout = RunLayout(output_dir)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    metrics = {phase: read_metrics(layout.metrics(phase)) for phase in phases}
+    preference = any(MARGIN in r for records in metrics.values() for r in records)
+    if preference:
+        fig, (ax, margin_ax) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=[2, 1])
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
     offset = 0
     plotted = False
     for phase in phases:
         color = f"C{(phase - 1) % 10}"  # matplotlib's colour cycle: phase 1 blue, phase 2 orange, ...
-        records = read_metrics(layout.metrics(phase))
+        records = metrics[phase]
+        if any(MARGIN in r for r in records):
+            plot_margins(margin_ax, records, offset, color, phase)
         adapters = sorted({name for r in records for name in r.get("adapters", {})})
         # Side by side: a line per adapter (the phase's colour, a marker each), else the phase's loss.
         lines = [(f"phase {phase} {name}", name, marker) for name, marker in zip(adapters, "s^vD<>ph*x" * 10)] or [
-            (f"phase {phase}", None, None)]
+            (f"phase {phase}" + (" (preference loss, per pair)" if any(MARGIN in r for r in records) else ""),
+             None, None)]
         for label, name, marker in lines:
             def loss(r):
                 return r["loss"] if name is None else r.get("adapters", {}).get(name, {}).get("loss")
@@ -124,17 +136,32 @@ def plot_losses(output_dir: str | Path, phases: list[int]) -> Path | None:
     if not plotted:
         plt.close(fig)
         return None
-    ax.set_xlabel("optimizer step (each phase continues after the one before)")
-    ax.set_ylabel("loss (nats per label token)")
+    (margin_ax if preference else ax).set_xlabel("optimizer step (each phase continues after the one before)")
+    ax.set_ylabel("loss (nats per label token; a preference phase's per pair)" if preference else
+                  "loss (nats per label token)")
     ax.set_title("Training and eval loss")
     ax.legend()
     ax.grid(alpha=0.3)
+    if preference:
+        margin_ax.set_ylabel("reward margin")
+        margin_ax.legend()
+        margin_ax.grid(alpha=0.3)
     path = layout.loss_plot
     fig.tight_layout()
     with staged_file(path) as partial:  # a reader never sees half a PNG
         fig.savefig(partial, dpi=100, format="png")
     plt.close(fig)
     return path
+
+
+def plot_margins(ax, records: list[dict], offset: int, color: str, phase: int) -> None:
+    """A preference phase's reward margin (chosen minus rejected reward, TRL's rewards/margins),
+    train and eval, on its own axis."""
+    for kind, style in (("train", "-"), ("eval", "--")):
+        points = [(r["step"] + offset, r[MARGIN]) for r in records if r["kind"] == kind and r.get(MARGIN) is not None]
+        if points:
+            ax.plot(*zip(*points), color=color, linestyle=style, marker="o" if kind == "eval" else None,
+                    label=f"phase {phase} {kind}")
 
 
 class StepLogger:

@@ -25,11 +25,11 @@ def test_the_notebook_runs_the_demo_top_to_bottom(tmp_path, monkeypatch):
     printed = "".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
                       for output in cell.get("outputs", []))
     assert "running on CPU" in printed
-    assert "phase 1: 3 steps" in printed and "phase 2: 3 steps" in printed
+    assert "phase 1: 3 steps" in printed and "phase 2: 3 steps" in printed and "phase 3: 3 steps" in printed
     assert "phase 1 step 3/3: loss " in printed  # a line per log step, shown as it comes (demo.streamed)
-    assert "after phase 1 + phase 2:" in printed
+    assert "after phases 1, 2 and 3:" in printed
     out = tmp_path / "out"
-    for phase in (1, 2):
+    for phase in (1, 2, 3):
         assert json.loads((out / f"phase{phase}" / "summary.json").read_text())["steps"] == 3
     assert (out / "merged" / "model.safetensors").is_file() and (out / "loss.png").is_file()
     # Two adapters side by side in one run, each written as its own adapter.

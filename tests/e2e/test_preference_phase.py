@@ -34,7 +34,7 @@ from finetuning_pipeline.model.preference_loss import METRIC_SUMS
 from finetuning_pipeline.run.checkpointing import complete_checkpoints
 
 SECTIONS = {"train": {"max_steps": 4, "micro_batch": 2, "grad_accum": 2}, "lora": {"r": 8, "alpha": 16, "dropout": 0.1},
-            "eval": {"every": 2, "max_batches": 8}, "checkpoint": {"every": 2, "keep": 3},
+            "eval": {"every": 2, "max_batches": 100}, "checkpoint": {"every": 2, "keep": 3},
             "logging": {"every": 1, "progress_bar": False, "tensorboard": True}}
 
 

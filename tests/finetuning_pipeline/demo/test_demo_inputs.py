@@ -13,7 +13,8 @@ def test_the_default_configs_paths_are_anchored_at_the_repository(monkeypatch, t
     anchored = dict(override.split("=", 1) for override in anchored_paths(DEMO_CONFIG, REPO))
     assert anchored == {"output_dir": str(REPO / "outputs/demo"), "model.path": str(REPO / "outputs/demo/base"),
                         "phase1.data": str(REPO / "outputs/demo/data/phase1"),
-                        "phase2.data": str(REPO / "outputs/demo/data/phase2")}
+                        "phase2.data": str(REPO / "outputs/demo/data/phase2"),
+                        "phase3.data": str(REPO / "outputs/demo/data/phase3")}
     mine = tmp_path / "mine.yaml"
     monkeypatch.setenv("TPU_LORA_CONFIG", str(mine))
     assert choose_config(None, ["train.lr=1e-3"]) == (mine, ["train.lr=1e-3"])
@@ -26,7 +27,7 @@ def test_the_default_builds_only_the_demo_inputs_this_run_reads(monkeypatch, tmp
     from finetuning_pipeline.demo import inputs as demo_inputs
     from finetuning_pipeline.run_config import load_config
 
-    paths = {what: tmp_path / what for what in ("base", "phase1", "phase2")}
+    paths = {what: tmp_path / what for what in ("base", "phase1", "phase2", "phase3")}
     built = []
     monkeypatch.setattr(demo_inputs, "demo_paths", lambda: paths)
     monkeypatch.setattr(demo_inputs, "build", lambda what, force=False: built.append(what) or 0)

@@ -39,3 +39,30 @@ def test_the_loss_plot_draws_a_line_per_adapter_side_by_side(tmp_path, monkeypat
     path = plot_losses(tmp_path, [1])
     assert path.stat().st_size > 10_000
     assert sorted(drawn) == ["phase 1 chat eval", "phase 1 chat train", "phase 1 sql eval", "phase 1 sql train"]
+
+
+def test_a_preference_phase_plots_its_loss_per_pair_and_its_reward_margin_on_an_axis_of_its_own(tmp_path,
+                                                                                                monkeypatch):
+    text = [{"kind": "train", "step": s, "loss": 3.0 - s / 10} for s in range(1, 4)]
+    pairs = [{"kind": "train", "step": s, "loss": 0.69 - s / 100, "rewards/margins": s / 10} for s in range(1, 4)]
+    pairs.append({"kind": "eval", "step": 3, "loss": 0.6, "rewards/margins": 0.25})
+    for phase, records in ((1, text), (2, pairs)):
+        (tmp_path / f"phase{phase}").mkdir()
+        (tmp_path / f"phase{phase}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    import matplotlib.pyplot as plt
+
+    drawn = []
+    real = plt.Axes.plot
+
+    def plot(self, *args, **kwargs):
+        drawn.append((self.get_ylabel() or id(self), kwargs.get("label"), list(args[1])))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(plt.Axes, "plot", plot)
+    assert plot_losses(tmp_path, [1, 2]).stat().st_size > 10_000
+    labels = [label for _, label, _ in drawn]
+    assert "phase 2 (preference loss, per pair) train" in labels and "phase 1 train" in labels
+    margins = [(axis, values) for axis, label, values in drawn if label in ("phase 2 train", "phase 2 eval")]
+    assert [values for _, values in margins] == [[0.1, 0.2, 0.3], [0.25]]
+    loss_axis = next(axis for axis, label, _ in drawn if label == "phase 1 train")
+    assert all(axis != loss_axis for axis, _ in margins)  # the margins on an axis of their own
