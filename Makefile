@@ -51,7 +51,7 @@ DEMO_ANSWER := Județul Brașov se află în Transilvania.
 PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 
 # phase1, phase2, ... are a pattern rule (below): make skips pattern rules for .PHONY targets.
-.PHONY: help setup setup-native llama-cpp test test-fast test-native lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-lora-cost bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load bench-gguf-export bench-stop clean
+.PHONY: help setup setup-native llama-cpp test test-fast test-native lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-lora-cost bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load bench-gguf-export bench-stop bench-preference clean
 
 help:
 	@echo "make setup       create .venv with the xla extra (torch 2.9.0 + torch_xla 2.9.0) and test tools"
@@ -83,6 +83,7 @@ help:
 	@echo "make bench-quantized-load  the host memory of loading a 675M base quantized, from fp16 and bf16 files"
 	@echo "make bench-gguf-export     the host memory of export --format gguf on a 675M model (about a minute)"
 	@echo "make bench-stop  from SIGTERM to a complete checkpoint with steps slow on the device (under a minute)"
+	@echo "make bench-preference  a DPO step (reference in the step, or precomputed) vs an SFT step on the same tokens"
 	@echo "make clean       remove outputs/ and caches (keeps .venv)"
 
 setup: $(STAMP)
@@ -189,7 +190,7 @@ tpu-check: $(STAMP) $(PHASE_DEPS)
 	$(BIN)/python -m finetuning_pipeline.tpu_check --config $(CONFIG) $(ARGS)
 
 bench: bench-train bench-host bench-lora-cost bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load \
-	bench-gguf-export bench-stop
+	bench-gguf-export bench-stop bench-preference
 
 bench-train: $(STAMP)
 	$(BIN)/python -m benchmarks.train_bench
@@ -220,6 +221,9 @@ bench-gguf-export: $(STAMP)
 
 bench-stop: $(STAMP)
 	$(BIN)/python -m benchmarks.stop_latency_bench
+
+bench-preference: $(STAMP)
+	$(BIN)/python -m benchmarks.preference_bench
 
 clean:
 	rm -rf outputs .pytest_cache
