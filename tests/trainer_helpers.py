@@ -15,18 +15,19 @@ import torch
 import yaml
 
 from dataset.prepare import PrepareOptions, prepare
-from dataset.samples import ALPACA, CHAT_QA, DOMAIN_TEXT
+from dataset.samples import ALPACA, CHAT_QA, DOMAIN_TEXT, PREFERENCE_PAIRS
 from finetuning_pipeline.distributed.torchrun_agent import child_pids
 
 SEQ_LEN = 64
 
 
-def prepare_demo_data(tokenizer_dir: Path, root: Path) -> dict[int, Path]:
-    """Phase-1 and phase-2 shards of the bundled corpora at SEQ_LEN."""
-    inputs = {1: [DOMAIN_TEXT], 2: [CHAT_QA, ALPACA]}
+def prepare_demo_data(tokenizer_dir: Path, root: Path) -> dict:
+    """Phase-1 and phase-2 shards of the bundled corpora at SEQ_LEN ({1: ..., 2: ...}), and the
+    bundled preference pairs ("pairs")."""
+    inputs = {1: [DOMAIN_TEXT], 2: [CHAT_QA, ALPACA], "pairs": [PREFERENCE_PAIRS]}
     out = {}
     for phase, files in inputs.items():
-        out[phase] = root / f"phase{phase}"
+        out[phase] = root / (f"phase{phase}" if isinstance(phase, int) else phase)
         prepare(PrepareOptions(inputs=[str(f) for f in files], tokenizer=str(tokenizer_dir), seq_len=SEQ_LEN,
                                out=str(out[phase]), quiet=True))
     return out

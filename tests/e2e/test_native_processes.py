@@ -4,10 +4,10 @@ each holding a shard of every decoder layer's frozen weights (FSDP2: runtime/nat
 their loss sums and host decisions go through torch.distributed (gloo on a CPU). Each equals in
 float64 one process with the same global batch of 8 sequences (micro-batch 4, 2 or 1, two
 micro-batches a step): dp over 2 processes and both demo phases, 4 processes, adapters side by
-side, a q8_0 base with recomputed layers and the chunked loss; fsdp over 2 processes and both
-phases, 1x4 and 2x2 meshes, adapters side by side with selectively recomputed layers, a q8_0 base. LoRA
-dropout is on (0.1): each sequence draws its masks from its place in the global stream, whichever
-process and micro-batch hold it.
+side, a q8_0 base with recomputed layers and the chunked loss, a preference (DPO) phase; fsdp over
+2 processes and both phases, 1x4 and 2x2 meshes, adapters side by side with selectively recomputed
+layers, a q8_0 base, a preference phase. LoRA dropout is on (0.1): each sequence draws its masks
+from its place in the global stream, whichever process and micro-batch hold it.
 Then what the XLA runtime's processes are held to: a SIGTERM to one or to all (dp and fsdp)
 stops all with one checkpoint and the run resumes bitwise; a killed one stops the other, naming it; a checkpoint
 resumes on fewer processes with the same global batch; processes that disagree on the plan stop
@@ -73,6 +73,10 @@ CASES = {  # name: (processes, --phase, the sections that differ)
     "fsdp_q8_0_2": (2, "1", lambda data: {**FSDP, "model": {"dtype": "float64", "quantize": "q8_0"}}),
     "fsdp_nf4_recomputed_1x4": (4, "1", lambda data: {**FSDP, "model": {"dtype": "float64", "quantize": "nf4",
                                                                          "activation_checkpointing": True}}),
+    # A preference phase (DPO, its reference the base): the pairs' loss sums, pair counts and metric
+    # sums through DDP's wrapped objective and the replicas' sums.
+    "dp_preference_2": (2, "1", lambda data: {"phase1": {"data": str(data["pairs"])}}),
+    "fsdp_preference_2": (2, "1", lambda data: {**FSDP, "phase1": {"data": str(data["pairs"])}}),
 }
 
 
