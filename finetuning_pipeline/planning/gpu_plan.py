@@ -93,7 +93,7 @@ def fp32_bytes_per_token_layer(shape: ModelShape) -> int:
 def native_memory(shape: ModelShape, inputs: PlanInputs, devices: int) -> dict[str, float]:
     """The bytes a GPU's allocator holds at a native step's peak, by term (see the module docstring)."""
     act = DTYPE_BYTES[inputs.dtype]
-    rows = inputs.micro_batch * inputs.adapters
+    rows = inputs.rows
     tokens = rows * inputs.seq_len
     layer_set = (frozen_values_per_token_layer(shape, inputs.seq_len) * act + fp32_bytes_per_token_layer(shape)
                  + lora_bytes_per_token_layer(shape, inputs.lora_targets, inputs.lora_dropout > 0, act))

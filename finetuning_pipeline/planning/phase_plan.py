@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 from dataset.manifest import MANIFEST_NAME, read_manifest
+from dataset.shards import PREFERENCE
 from finetuning_pipeline.distributed.parallel import mesh_shape
 from finetuning_pipeline.model.activation_checkpointing import checkpointing_mode
 from finetuning_pipeline.model.attention_choice import choose_attention
@@ -29,7 +30,7 @@ from finetuning_pipeline.planning.tpu_plan import (
     tpu_memory,
 )
 from finetuning_pipeline.run.run_layout import RunLayout
-from finetuning_pipeline.run_config import ConfigError, RunConfig
+from finetuning_pipeline.run_config import ConfigError, PreferenceConfig, RunConfig
 from finetuning_pipeline.runtime.xla.scan_choice import scan_decision
 from utils.durations import parse_duration
 from utils.hub_models import hub_cache, hub_unavailable, is_hub_id
@@ -81,6 +82,15 @@ def seq_len_of(config: RunConfig, phase: int) -> int:
         return config.phase(phase).seq_len
     raise ConfigError(f"phase{phase}.seq_len: {data} is not prepared yet, so set the sequence "
                       f"length to plan with (e.g. phase{phase}.seq_len=2048)")
+
+
+def preference_of(config: RunConfig, phase: int) -> PreferenceConfig | None:
+    """The phase's preference settings when its prepared data is preference pairs, else None (data
+    not prepared yet is planned as next-token data)."""
+    data = next(iter(config.data_dirs(phase).values()))
+    if (Path(data) / MANIFEST_NAME).is_file() and read_manifest(data).get("phase") == PREFERENCE:
+        return config.phase(phase).preference
+    return None
 
 
 def planned_generation(config: RunConfig) -> str:
@@ -140,6 +150,9 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
             raise ConfigError(f"{err} ({devices_from or f'tpu.type={config.tpu.type}'})") from None
     # The chip's own figures when make tpu-check measured them on this generation, else the config's.
     measured = measured_figures(config) or {}
+    preference = preference_of(config, phase)
+    if preference is not None:
+        loss_chunk = 0  # a preference phase builds its full logits (model/preference_loss.py)
     return PlanInputs(mode=mode or config.parallel.mode, dtype=config.model.dtype, micro_batch=config.train.micro_batch,
                       grad_accum=config.train.grad_accum, seq_len=seq_len_of(config, phase),
                       checkpointing=checkpointing_mode(config.model.activation_checkpointing) or False,
@@ -153,7 +166,9 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
                       assumed_mfu=measured.get("mfu", config.tpu.assumed_mfu),
                       compile_s_per_layer=measured.get("compile_s_per_layer", config.tpu.compile_s_per_layer),
                       compile_s_fixed=measured.get("compile_s_fixed", config.tpu.compile_s_fixed),
-                      compile_s_scanned=measured.get("compile_s_scanned", config.tpu.compile_s_scanned))
+                      compile_s_scanned=measured.get("compile_s_scanned", config.tpu.compile_s_scanned),
+                      rows_per_item=2 if preference is not None else 1,
+                      reference_forward=preference is not None and not preference.precompute_reference)
 
 
 def layers_scanned(config: RunConfig, model_config, mode: str | None = None) -> bool:
@@ -199,6 +214,8 @@ def gpu_plan_inputs(config: RunConfig, phase: int, devices: int, model_config, s
         loss_chunk = resolve_chunk_tokens(config.train.loss_chunk_tokens, model_config)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if preference_of(config, phase) is not None:
+        loss_chunk = 0  # a preference phase builds its full logits (model/preference_loss.py)
     return dataclasses.replace(
         plan_inputs(config, phase, devices=devices, devices_from=f"gpu.count={config.gpu.count}"),
         loss_chunk=loss_chunk, attention=shape.attn_implementation,

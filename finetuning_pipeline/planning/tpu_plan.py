@@ -214,13 +214,22 @@ class PlanInputs:
     compile_s_scanned: float = 0.0  # compile seconds of a phase with scanned layers (tpu.compile_s_scanned)
     adapters: int = 1  # adapters trained side by side: micro_batch rows of each, and a LoRA and optimizer each
     quantize: str = "none"  # model.quantize: the decoder Linears' storage format
+    # A preference phase: each of micro_batch's items is a pair, two rows (chosen, rejected); the
+    # reference's forward (no backward) in the step unless its log-probabilities are precomputed.
+    rows_per_item: int = 1
+    reference_forward: bool = False
+
+    @property
+    def rows(self) -> int:
+        """Rows of a micro-batch on a device: its items' (two a pair), of every adapter side by side."""
+        return self.micro_batch * self.rows_per_item * self.adapters
 
 
 def tpu_memory(shape: ModelShape, inputs: PlanInputs, devices: int) -> dict[str, float]:
     """The bytes a TPU device holds at a step's peak, by term (see the module docstring), and the
     activations with and without checkpointing."""
     act_bytes = DTYPE_BYTES[inputs.dtype]
-    tokens = inputs.micro_batch * inputs.seq_len * inputs.adapters  # per device per micro-batch
+    tokens = inputs.rows * inputs.seq_len  # per device per micro-batch
     per_layer = activation_bytes_per_token_layer(shape, inputs.seq_len, act_bytes, inputs.lora_dropout > 0,
                                                  inputs.attention != "dense")
     without = tokens * shape.layers * per_layer
@@ -242,7 +251,7 @@ def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs, memory=tpu_memory) -
     """The memory, speed and cost plan of one phase; see the module docstring. `memory`: the
     bytes a device holds by term (tpu_memory, or gpu_plan.native_memory for a GPU)."""
     devices = tpu.devices
-    tokens = inputs.micro_batch * inputs.seq_len * inputs.adapters  # per device per micro-batch
+    tokens = inputs.rows * inputs.seq_len  # per device per micro-batch
     lora_params = shape.lora_params(inputs.lora_r, inputs.lora_targets)
     held = memory(shape, inputs, devices)
     weights, lora_and_optimizer = held["weights"], held["lora_and_optimizer"]
@@ -255,6 +264,8 @@ def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs, memory=tpu_memory) -
     per_token = flops_per_token(shape, inputs.seq_len, inputs.lora_r, inputs.lora_targets, inputs.checkpointing)
     if inputs.loss_chunk and tokens > inputs.loss_chunk:
         per_token += 2 * shape.hidden * shape.vocab  # each chunk's projection again in the backward
+    if inputs.reference_forward:  # a forward is about a third of a step's (its backward: two)
+        per_token += flops_per_token(shape, inputs.seq_len, inputs.lora_r, inputs.lora_targets) / 3
     step_flops = per_token * global_tokens
     step_time = step_flops / (devices * tpu.peak_flops_per_device * inputs.assumed_mfu)
     # The step's graph holds one micro-batch's layers when captured (micro_batch_loop.py),

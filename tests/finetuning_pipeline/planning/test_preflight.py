@@ -260,3 +260,26 @@ def test_gemma_2_9b_at_2k_fits_one_v5e_chip_only_in_4_bits(tmp_path):
     code, report = run_preflight(tmp_path / "q4", config, "model.quantize=q4_0")
     # (12.9 before the plan counted the TPU's tile padding: 3584 / 32 = 112 scales a row take 128 lanes)
     assert code == 0 and report["hbm_per_chip_gib"] == pytest.approx(12.97, abs=0.02)
+
+
+def test_a_preference_phase_is_planned_as_two_rows_a_pair_and_its_references_forward(tmp_path, tiny_model_dir, data):
+    """The same micro-batch of pairs holds twice the rows of a micro-batch of text, builds its full
+    logits, and a step runs the reference's forward too (a third of a step's FLOPs: no backward)
+    unless its log-probabilities are precomputed."""
+    text = write_run_config(tmp_path / "text.yaml", tiny_model_dir, data, tmp_path / "out")
+    pairs = write_run_config(tmp_path / "pairs.yaml", tiny_model_dir, {1: data["pairs"], 2: data[2]},
+                             tmp_path / "out")
+    plans = {}
+    for name, config, overrides in (("text", text, []), ("pairs", pairs, []),
+                                    ("precomputed", pairs, ["phase1.preference.precompute_reference=true"])):
+        code, report = run_preflight(tmp_path / name, config, "tpu.type=v5e-8", *overrides)
+        assert code == 0, report
+        plans[name] = report["phases"]["phase1"]
+    assert plans["pairs"]["inputs"]["rows_per_item"] == 2 and plans["text"]["inputs"]["rows_per_item"] == 1
+    assert plans["pairs"]["inputs"]["loss_chunk"] == 0 and plans["pairs"]["inputs"]["reference_forward"]
+    assert not plans["precomputed"]["inputs"]["reference_forward"]
+    assert plans["pairs"]["tokens_per_step"] == 2 * plans["text"]["tokens_per_step"]
+    assert plans["precomputed"]["flops_per_token"] == plans["text"]["flops_per_token"]
+    assert plans["pairs"]["flops_per_token"] == pytest.approx(plans["text"]["flops_per_token"] * 4 / 3)
+    assert plans["pairs"]["flops_per_step"] == pytest.approx(plans["text"]["flops_per_step"] * 2 * 4 / 3)
+    assert plans["precomputed"]["flops_per_step"] == pytest.approx(plans["text"]["flops_per_step"] * 2)
