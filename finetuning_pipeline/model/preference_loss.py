@@ -61,11 +61,16 @@ class PreferenceSettings:
             raise ValueError(f"preference.beta: must be a number > 0, got {self.beta!r}")
 
 
-def pair_rows(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, labels) [2P, L]: the chosen rows, then the rejected ones (TRL's order)."""
-    input_ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]]).long()
-    labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]]).long()
-    return input_ids, labels
+def pair_rows(batch: dict[str, torch.Tensor], groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) [2P, L]: the chosen rows, then the rejected ones (TRL's order); adapters
+    side by side (groups K, the batch's pairs K equal parts, adapter after adapter): each adapter's
+    chosen then rejected rows, adapter after adapter, so that each row group of the LoRA layers
+    (lora_logic/layer.py) is one adapter's rows."""
+    def rows(kind: str) -> torch.Tensor:
+        parts = zip(batch[f"chosen_{kind}"].chunk(groups), batch[f"rejected_{kind}"].chunk(groups))
+        return torch.cat([row for chosen, rejected in parts for row in (chosen, rejected)]).long()
+
+    return rows("input_ids"), rows("labels")
 
 
 def sequence_logps(model, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,26 +121,34 @@ def metric_sums(settings: PreferenceSettings, policy: torch.Tensor, reference: t
 
 
 def preference_loss_sum(model, batch: dict[str, torch.Tensor], settings: PreferenceSettings, reference: str,
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        groups: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss summed over the batch's pairs, pair count, METRIC_SUMS) of one batch of pairs, on
     the device. A row of no completion token (the filler an evaluation's last batch is padded
     with) is no pair: it adds nothing to any of them. The reference log-probabilities are
     batch["reference_logps"] ([P, 2]: each pair's chosen and rejected, computed before the phase)
-    when given, else the model's through adapter `reference`."""
-    input_ids, labels = pair_rows(batch)
+    when given, else the model's through adapter `reference`. groups > 1: adapters side by side
+    (pair_rows), each's sums its own: [K], [K] and [K, 6]."""
+    input_ids, labels = pair_rows(batch, groups)
     if "reference_logps" in batch:
         given = batch["reference_logps"].to(torch.promote_types(model.dtype, torch.float32))
-        reference_values = torch.cat([given[:, 0], given[:, 1]])  # chosen rows, then rejected (pair_rows)
+        # each adapter's chosen rows, then its rejected rows (pair_rows' order)
+        reference_values = torch.cat([column for part in given.chunk(groups) for column in (part[:, 0], part[:, 1])])
     else:
         reference_values = reference_logps(model, input_ids, labels, reference)
     policy, tokens = sequence_logps(model, input_ids, labels)
-    losses = pair_losses(settings, policy, reference_values, tokens)
-    real = (batch["chosen_labels"] != IGNORE_INDEX).any(-1)
-    weight = real.to(losses.dtype)
-    # The pairs counted in fp32 from integers, as a next-token batch's label tokens are (a float64
-    # run keeps a float64 value float64, and the step's running count is one tensor of one dtype).
-    pairs = real.sum().to(torch.float32)
-    return (losses * weight).sum(), pairs, metric_sums(settings, policy, reference_values, weight)
+    sums = []
+    for k, real in enumerate((batch["chosen_labels"] != IGNORE_INDEX).any(-1).chunk(groups)):
+        rows = slice(2 * k * real.shape[0], 2 * (k + 1) * real.shape[0])  # adapter k's rows
+        losses = pair_losses(settings, policy[rows], reference_values[rows], tokens[rows])
+        weight = real.to(losses.dtype)
+        # The pairs counted in fp32 from integers, as a next-token batch's label tokens are (a float64
+        # run keeps a float64 value float64, and the step's running count is one tensor of one dtype).
+        sums.append(((losses * weight).sum(), real.sum().to(torch.float32),
+                     metric_sums(settings, policy[rows], reference_values[rows], weight)))
+    if groups == 1:
+        return sums[0]
+    loss_sums, pairs, metrics = zip(*sums)
+    return torch.stack(loss_sums), torch.stack(pairs), torch.stack(metrics)
 
 
 def metrics_of(sums: list[float], pairs: float) -> dict[str, float | None]:
@@ -152,5 +165,6 @@ class PreferenceObjective:
     settings: PreferenceSettings
     reference: str
 
-    def __call__(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return preference_loss_sum(model, batch, self.settings, self.reference)
+    def __call__(self, model, batch: dict[str, torch.Tensor], groups: int = 1,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return preference_loss_sum(model, batch, self.settings, self.reference, groups)

@@ -45,6 +45,7 @@ def check_inputs(config: RunConfig, phases: list[int], *, machine: TargetMachine
     fingerprint = tokenizer_fingerprint(tokenizer)
     max_positions = getattr(model_config, "max_position_embeddings", None)
     lengths: dict[int, dict[str, int]] = {}
+    kinds: dict[int, dict[str, bool]] = {}  # whether each adapter's data of a phase is preference pairs
     for phase, key, data in phase_data(config, phases):
         if not data:
             raise ConfigError(f"{key}: not set (a directory written by `python -m dataset.prepare`)")
@@ -55,10 +56,17 @@ def check_inputs(config: RunConfig, phases: list[int], *, machine: TargetMachine
             raise ConfigError(f"{key}: {data} does not exist; run `python -m dataset.prepare ... --out {data}` first")
         manifest = open_prepared(data, fingerprint=fingerprint, seq_len=config.phase(phase).seq_len,
                                  setting=f"phase{phase}.seq_len")
-        if manifest.get("phase") == PREFERENCE and config.phase(phase).adapters:
-            raise ConfigError(f"{key}: {data} holds preference pairs, and phase{phase} trains adapters side by side: "
-                              "this version trains preference pairs with one adapter a phase. Train each adapter's "
-                              "preference phase in a run of its own")
+        kinds.setdefault(phase, {})[key] = manifest.get("phase") == PREFERENCE
+        if len(set(kinds[phase].values())) > 1:  # adapters side by side share one loss
+            pairs = [k for k, v in kinds[phase].items() if v]
+            raise ConfigError(f"phase{phase}.adapters: side by side, every adapter's data is of one kind; "
+                              f"{', '.join(pairs)} hold preference pairs, the others next-token data. Train them "
+                              "in phases of their own")
+        if manifest.get("phase") == PREFERENCE and config.phase(phase).adapters and \
+                config.phase(phase).preference.precompute_reference:
+            raise ConfigError(f"phase{phase}.preference.precompute_reference: not for adapters side by side yet; "
+                              f"set phase{phase}.preference.precompute_reference=false (each step then runs the "
+                              "reference's forward)")
         if max_positions is not None and manifest["seq_len"] > max_positions:
             raise ConfigError(
                 f"{key}: seq_len {manifest['seq_len']} exceeds the model's max_position_embeddings {max_positions}"

@@ -17,5 +17,6 @@ def weighted_mean(each: dict[str, dict]) -> float | None:
 def side_by_side_results(each: dict[str, dict]) -> dict:
     """Evaluation results of adapters side by side: each adapter's, and their mean at the top."""
     loss = weighted_mean(each)
-    return {"loss": loss, "perplexity": None if loss is None else math.exp(min(loss, 50.0)),
+    pairs = any("pairs" in v for v in each.values())  # a preference loss has no perplexity
+    return {"loss": loss, "perplexity": None if loss is None or pairs else math.exp(min(loss, 50.0)),
             "label_tokens": sum(v["label_tokens"] for v in each.values()), "adapters": each}

@@ -89,7 +89,9 @@ def evaluate_pairs(model, data_dir: str, objective, *, micro_batch: int, pad_id:
         replicate=replicate, to_device=to_device, boundary=boundary)
     if not pairs:
         return dict(NO_EVAL_DATA)
-    return {"loss": loss / pairs, "perplexity": None, "pairs": int(pairs), **metrics_of(sums, pairs)}
+    # (label_tokens: the pairs, a mean's weight over adapters side by side, as a training record's)
+    return {"loss": loss / pairs, "perplexity": None, "pairs": int(pairs), "label_tokens": int(pairs),
+            **metrics_of(sums, pairs)}
 
 
 @torch.no_grad()

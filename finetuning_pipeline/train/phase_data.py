@@ -110,8 +110,9 @@ class PhaseData:
         for parts in zip(*self.loaders.values()):
             batch = parts[0] if len(parts) == 1 else {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
             seeds = lora_dropout_seeds(batch.pop("stream_position"), self.seed, self.phase)
-            if self.preference:
-                seeds = torch.cat([seeds, seeds ^ REJECTED_ROW_SALT])
+            if self.preference:  # each adapter's chosen rows, then its rejected rows (preference_loss.pair_rows)
+                seeds = torch.cat([rows for part in seeds.chunk(len(parts))
+                                   for rows in (part, part ^ REJECTED_ROW_SALT)])
             yield {**batch, "lora_seed": seeds}
 
 

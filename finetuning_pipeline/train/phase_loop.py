@@ -207,6 +207,8 @@ def adapter_summaries(p: Phase, final_state: dict, eval_after: dict) -> dict[str
         "eval_loss_after": eval_after["adapters"][name]["loss"],
         "perplexity_before": p.eval_before["adapters"][name]["perplexity"],
         "perplexity_after": eval_after["adapters"][name]["perplexity"],
+        **({"preference": preference_summary(p.objective, p.eval_before["adapters"][name],
+                                             eval_after["adapters"][name])} if p.objective is not None else {}),
     } for name, max_steps in p.adapters.items()}
 
 
@@ -225,7 +227,7 @@ def log_step(logger: StepLogger, monitor: DivergenceMonitor, step: int, results:
         return
     # Side by side: each adapter's values, while it steps (an adapter whose steps are done has none).
     each = {name: {"loss": loss[k], "lr": lr[k], "grad_norm": grad_norm[k], "label_tokens": tokens[k],
-                   "skipped_steps": skipped[k]}
+                   "skipped_steps": skipped[k], **(metrics_of(metric_sums[0][k], tokens[k]) if preference else {})}
             for k, (name, max_steps) in enumerate(adapters.items()) if step <= max_steps}
     logger.log_train(step, {"loss": weighted_mean(each), "lr": None, "grad_norm": None,
                             "label_tokens": sum(v["label_tokens"] for v in each.values()),

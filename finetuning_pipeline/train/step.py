@@ -39,7 +39,7 @@ def micro_batch_gradients(model, optimizer, batch: dict[str, torch.Tensor], pack
     # looked up in the model's modules at every trace.
     def loss_sums(b):
         if objective is not None:
-            return objective(model, b)
+            return objective(model, b, optimizer.group_count)
         return causal_lm_loss_sum(model, b, packed, loss_chunk, groups=optimizer.group_count)
 
     sums = micro_batch_backward(model, batch, loss_sums)

@@ -150,22 +150,22 @@ def test_a_prompt_longer_than_the_block_leaves_no_completion_and_is_counted(tiny
     assert np.load(out / "train" / "chosen_input_ids.npy").shape[1] == 16
 
 
-def test_adapters_side_by_side_refuse_pairs_and_a_reference_needs_pairs(tiny_model_dir, data, tmp_path, capsys):
+def test_adapters_side_by_side_take_one_kind_of_data_and_a_reference_needs_pairs(tiny_model_dir, data, tmp_path,
+                                                                                 capsys):
     from trainer_helpers import write_run_config
 
     from finetuning_pipeline import evaluate, main
 
-    pairs = write_jsonl(tmp_path / "p.jsonl", [STANDARD, IMPLICIT_TEXT])
-    prepared = tmp_path / "pairs"
-    assert prepare.main(["--tokenizer", str(tiny_model_dir), "--seq-len", "128", "--out", str(prepared), "--quiet",
-                         "--eval-fraction", "0", "--input", pairs]) == 0
-    capsys.readouterr()
     side_by_side = {"data": "", "init": "fresh",
-                    "adapters": {"a": {"data": str(prepared)}, "b": {"data": str(data[2])}}}
+                    "adapters": {"a": {"data": str(data["pairs"])}, "b": {"data": str(data[2])}}}
     config = write_run_config(tmp_path / "r.yaml", tiny_model_dir, data, tmp_path / "o", phase2=side_by_side)
     assert main.main(["--config", str(config)]) == 2
-    assert (f"phase2.adapters.a.data: {prepared} holds preference pairs, and phase2 trains adapters side by side"
-            in capsys.readouterr().err)
+    assert ("phase2.adapters: side by side, every adapter's data is of one kind; phase2.adapters.a.data hold "
+            "preference pairs, the others next-token data" in capsys.readouterr().err)
+    both_pairs = {**side_by_side, "adapters": {"a": {"data": str(data["pairs"])}, "b": {"data": str(data["pairs"])}}}
+    config = write_run_config(tmp_path / "r2.yaml", tiny_model_dir, data, tmp_path / "o2", phase2=both_pairs)
+    assert main.main(["--config", str(config), "phase2.preference.precompute_reference=true"]) == 2
+    assert "phase2.preference.precompute_reference: not for adapters side by side yet" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_status:  # argparse's usage error
         evaluate.main(["--model", str(tiny_model_dir), "--data", str(data[2]), "--reference", "base"])
     assert exit_status.value.code == 2

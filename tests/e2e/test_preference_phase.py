@@ -210,3 +210,39 @@ def test_a_quantized_base_starts_from_its_reference_too(curriculum, tmp_path):
     assert abs(first["loss"] - math.log(2)) <= 1e-15 and first["rewards/margins"] == 0.0
     summary = json.loads((out / "phase3" / "summary.json").read_text())
     assert summary["quantized_base"]["format"] == "q8_0" and summary["compiles_after_warmup"] == 0
+
+
+SIDE_BY_SIDE = {"x": {"lr": 1e-2, "max_steps": 4}, "y": {"lr": 5e-3, "max_steps": 3}}
+
+
+def test_adapters_side_by_side_each_train_as_alone(curriculum, data, tmp_path):
+    """Two adapters side by side on their own pairs (two splits of the bundled pairs), their own
+    lr and steps, the base as their reference (a side-by-side phase starts fresh): each one's losses,
+    rewards and final weights are its run alone's, within float64's bound."""
+    pairs = {"x": data["pairs"], "y": curriculum["pairs"]}
+    run = dict(SECTIONS, model={"path": str(curriculum["model"]), "dtype": "float64"},
+               eval={"every": 2, "max_batches": 3})
+    adapters = {name: {"data": str(pairs[name]), **settings} for name, settings in SIDE_BY_SIDE.items()}
+    together = write_run_config(tmp_path / "together.yaml", curriculum["model"], data, tmp_path / "together",
+                                phase1={"data": "", "adapters": adapters}, phase2={"init": "fresh"}, **run)
+    assert main.main(["--config", str(together), "--phase", "1"]) == 0
+    summary = json.loads((tmp_path / "together" / "phase1" / "summary.json").read_text())
+    for name, settings in SIDE_BY_SIDE.items():
+        alone = write_run_config(tmp_path / f"{name}.yaml", curriculum["model"], data, tmp_path / name,
+                                 phase1={"data": str(pairs[name]), **settings}, **run)
+        assert main.main(["--config", str(alone), "--phase", "1"]) == 0
+        theirs = metric_records(tmp_path / name, "train", 1)
+        ours = [r["adapters"][name] for r in metric_records(tmp_path / "together", "train", 1) if name in r["adapters"]]
+        assert len(ours) == len(theirs) == settings["max_steps"]
+        assert_equal_in_exact_arithmetic([r[m] for r in ours for m in ("loss", *METRIC_SUMS)],
+                                         [r[m] for r in theirs for m in ("loss", *METRIC_SUMS)], f"{name} steps")
+        evaluated_alone = metric_records(tmp_path / name, "eval", 1)
+        evaluated_together = [r["adapters"][name] for r in metric_records(tmp_path / "together", "eval", 1)]
+        assert_equal_in_exact_arithmetic([r[m] for r in evaluated_together for m in ("loss", *METRIC_SUMS)],
+                                         [r[m] for r in evaluated_alone for m in ("loss", *METRIC_SUMS)],
+                                         f"{name} evaluations")
+        (mine,), (other,) = (adapters_of(tmp_path / "together", 1)[f"adapters/{name}"],), \
+            adapters_of(tmp_path / name, 1).values()
+        for key in mine:
+            assert_equal_in_exact_arithmetic(mine[key], other[key], f"{name} {key}")
+        assert summary["adapters"][name]["preference"]["reference"] == "base"

@@ -38,7 +38,7 @@ class BatchLoss(torch.nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]):
         if self.objective is not None:
-            return self.objective(self.model, batch)
+            return self.objective(self.model, batch, self.groups)
         return causal_lm_loss_sum(self.model, batch, self.packed, self.loss_chunk, groups=self.groups)
 
 
