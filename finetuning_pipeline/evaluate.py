@@ -12,7 +12,7 @@ Preference pairs (`dataset.prepare --format preference`): the preference loss an
 (rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
 logps/rejected), averaged over the pairs, as a preference phase evaluates them:
     python -m finetuning_pipeline.evaluate --model DIR [--adapter DIR ...] --data PAIRS
-        (--reference-adapter DIR | --reference base) [--loss sigmoid|ipo|hinge] [--beta 0.1]
+        (--reference-adapter DIR | --reference base) [--loss sigmoid|ipo|hinge|orpo] [--beta 0.1]
 The model is the base with the --adapters (the last one evaluated, those before it merged
 beneath it, as a phase's summary lists them); its reference the same with --reference-adapter in
 place of the last (the adapter a `continue` phase started from), or without it (--reference
@@ -38,6 +38,7 @@ from finetuning_pipeline.model.loading import DTYPES, check_new_tokens, context_
 from finetuning_pipeline.model.preference_loss import (
     BASE_REFERENCE,
     LOSS_TYPES,
+    REFERENCE_FREE,
     PreferenceObjective,
     PreferenceSettings,
 )
@@ -89,18 +90,20 @@ def evaluate_preference(args, model, settings: PreferenceSettings, manifest: dic
     against the reference the arguments name, whose log-probabilities are computed first on a
     reference model loaded alone (then freed)."""
     pad_id = manifest["tokenizer"]["pad_id"]
-    reference_adapters = args.adapter[:-1] + ([args.reference_adapter] if args.reference_adapter else [])
-    policy_device = next(model.parameters()).device
-    model.to("cpu")  # (one model on the device at a time)
-    reference, _ = load_model(args.model, reference_adapters, DTYPES[args.dtype])
-    references = split_reference_logps(reference.to(device), args.data, micro_batch=micro_batch, pad_id=pad_id,
-                                       device=device, split=args.split, **on_device)
-    del reference
-    model.to(policy_device)
+    references = None
+    if settings.loss not in REFERENCE_FREE:
+        reference_adapters = args.adapter[:-1] + ([args.reference_adapter] if args.reference_adapter else [])
+        policy_device = next(model.parameters()).device
+        model.to("cpu")  # (one model on the device at a time)
+        reference, _ = load_model(args.model, reference_adapters, DTYPES[args.dtype])
+        references = split_reference_logps(reference.to(device), args.data, micro_batch=micro_batch, pad_id=pad_id,
+                                           device=device, split=args.split, **on_device)
+        del reference
+        model.to(policy_device)
     result = evaluate_pairs(model, args.data, PreferenceObjective(settings, BASE_REFERENCE), micro_batch=micro_batch,
                             pad_id=pad_id, device=device, split=args.split, references=references, **on_device)
     return {**result, "loss_type": settings.loss, "beta": settings.beta,
-            "reference": args.reference_adapter or "base"}
+            "reference": None if settings.loss in REFERENCE_FREE else args.reference_adapter or "base"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,7 +131,8 @@ def evaluate(argv: list[str] | None) -> int:
                         help="the dtype to evaluate in (default float32; bfloat16 as a TPU trains; float64 for "
                         "the CPU's exact comparisons with a model.dtype=float64 run)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    pairs = parser.add_argument_group("preference pairs", "the reference (one of the two is required) and the loss")
+    pairs = parser.add_argument_group("preference pairs", "the reference (one of the two is required, but for the "
+                                      "reference-free orpo) and the loss")
     pairs.add_argument("--reference-adapter", metavar="DIR",
                        help="the reference: this adapter in place of the last --adapter (the adapter a `continue` "
                        "preference phase started from)")
@@ -157,7 +161,7 @@ def evaluate(argv: list[str] | None) -> int:
     tokenizer = load_tokenizer(args.model, "--model")
     manifest = open_prepared(args.data, fingerprint=tokenizer_fingerprint(tokenizer))
     preference = manifest.get("phase") == PREFERENCE
-    if preference and not (args.reference_adapter or args.reference):
+    if preference and args.loss not in REFERENCE_FREE and not (args.reference_adapter or args.reference):
         parser.error(f"--data {args.data} holds preference pairs: name their reference, --reference-adapter DIR (the "
                      "adapter the phase started from, usually the previous phase's) or --reference base (the model "
                      "without its last --adapter)")

@@ -36,7 +36,8 @@ from finetuning_pipeline.model.attention_masks import attention_masks
 from lora_logic.adapters import only_adapter
 from utils.precision import at_least_fp32
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "orpo")
+REFERENCE_FREE = ("orpo",)  # losses without a reference model
 # An adapter name no layer holds: routed through it, every row sees the base alone.
 BASE_REFERENCE = "<base>"
 # The frozen copy of the adapter a phase continues, held beside it (LoRALinear.add_frozen_copy).
@@ -129,6 +130,8 @@ def preference_loss_sum(model, batch: dict[str, torch.Tensor], settings: Prefere
     when given, else the model's through adapter `reference`. groups > 1: adapters side by side
     (pair_rows), each's sums its own: [K], [K] and [K, 6]."""
     input_ids, labels = pair_rows(batch, groups)
+    if settings.loss == "orpo":
+        return orpo_loss_sum(model, batch, settings, groups)
     if "reference_logps" in batch:
         given = batch["reference_logps"].to(torch.promote_types(model.dtype, torch.float32))
         # each adapter's chosen rows, then its rejected rows (pair_rows' order)
@@ -154,6 +157,54 @@ def preference_loss_sum(model, batch: dict[str, torch.Tensor], settings: Prefere
 def metrics_of(sums: list[float], pairs: float) -> dict[str, float | None]:
     """TRL's metrics, each a mean over pairs, from METRIC_SUMS' host values (None without pairs)."""
     return {name: (value / pairs if pairs else None) for name, value in zip(METRIC_SUMS, sums, strict=True)}
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, in TRL's two branches (each where it does not cancel)."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def orpo_loss_sum(model, batch: dict[str, torch.Tensor], settings: PreferenceSettings, groups: int = 1,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ORPO (Hong et al. 2024) as TRL's ORPOTrainer computes it, without a reference: a batch's
+    loss is the next-token loss of its chosen rows (every token after the first, the prompt's too,
+    their mean over the batch's tokens) minus beta times the mean over its pairs of
+    log sigmoid(log-odds), the log-odds of the chosen completion's per-token average log-probability
+    against the rejected one's. Returned as preference_loss_sum's sums: the batch's pairs times its
+    next-token mean plus beta times the summed odds terms, so that the step's division by its pairs
+    gives TRL's loss for one micro-batch; over several, the mean of their losses (TRL's gradient
+    accumulation: each micro-batch's next-token mean is over its own tokens). The metrics are TRL's
+    ORPO metrics: the rewards beta times the average log-probabilities, the logps those averages."""
+    input_ids, labels = pair_rows(batch, groups)
+    masks = attention_masks(model.config, input_ids.shape[1], input_ids.device, model.dtype, None)
+    logits = model(input_ids=input_ids, attention_mask=masks, use_cache=False).logits[:, :-1]
+    positions = torch.arange(labels.shape[1], device=labels.device)
+    last = torch.where(labels != IGNORE_INDEX, positions, -1).amax(-1, keepdim=True)  # a row ends with its completion
+    every = torch.where(positions <= last, input_ids, IGNORE_INDEX)[:, 1:]  # its real tokens, prompt included
+    token_logps = -F.cross_entropy(at_least_fp32(logits).reshape(-1, logits.shape[-1]), every.reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="none").view(every.shape)
+    completion = labels[:, 1:] != IGNORE_INDEX
+    average = (token_logps * completion).sum(-1) / completion.sum(-1).clamp(min=1)
+    # A filler row (no completion: an evaluation's padding) has no log-probability: a stand-in of -1,
+    # not 0, whose log(1 - exp(0)) would be -inf and its weight of 0 no cure for the NaN it makes.
+    average = torch.where(completion.any(-1), average, torch.full_like(average, -1.0))
+    real_tokens = every != IGNORE_INDEX
+    sums = []
+    for k, real in enumerate((batch["chosen_labels"] != IGNORE_INDEX).any(-1).chunk(groups)):
+        pairs = real.shape[0]
+        chosen, rejected = slice(2 * k * pairs, (2 * k + 1) * pairs), slice((2 * k + 1) * pairs, 2 * (k + 1) * pairs)
+        weight = real.to(average.dtype)
+        nll = -(token_logps[chosen] * real_tokens[chosen]).sum() / real_tokens[chosen].sum().clamp(min=1)
+        log_odds = (average[chosen] - average[rejected]) - (log1mexp(average[chosen]) - log1mexp(average[rejected]))
+        odds_terms = -F.logsigmoid(log_odds) * weight
+        count = real.sum()
+        policy = torch.cat([average[chosen], average[rejected]])
+        sums.append((count.to(nll.dtype) * nll + settings.beta * odds_terms.sum(), count.to(torch.float32),
+                     metric_sums(settings, policy, torch.zeros_like(policy), weight)))
+    if groups == 1:
+        return sums[0]
+    loss_sums, pairs, metrics = zip(*sums)
+    return torch.stack(loss_sums), torch.stack(pairs), torch.stack(metrics)
 
 
 @dataclass(frozen=True)

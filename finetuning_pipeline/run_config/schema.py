@@ -24,7 +24,7 @@ WandbMode = Literal["online", "offline", "disabled"]
 ParallelMode = Literal["dp", "fsdp"]
 Launcher = Literal["auto", "tpu", "process"]
 PhaseInit = Literal["continue", "merge", "fresh"]
-PreferenceLoss = Literal["sigmoid", "ipo", "hinge"]
+PreferenceLoss = Literal["sigmoid", "ipo", "hinge", "orpo"]
 PreferenceReference = Literal["auto", "base"]
 Backend = Literal["auto", "xla", "native"]
 NativeDevice = Literal["auto", "cpu", "cuda", "tpu"]
@@ -303,8 +303,11 @@ class PreferenceConfig:
     """A preference phase's loss (`phaseN.preference`): a phase is one when its data is preference
     pairs (`dataset.prepare --format preference`); these keys say how it trains on them
     (finetuning_pipeline/model/preference_loss.py: equal to TRL 1.16's DPOTrainer).
-    loss: sigmoid (DPO), ipo or hinge, TRL's formulas over each completion's summed log-probability.
-    beta: the reward's temperature, beta times the log-ratio to the reference (TRL's default 0.1).
+    loss: sigmoid (DPO), ipo or hinge, TRL's formulas over each completion's summed log-probability;
+        or orpo (TRL's ORPO, reference-free: the chosen rows' next-token loss plus beta times the
+        log odds-ratio term).
+    beta: the reward's temperature, beta times the log-ratio to the reference (TRL's default 0.1);
+        ORPO's lambda.
     reference: "auto", the model the phase starts from: with init continue a frozen copy of the
         adapter it continues (held beside it in the same layers: rank-r matrices, not a second
         model), with merge the merged base, with fresh the base; "base": the phase's base weights

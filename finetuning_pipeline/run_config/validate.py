@@ -120,6 +120,9 @@ def validate(config: RunConfig) -> None:
             raise ConfigError(f"phase{number}.max_steps must be >= 1, got {phase.max_steps}")
         if phase.lr is not None and not phase.lr > 0:
             raise ConfigError(f"phase{number}.lr must be > 0, got {phase.lr}")
+        if phase.preference.loss == "orpo" and phase.preference.precompute_reference:
+            raise ConfigError(f"phase{number}.preference.precompute_reference: ORPO has no reference; set it to "
+                              "false, or another preference.loss")
         if not phase.preference.beta > 0:
             raise ConfigError(f"phase{number}.preference.beta must be > 0 (the reward's temperature; TRL's default "
                               f"is 0.1), got {phase.preference.beta}")

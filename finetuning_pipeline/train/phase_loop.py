@@ -22,7 +22,7 @@ from pathlib import Path
 from finetuning_pipeline.distributed.parallel import Parallel
 from finetuning_pipeline.errors import SEE_THE_MASTERS, OutputWriteError
 from finetuning_pipeline.model.lineage import write_lineage
-from finetuning_pipeline.model.preference_loss import BASE_REFERENCE, metrics_of
+from finetuning_pipeline.model.preference_loss import BASE_REFERENCE, REFERENCE_FREE, metrics_of
 from finetuning_pipeline.monitor.divergence import DivergenceMonitor
 from finetuning_pipeline.monitor.metrics_log import StepLogger
 from finetuning_pipeline.run.checkpointing import checkpoint_step
@@ -188,8 +188,9 @@ def preference_summary(objective, eval_before: dict, eval_after: dict) -> dict:
     def metrics(result: dict) -> dict:
         return {key: value for key, value in result.items() if key == "pairs" or "/" in key}
 
+    reference = "base" if objective.reference == BASE_REFERENCE else "the continued adapter, frozen"
     return {"loss": objective.settings.loss, "beta": objective.settings.beta,
-            "reference": "base" if objective.reference == BASE_REFERENCE else "the continued adapter, frozen",
+            "reference": "none (reference-free)" if objective.settings.loss in REFERENCE_FREE else reference,
             "eval_before": metrics(eval_before), "eval_after": metrics(eval_after)}
 
 

@@ -32,6 +32,7 @@ from finetuning_pipeline.model.loading import DTYPES, load_model
 from finetuning_pipeline.model.preference_loss import (
     BASE_REFERENCE,
     REFERENCE_ADAPTER,
+    REFERENCE_FREE,
     PreferenceObjective,
     PreferenceSettings,
 )
@@ -96,7 +97,7 @@ def preference_objective(model, settings: PreferenceConfig, continues: bool) -> 
     adapter, a frozen copy of that adapter as it is now, beside it in every layer it adapts
     (REFERENCE_ADAPTER); otherwise the base the phase's adapter is on (BASE_REFERENCE)."""
     reference = BASE_REFERENCE
-    if settings.reference == "auto" and continues:
+    if settings.reference == "auto" and continues and settings.loss not in REFERENCE_FREE:
         for _, module in lora_modules(model):
             module.add_frozen_copy(DEFAULT_ADAPTER, REFERENCE_ADAPTER)
         reference = REFERENCE_ADAPTER

@@ -246,3 +246,15 @@ def test_adapters_side_by_side_each_train_as_alone(curriculum, data, tmp_path):
         for key in mine:
             assert_equal_in_exact_arithmetic(mine[key], other[key], f"{name} {key}")
         assert summary["adapters"][name]["preference"]["reference"] == "base"
+
+
+def test_orpo_trains_without_a_reference_and_evaluate_reports_it(curriculum, tmp_path, capsys):
+    """loss=orpo: no reference (none is copied, none is named to evaluate), one graph a step, and
+    `evaluate --loss orpo` with the phase's evaluation batches (2 pairs: ORPO's next-token term is a
+    mean over each batch's tokens, as TRL's) reports the phase's last evaluation."""
+    out = phase3(curriculum, tmp_path / "out", "phase3.preference.loss=orpo", "train.max_steps=2")
+    summary = json.loads((out / "phase3" / "summary.json").read_text())
+    assert summary["preference"]["reference"] == "none (reference-free)" and summary["compiles_after_warmup"] == 0
+    result = evaluated(curriculum, out, capsys, "--loss", "orpo", "--micro-batch", "2")
+    assert result["reference"] is None and result["loss_type"] == "orpo"
+    assert_evaluates_as_the_phase_ended(result, out)

@@ -226,3 +226,74 @@ def test_pair_losses_by_hand():
 def test_settings_refuse_what_they_cannot_train(field, value):
     with pytest.raises(ValueError, match=f"preference.{field}"):
         PreferenceSettings(**{field: value})
+
+
+def trl_orpo_loss(model, batch: dict[str, torch.Tensor], beta: float) -> tuple[torch.Tensor, dict]:
+    """TRL's ORPOTrainer.get_batch_loss_metrics on `model` (a PEFT model) and our pair rows in its
+    batch layout (its own tokenization is not what is compared: the loss on the same tokens is),
+    through a stand-in for the trainer's few attributes those methods read."""
+    import functools
+    from types import SimpleNamespace
+
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+    trainer = SimpleNamespace(is_encoder_decoder=False, padding_value=0, aux_loss_enabled=False, beta=beta,
+                              accelerator=SimpleNamespace(device="cpu", gather_for_metrics=lambda x: x),
+                              concatenated_inputs=ORPOTrainer.concatenated_inputs,
+                              get_batch_logps=ORPOTrainer.get_batch_logps)
+    trainer.concatenated_forward = functools.partial(ORPOTrainer.concatenated_forward, trainer)
+    trainer.odds_ratio_loss = functools.partial(ORPOTrainer.odds_ratio_loss, trainer)
+    theirs = {}
+    positions = torch.arange(batch["chosen_labels"].shape[1])
+    for side in ("chosen", "rejected"):
+        labels = batch[f"{side}_labels"].long()
+        last = torch.where(labels != IGNORE_INDEX, positions, -1).amax(-1, keepdim=True)
+        theirs[f"{side}_input_ids"] = batch[f"{side}_input_ids"].long()
+        theirs[f"{side}_attention_mask"] = (positions <= last).long()
+        theirs[f"{side}_labels"] = labels
+    return ORPOTrainer.get_batch_loss_metrics(trainer, model, theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "fp32"])
+def test_orpo_loss_gradients_and_metrics_equal_trl(tiny_model_dir, tmp_path, dtype):
+    """TRL's ORPO computes its odds-ratio term in fp32 whatever the model's dtype (`.float()` in
+    odds_ratio_loss): its bound is fp32's in both dtypes, FP32_BOUND."""
+    import peft
+
+    trainer = trl_trainer(tiny_model_dir, tmp_path, dtype, "sigmoid", 0.1)  # (for TRL's tokenized pairs only)
+    examples = [trainer.train_dataset[i] for i in range(len(PAIRS))]
+    batch = pair_batch(examples)
+    from transformers import AutoModelForCausalLM
+
+    theirs = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(dtype),
+                                 peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in theirs.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * 0.1)
+    their_loss, their_metrics = trl_orpo_loss(theirs.train(), batch, beta=0.3)
+    their_loss.backward()
+
+    from transformers import AutoModelForCausalLM as Auto
+
+    ours = Auto.from_pretrained(tiny_model_dir).to(dtype)
+    inject_lora(ours, LoraConfig(r=4, alpha=8, target_modules=TARGETS))
+    with torch.no_grad():
+        for name, module in lora_modules(ours):
+            peft_module = theirs.base_model.model.get_submodule(name)
+            module.lora_A["default"].weight.copy_(peft_module.lora_A["default"].weight)
+            module.lora_B["default"].weight.copy_(peft_module.lora_B["default"].weight)
+    loss_sum, pairs, sums = preference_loss_sum(ours.train(), batch, PreferenceSettings("orpo", 0.3), BASE_REFERENCE)
+    (loss_sum / pairs).backward()
+
+    assert abs((loss_sum / pairs).item() - their_loss.item()) <= FP32_BOUND
+    for name, module in lora_modules(ours):
+        for matrix in ("lora_A", "lora_B"):
+            mine = getattr(module, matrix)["default"].weight.grad
+            expected = getattr(theirs.base_model.model.get_submodule(name), matrix)["default"].weight.grad
+            assert (mine - expected).abs().max().item() <= FP32_BOUND * max(1.0, expected.abs().max().item())
+    for index, metric in enumerate(METRIC_SUMS):
+        expected = float(their_metrics[metric])
+        assert abs((sums[index] / pairs).item() - expected) <= FP32_BOUND * max(1.0, abs(expected)), metric
+    assert abs(their_loss.item()) > 1e-3 and abs(float(their_metrics["rewards/margins"])) > 1e-4
