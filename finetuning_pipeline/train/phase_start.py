@@ -223,13 +223,13 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     parallelized = runtime.parallelize(model, config, parallel, device, data.seq_len)
     if parallel.master:
         print(f"phase {phase}: {parallelized.description}", flush=True)
-    if objective is not None and config.phase(phase).preference.precompute_reference:
-        precompute_reference(data, objective, layout.reference_logps(phase), model=model, device=device,
-                             parallel=parallel, runtime=runtime, resuming=resume_from is not None, phase=phase)
         if quantized:
             size, bf16 = quantized["weight_bytes"], quantized["bf16_bytes"]
             print(f"phase {phase}: base quantized: {quantized['linears']} decoder Linears in {quantized['format']}, "
                   f"{size / 2**20:,.1f} MiB ({size / bf16:.2f}x their bf16 size)", flush=True)
+    if objective is not None and config.phase(phase).preference.precompute_reference:
+        precompute_reference(data, objective, layout.reference_logps(phase), model=model, device=device,
+                             parallel=parallel, runtime=runtime, resuming=resume_from is not None, phase=phase)
     model.train()
     # One optimizer; side by side, a group per adapter (adamw.py).
     groups = adapter_groups(model) if adapters else None

@@ -202,10 +202,11 @@ def test_precomputed_reference_log_probabilities_equal_the_reference_forward_and
            [r["loss"] for r in metric_records(out, "train", 3) if r["step"] > 2]
 
 
-def test_a_quantized_base_starts_from_its_reference_too(curriculum, tmp_path):
+def test_a_quantized_base_starts_from_its_reference_too(curriculum, tmp_path, capsys):
     """model.quantize=q8_0 under the policy and its reference (the same quantized layers): the first
-    evaluation is ln 2, the step one graph."""
+    evaluation is ln 2, the step one graph; the phase says what it quantized."""
     out = phase3(curriculum, tmp_path / "out", "model.quantize=q8_0", "train.max_steps=2")
+    assert "phase 3: base quantized: " in capsys.readouterr().out
     first = metric_records(out, "eval", 3)[0]
     assert abs(first["loss"] - math.log(2)) <= 1e-15 and first["rewards/margins"] == 0.0
     summary = json.loads((out / "phase3" / "summary.json").read_text())
