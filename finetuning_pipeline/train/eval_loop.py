@@ -82,11 +82,10 @@ def evaluate_pairs(model, data_dir: str, objective, *, micro_batch: int, pad_id:
         return evaluated(model, objective, batch)
 
     loss, pairs, sums = summed_over_split(
-        model, data_dir, batch_sums,
-        [(dtype, 1), (torch.float32, 1), (dtype, len(METRIC_SUMS))], micro_batch=micro_batch, pad_id=pad_id,
-        device=device,
-        split=split, max_batches=max_batches, collectives=collectives, input_sharding=input_sharding,
-        replicate=replicate, to_device=to_device, boundary=boundary)
+        model, data_dir, batch_sums, [(dtype, 1), (torch.float32, 1), (dtype, len(METRIC_SUMS))],
+        micro_batch=micro_batch, pad_id=pad_id, device=device, split=split, max_batches=max_batches,
+        collectives=collectives, input_sharding=input_sharding, replicate=replicate, to_device=to_device,
+        boundary=boundary)
     if not pairs:
         return dict(NO_EVAL_DATA)
     # (label_tokens: the pairs, a mean's weight over adapters side by side, as a training record's)
