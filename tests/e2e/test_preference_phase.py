@@ -11,7 +11,8 @@ equal one device, and precomputed reference log-probabilities equal the referenc
 within float64's bound; a resumed phase is the uninterrupted one bitwise; the loss,
 beta and reference settings reach the run; TRL's metrics are logged under TRL's names and the
 saved adapter holds the policy only; `evaluate` on the pairs reports what the phase's last
-evaluation reported, with either reference."""
+evaluation reported, with either reference; two adapters side by side each train as alone; ORPO
+trains without a reference."""
 
 from __future__ import annotations
 
