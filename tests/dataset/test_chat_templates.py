@@ -280,3 +280,32 @@ def test_an_overlong_answer_sample_is_counted_not_silently_dropped(tmp_path):
     stats = json.loads((tmp_path / "out" / "stats.json").read_text())
     assert stats["records"]["kept"] == 1 and stats["samples"] == 1
     assert stats["samples_skipped"] == {"overlong_dropped": 2}
+
+
+def test_preference_pairs_tokenize_as_trl_tokenizes_them_under_every_template(family):
+    """Each template's pairs, conversational (a multi-turn prompt) and standard, are the tokens
+    TRL 1.16's DPOTrainer._prepare_dataset makes of them (dataset/preference.py), prompt and both
+    completions, where the template renders the prompt alone otherwise than before an answer too."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from dataset.preference import normalize_preference, tokenize_pair
+
+    name, tokenizer = family
+    (q1, a1), (q2, a2), _ = EXCHANGES
+    records = [
+        {"prompt": [{"role": "user", "content": q1}, {"role": "assistant", "content": a1},
+                    {"role": "user", "content": q2}],
+         "chosen": [{"role": "assistant", "content": "Județul Iași se află în Moldova."}],
+         "rejected": [{"role": "assistant", "content": "Județul Iași se află în Oltenia."}]},
+        {"prompt": q1, "chosen": " Cluj-Napoca.", "rejected": " Turda."},
+    ]
+    args = DPOConfig(output_dir="unused", max_length=None, report_to=[], dataset_num_proc=None)
+    for record in records:
+        theirs = DPOTrainer._prepare_dataset(SimpleNamespace(_tokenizer=tokenizer), Dataset.from_list([record]),
+                                             tokenizer, args, "train")[0]
+        ours = tokenize_pair(tokenizer, normalize_preference(record))
+        assert ours == (theirs["prompt_ids"], theirs["chosen_ids"], theirs["rejected_ids"]), name
+        assert ours[1] != ours[2]
