@@ -22,17 +22,13 @@ Results: the "preference" section of outputs/bench/bench.json and a line on stdo
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
 
 from benchmarks.results import update_results
+from benchmarks.side_by_side_bench import timed_run
 from benchmarks.train_bench import ALPHA, LR, RANK, SHAPES, TARGETS, build_model
 
 RUNS = ("sft", "dpo", "dpo_precomputed")
@@ -68,19 +64,6 @@ def run_config(root: Path, name: str, model_dir: Path, data: Path, steps: int, r
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
-
-
-def timed_run(config: Path) -> tuple[float, dict]:
-    """Wall seconds of the whole command in a fresh process, and its phase-1 summary."""
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false"}
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "finetuning_pipeline/main.py", "--config", str(config), "--phase", "1"],
-                          capture_output=True, text=True, env=env, check=False)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"{config} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    output_dir = Path(yaml.safe_load(config.read_text())["output_dir"])
-    return wall, json.loads((output_dir / "phase1" / "summary.json").read_text())
 
 
 def bench(steps: int, seq_len: int, rows: int, root: Path) -> dict:
