@@ -74,17 +74,21 @@ def pair_rows(batch: dict[str, torch.Tensor], groups: int = 1) -> tuple[torch.Te
     return rows("input_ids"), rows("labels")
 
 
-def sequence_logps(model, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of each row's label tokens' log-probabilities, each row's label tokens), [rows] each,
-    fp32 or wider. Rows start at position 0 and are padded on the right: the causal mask alone
-    keeps a row's tokens from its padding."""
+def token_logps(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[rows, L - 1]: each next token's log-probability where `labels` names it (token t predicts
+    token t + 1), 0 elsewhere, fp32 or wider. Rows start at position 0 and are padded on the
+    right: the causal mask alone keeps a row's tokens from its padding."""
     masks = attention_masks(model.config, input_ids.shape[1], input_ids.device, model.dtype, None)
     logits = model(input_ids=input_ids, attention_mask=masks, use_cache=False).logits[:, :-1]
-    targets = labels[:, 1:]  # token t predicts token t + 1
-    token_losses = F.cross_entropy(at_least_fp32(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                   ignore_index=IGNORE_INDEX, reduction="none").view(targets.shape)
-    trained = targets != IGNORE_INDEX
-    return -token_losses.sum(-1), trained.sum(-1).to(token_losses.dtype)
+    targets = labels[:, 1:]
+    return -F.cross_entropy(at_least_fp32(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                            ignore_index=IGNORE_INDEX, reduction="none").view(targets.shape)
+
+
+def sequence_logps(model, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of each row's label tokens' log-probabilities, each row's label tokens), [rows] each."""
+    logps = token_logps(model, input_ids, labels)
+    return logps.sum(-1), (labels[:, 1:] != IGNORE_INDEX).sum(-1).to(logps.dtype)
 
 
 @torch.no_grad()
@@ -148,15 +152,20 @@ def preference_loss_sum(model, batch: dict[str, torch.Tensor], settings: Prefere
         # run keeps a float64 value float64, and the step's running count is one tensor of one dtype).
         sums.append(((losses * weight).sum(), real.sum().to(torch.float32),
                      metric_sums(settings, policy[rows], reference_values[rows], weight)))
-    if groups == 1:
-        return sums[0]
-    loss_sums, pairs, metrics = zip(*sums)
-    return torch.stack(loss_sums), torch.stack(pairs), torch.stack(metrics)
+    return by_adapter(sums)
 
 
 def metrics_of(sums: list[float], pairs: float) -> dict[str, float | None]:
     """TRL's metrics, each a mean over pairs, from METRIC_SUMS' host values (None without pairs)."""
     return {name: (value / pairs if pairs else None) for name, value in zip(METRIC_SUMS, sums, strict=True)}
+
+
+def by_adapter(sums: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One adapter's (loss sum, pairs, metric sums), or each's stacked: [K], [K], [K, 6]."""
+    if len(sums) == 1:
+        return sums[0]
+    loss_sums, pairs, metrics = zip(*sums)
+    return torch.stack(loss_sums), torch.stack(pairs), torch.stack(metrics)
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -176,35 +185,29 @@ def orpo_loss_sum(model, batch: dict[str, torch.Tensor], settings: PreferenceSet
     accumulation: each micro-batch's next-token mean is over its own tokens). The metrics are TRL's
     ORPO metrics: the rewards beta times the average log-probabilities, the logps those averages."""
     input_ids, labels = pair_rows(batch, groups)
-    masks = attention_masks(model.config, input_ids.shape[1], input_ids.device, model.dtype, None)
-    logits = model(input_ids=input_ids, attention_mask=masks, use_cache=False).logits[:, :-1]
     positions = torch.arange(labels.shape[1], device=labels.device)
     last = torch.where(labels != IGNORE_INDEX, positions, -1).amax(-1, keepdim=True)  # a row ends with its completion
-    every = torch.where(positions <= last, input_ids, IGNORE_INDEX)[:, 1:]  # its real tokens, prompt included
-    token_logps = -F.cross_entropy(at_least_fp32(logits).reshape(-1, logits.shape[-1]), every.reshape(-1),
-                                   ignore_index=IGNORE_INDEX, reduction="none").view(every.shape)
+    every = torch.where(positions <= last, input_ids, IGNORE_INDEX)  # its real tokens, prompt included
+    logps = token_logps(model, input_ids, every)
     completion = labels[:, 1:] != IGNORE_INDEX
-    average = (token_logps * completion).sum(-1) / completion.sum(-1).clamp(min=1)
+    average = (logps * completion).sum(-1) / completion.sum(-1).clamp(min=1)
     # A filler row (no completion: an evaluation's padding) has no log-probability: a stand-in of -1,
     # not 0, whose log(1 - exp(0)) would be -inf and its weight of 0 no cure for the NaN it makes.
     average = torch.where(completion.any(-1), average, torch.full_like(average, -1.0))
-    real_tokens = every != IGNORE_INDEX
+    real_tokens = every[:, 1:] != IGNORE_INDEX
     sums = []
     for k, real in enumerate((batch["chosen_labels"] != IGNORE_INDEX).any(-1).chunk(groups)):
         pairs = real.shape[0]
         chosen, rejected = slice(2 * k * pairs, (2 * k + 1) * pairs), slice((2 * k + 1) * pairs, 2 * (k + 1) * pairs)
         weight = real.to(average.dtype)
-        nll = -(token_logps[chosen] * real_tokens[chosen]).sum() / real_tokens[chosen].sum().clamp(min=1)
+        nll = -(logps[chosen] * real_tokens[chosen]).sum() / real_tokens[chosen].sum().clamp(min=1)
         log_odds = (average[chosen] - average[rejected]) - (log1mexp(average[chosen]) - log1mexp(average[rejected]))
         odds_terms = -F.logsigmoid(log_odds) * weight
         count = real.sum()
         policy = torch.cat([average[chosen], average[rejected]])
         sums.append((count.to(nll.dtype) * nll + settings.beta * odds_terms.sum(), count.to(torch.float32),
                      metric_sums(settings, policy, torch.zeros_like(policy), weight)))
-    if groups == 1:
-        return sums[0]
-    loss_sums, pairs, metrics = zip(*sums)
-    return torch.stack(loss_sums), torch.stack(pairs), torch.stack(metrics)
+    return by_adapter(sums)
 
 
 @dataclass(frozen=True)
