@@ -10,6 +10,7 @@ no torch_xla)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -166,17 +167,22 @@ def test_a_checkpoint_of_one_runtime_resumes_in_the_other(first, then, tiny_mode
 
 
 @pytest.mark.native
-def test_compiled_layers_train_as_eager_does_and_compile_only_in_warm_up(tiny_model_dir, data, tmp_path):
+@pytest.mark.parametrize("phase_data", ["text", "pairs"])
+def test_compiled_layers_train_as_eager_does_and_compile_only_in_warm_up(phase_data, tiny_model_dir, data, tmp_path):
     """runtime.compile=layers: each decoder layer under torch.compile (LoRA dropout, the shared A
     products and a q8_0 base's dequantizing matmul inside it), in fp32 (float64 proofs run
     eagerly: a compiled layer does not keep float64 throughout, and the config refuses it).
     Step 1's loss is one forward of the same weights: within fp32's bound of eager's; the later
     steps' follow it closely; and after the warm-up step dynamo compiles nothing: evaluations
-    between steps reuse their graphs too."""
+    between steps reuse their graphs too. On pairs (a DPO phase, its reference the base): the
+    reference's forward goes through the same compiled layers with every row routed past the
+    adapter (a guarded attribute: graphs of their own, compiled in the warm-up), and step 1's loss
+    is ln 2 within the same bound."""
     from tolerances import fp32_forward_bound
     from transformers import AutoConfig
 
-    sections = sections_with(train={"max_steps": 4}, model={"dtype": "float32", "quantize": "q8_0"})
+    sections = sections_with(train={"max_steps": 4}, model={"dtype": "float32", "quantize": "q8_0"},
+                             **({"phase1": {"data": str(data["pairs"])}} if phase_data == "pairs" else {}))
     outs = {}
     for compiled in ("eager", "layers"):
         out = tmp_path / compiled
@@ -187,6 +193,8 @@ def test_compiled_layers_train_as_eager_does_and_compile_only_in_warm_up(tiny_mo
     assert [r["step"] for r in eager] == [r["step"] for r in compiled] == [1, 2, 3, 4]
     bound = fp32_forward_bound(eager[0]["loss"], AutoConfig.from_pretrained(tiny_model_dir))
     assert abs(eager[0]["loss"] - compiled[0]["loss"]) <= bound
+    if phase_data == "pairs":
+        assert abs(compiled[0]["loss"] - math.log(2)) <= bound and compiled[-1]["rewards/margins"] != 0.0
     assert all(abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]) for a, b in zip(eager, compiled))
     summary = json.loads((outs["layers"] / "phase1" / "summary.json").read_text())
     assert summary["compiles_total"] >= 1 and summary["compiles_after_warmup"] == 0

@@ -12,7 +12,8 @@ within float64's bound; a resumed phase is the uninterrupted one bitwise; the lo
 beta and reference settings reach the run; TRL's metrics are logged under TRL's names and the
 saved adapter holds the policy only; `evaluate` on the pairs reports what the phase's last
 evaluation reported, with either reference; two adapters side by side each train as alone; ORPO
-trains without a reference."""
+trains without a reference; on the TPU's path (the launcher's two replica threads, a bf16
+base, buffer donation) the phase still starts at ln 2 and steps in one graph."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ import pytest
 import torch
 from native_helpers import NATIVE, adapters_of, assert_runs_equal
 from replica_helpers import torchrun
-from tolerances import assert_equal_in_exact_arithmetic
-from trainer_helpers import SEQ_LEN, metric_records, train_in_fresh_process, write_run_config
+from tolerances import BF16_UNIT_ROUNDOFF, assert_equal_in_exact_arithmetic
+from trainer_helpers import SEQ_LEN, LaunchedRun, metric_records, train_in_fresh_process, write_run_config
 
 from dataset.prepare import PrepareOptions, prepare
 from dataset.samples import PREFERENCE_PAIRS
@@ -152,6 +153,39 @@ def test_replicas_and_fsdp_equal_one_device(curriculum, captured, how, tmp_path)
     assert_runs_equal(out, captured, [3])
     summary = json.loads((out / "phase3" / "summary.json").read_text())
     assert summary["compiles_after_warmup"] == 0 and summary["global_batch"] == 4
+
+
+def test_the_tpus_path_two_replica_threads_a_bf16_base_and_donated_buffers(curriculum, captured, tmp_path):
+    """The phase as a TPU host runs it: the TPU launcher's worker process with two replica threads
+    (the v2/v3 shape; 1 pair each a micro-batch: the same 4 pairs a step), a bf16 base under fp32
+    LoRA weights, buffer donation on (XLA_ENABLE_PARAM_ALIASING=1, a TPU's default) and
+    recompile_policy=error: no graph after warm-up, no host sync, every state tensor the step
+    updates donated (the reference's frozen copy among none of them), and the first evaluation
+    still ln 2 with every reward 0: the policy's and the reference's forwards are the same
+    computation in bf16 too."""
+    out = tmp_path / "out"
+    arguments = [*copy_of_phases_1_and_2(curriculum, out), "train.micro_batch=1", "model.dtype=bfloat16",
+                 "train.recompile_policy=error"]
+    run = LaunchedRun(["--config", str(curriculum["config"]), *arguments], tmp_path / "run.log", devices=2,
+                      env={"XLA_ENABLE_PARAM_ALIASING": "1"})
+    assert run.wait(300) == [0], run.output()
+    summary = json.loads((out / "phase3" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_batch"] == 4, summary
+    assert summary["compiles_after_warmup"] == 0 and summary["host_syncs_per_step"] == 0
+    assert 0 < summary["step_updated_state_tensors"] == summary["step_donated_buffers"], summary
+    first = metric_records(out, "eval", 3)[0]
+    assert abs(first["loss"] - math.log(2)) <= 2**-24 and first["rewards/margins"] == first["rewards/chosen"] == 0.0
+    # A sequence's log-probability is a sum of token log-probabilities of one sign, each moved by
+    # bf16's rounding by at most 2^-8 of itself: the sum by at most 2^-8 of itself, and each step
+    # carries the steps before on in the LoRA weights (tests/tolerances.py's reasoning, worst case).
+    ours, theirs = metric_records(out, "train", 3), metric_records(captured, "train", 3)
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [1, 2, 3, 4]
+    for mine, exact in zip(ours, theirs):
+        for name in ("logps/chosen", "logps/rejected"):
+            assert abs(mine[name] - exact[name]) <= mine["step"] * BF16_UNIT_ROUNDOFF * abs(exact[name]), (name, mine)
+    assert any(r["rewards/margins"] != 0.0 for r in ours)
+    (tensors,) = adapters_of(out, 3).values()
+    assert {t.dtype for t in tensors.values()} == {torch.float32}
 
 
 def test_a_resumed_phase_is_the_uninterrupted_one_bitwise(curriculum, captured, tmp_path):
