@@ -3,7 +3,9 @@
 Layout of an adapter directory:
   adapter_config.json        PEFT's LoraConfig fields (`LoraConfig.to_peft_dict`)
   adapter_model.safetensors  "base_model.model.<module path>.lora_A.weight" [r, in] and
-                             "base_model.model.<module path>.lora_B.weight" [out, r]
+                             "base_model.model.<module path>.lora_B.weight" [out, r]; a module
+                             trained in full (modules_to_save): "base_model.model.<module path>.weight"
+                             (tied embeddings: under both modules' names, as PEFT writes them)
 The "base_model.model." prefix is where PEFT's wrappers (PeftModel -> LoraModel) put the
 Hugging Face model; PEFT strips the adapter name ("default") from keys when it saves.
 """
@@ -23,6 +25,7 @@ from torch import nn
 from lora_logic.adapters import adapter_names, lora_modules, lora_state_dict
 from lora_logic.config import DEFAULT_ADAPTER, LoraConfig, adapter_set
 from lora_logic.inject import inject_lora
+from lora_logic.modules_to_save import tied_wrappers
 from utils.atomic_io import atomic_write_bytes, atomic_write_json
 
 CONFIG_NAME = "adapter_config.json"
@@ -48,11 +51,18 @@ def save_adapters(
     configs = adapter_set(configs)
     directories = _per_adapter(directories, list(configs))
     written = {}
+    tied = tied_wrappers(model) is not None
     for name, config in configs.items():
-        tensors = {key: tensor.to("cpu").contiguous() for key, tensor in lora_state_dict(model, name).items()}
+        tensors, copied = {}, set()
+        for key, tensor in lora_state_dict(model, name).items():
+            tensor = tensor.to("cpu").contiguous()
+            # (safetensors refuses two names of one memory: a tied weight is written under both, a copy each)
+            tensors[key] = tensor.clone() if tensor.data_ptr() in copied else tensor
+            copied.add(tensor.data_ptr())
         if not tensors:
             raise ValueError(f"save_adapters: the model has no LoRA weights of adapter {name!r}; nothing to save")
-        written[name] = write_adapter(directories[name], tensors, config, base_model_name_or_path, revision)
+        written[name] = write_adapter(directories[name], tensors, config, base_model_name_or_path, revision,
+                                      tied_embeddings=tied and bool(config.modules_to_save))
     return written
 
 
@@ -68,9 +78,10 @@ def _per_adapter(directories, names: list[str]) -> dict[str, Path]:
 
 
 def write_adapter(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], config: LoraConfig,
-                  base_model_name_or_path: str, revision: str | None = None) -> Path:
+                  base_model_name_or_path: str, revision: str | None = None, tied_embeddings: bool = False) -> Path:
     """Write `tensors` ({"<module path>.lora_A.weight": [r, in], ...lora_B...: [out, r]}, on the
-    CPU) and `config` in PEFT's layout; returns the directory. NaN/inf weights are refused."""
+    CPU) and `config` in PEFT's layout; returns the directory. NaN/inf weights are refused.
+    tied_embeddings: see LoraConfig.to_peft_dict."""
     bad = [name for name, tensor in tensors.items() if not bool(torch.isfinite(tensor).all())]
     if bad:
         raise ValueError(f"adapter: refusing to write NaN/inf weights ({len(bad)} tensors, first {bad[0]!r}); "
@@ -80,7 +91,7 @@ def write_adapter(directory: str | os.PathLike, tensors: dict[str, torch.Tensor]
     # Weights first, config last: a directory with a config always has its weights.
     payload = {PEFT_PREFIX + name: tensor.contiguous() for name, tensor in tensors.items()}
     atomic_write_bytes(directory / WEIGHTS_NAME, save(payload, metadata={"format": "pt"}))
-    atomic_write_json(directory / CONFIG_NAME, config.to_peft_dict(base_model_name_or_path, revision))
+    atomic_write_json(directory / CONFIG_NAME, config.to_peft_dict(base_model_name_or_path, revision, tied_embeddings))
     return directory
 
 
@@ -114,7 +125,10 @@ def read_adapter_weights(directory: str | os.PathLike) -> dict[str, tuple[torch.
                 modules.setdefault(name.removesuffix(f".lora_{side}.weight"), {})[side] = tensor
                 break
         else:
-            raise ValueError(f"{weights_path}: {key!r} is not a LoRA matrix (lora_A.weight / lora_B.weight)")
+            raise ValueError(f"{weights_path}: {key!r} is not a LoRA matrix (lora_A.weight / lora_B.weight): the "
+                             "adapter holds a module trained in full (lora.modules_to_save), which only a merged "
+                             "model carries; export it merged (python -m finetuning_pipeline.export --base ... "
+                             "--adapter ... --out ...)")
     pairs = {}
     for name, sides in modules.items():
         if set(sides) != {"A", "B"} or sides["A"].shape[0] != sides["B"].shape[1]:

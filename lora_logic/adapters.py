@@ -11,7 +11,10 @@ and len(module), the number of layers it stands for.
 
 Names: a weight's name in the model is "<module path>.lora_A.<adapter>.weight" (PEFT's in-memory
 name); an adapter's state dict names its weights "<module path>.lora_A.weight" as a model of
-that adapter alone does, and as PEFT writes them.
+that adapter alone does, and as PEFT writes them. A module trained in full beside the LoRA
+(lora_logic/modules_to_save.py) is part of its adapter too: "<module path>.modules_to_save.<adapter>.weight"
+in the model, "<module path>.weight" in the state dict; a weight two such modules share (tied
+embeddings) is one trainable weight, listed once.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 
 from lora_logic.config import DEFAULT_ADAPTER
 from lora_logic.layer import LoRALinear
+from lora_logic.modules_to_save import COPIES, ModulesToSave, saved_modules
 
 
 def stacks_lora(module: nn.Module) -> bool:
@@ -62,25 +66,41 @@ def adapter_names(model: nn.Module) -> list[str]:
 
 
 def adapter_of(parameter_name: str) -> str:
-    """The adapter of a LoRA weight, from its name ("...q_proj.lora_A.<adapter>.weight")."""
+    """The adapter of a trainable weight, from its name ("...q_proj.lora_A.<adapter>.weight",
+    "...embed_tokens.modules_to_save.<adapter>.weight")."""
     parts = parameter_name.split(".")
-    where = max(i for i, part in enumerate(parts) if part in ("lora_A", "lora_B"))
+    where = max(i for i, part in enumerate(parts) if part in ("lora_A", "lora_B", COPIES))
     return parts[where + 1]
 
 
-def named_lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The trainable LoRA weights, the only thing the optimizer sees, with their names, in module
-    order: A then B of each adapter per layer (each adapter's A, then each one's B). Stacked
-    layers give one [layers, ...] stack per weight of their template, named
-    "<module path>.<weight's name within a layer>"."""
-    found = []
+def is_saved_module_weight(parameter_name: str) -> bool:
+    """Whether a trainable weight is a module trained in full (modules_to_save), not a LoRA matrix."""
+    return f".{COPIES}." in f".{parameter_name}"
+
+
+def _owned_trainable(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
+    """(module name, module, its trainable weights by their names in the model) per owner of
+    trainable weights (LoRA layers, stacked layers, modules trained in full), in module order; a
+    weight shared by two owners (tied embeddings) is the first one's."""
+    seen: set[int] = set()
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        if isinstance(module, LoRALinear):
-            found += [(prefix + n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if isinstance(module, (LoRALinear, ModulesToSave)):
+            own = [(prefix + n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
         elif stacks_lora(module):
-            found += [(prefix + n, p) for n, p in module.stacked_lora_parameters()]
-    return found
+            own = [(prefix + n, p) for n, p in module.stacked_lora_parameters()]
+        else:
+            continue
+        seen.update(id(p) for _, p in own)
+        yield name, module, own
+
+
+def named_lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The adapters' trainable weights, the only thing the optimizer sees, with their names, in
+    module order: A then B of each adapter per layer (each adapter's A, then each one's B), and
+    the weights of modules trained in full. Stacked layers give one [layers, ...] stack per weight
+    of their template, named "<module path>.<weight's name within a layer>"."""
+    return [named for _, _, own in _owned_trainable(model) for named in own]
 
 
 def adapter_groups(model: nn.Module) -> list[int]:
@@ -104,7 +124,9 @@ def lora_state_dict(model: nn.Module, adapter: str = DEFAULT_ADAPTER) -> dict[st
     state = {}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        if isinstance(module, LoRALinear) and adapter in module.lora_A:
+        if isinstance(module, ModulesToSave) and adapter in module.modules_to_save:
+            state.update({prefix + n: p.detach() for n, p in module.modules_to_save[adapter].named_parameters()})
+        elif isinstance(module, LoRALinear) and adapter in module.lora_A:
             state[f"{prefix}lora_A.weight"] = module.lora_A[adapter].weight.detach()
             state[f"{prefix}lora_B.weight"] = module.lora_B[adapter].weight.detach()
         elif stacks_lora(module):
@@ -119,7 +141,7 @@ def lora_state_dict(model: nn.Module, adapter: str = DEFAULT_ADAPTER) -> dict[st
 def only_adapter(model: nn.Module, adapter: str):
     """Within: every row goes through `adapter` alone (evaluating or generating with one adapter
     of several), as a model of that adapter alone."""
-    layers = lora_layers(model)
+    layers = lora_layers(model) + [m for _, m in saved_modules(model)]
     saved = [layer.groups for layer in layers]
     for layer in layers:
         layer.groups = [adapter]
@@ -132,12 +154,9 @@ def only_adapter(model: nn.Module, adapter: str):
 
 # -- the optimizer's layout (stacks) and a checkpoint's (one tensor per weight of each layer)
 def _lora_owners(model: nn.Module) -> Iterator[tuple[int, int | None]]:
-    """(tensors in lora_parameters, layers stacked in each or None) per LoRA owner, in order."""
-    for module in model.modules():
-        if isinstance(module, LoRALinear):
-            yield 2 * len(module.adapters), None
-        elif stacks_lora(module):
-            yield len(module.stacked_lora_parameters()), len(module)
+    """(tensors in lora_parameters, layers stacked in each or None) per owner, in order."""
+    for _, module, own in _owned_trainable(model):
+        yield len(own), (len(module) if stacks_lora(module) else None)
 
 
 def per_layer_lora_names(model: nn.Module) -> list[str]:
@@ -145,13 +164,13 @@ def per_layer_lora_names(model: nn.Module) -> list[str]:
     "<module path>.lora_A.<adapter>.weight", a stacked module's layers numbered as the model
     without it numbers them. What a checkpoint keys each weight's optimizer state by."""
     names = []
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        if isinstance(module, LoRALinear):
-            names += [prefix + n for n, p in module.named_parameters() if p.requires_grad]
-        elif stacks_lora(module):
+    for name, module, own in _owned_trainable(model):
+        if stacks_lora(module):
+            prefix = f"{name}." if name else ""
             inner = [n for n, _ in module.stacked_lora_parameters()]
             names += [f"{prefix}{layer}.{n}" for layer in range(len(module)) for n in inner]
+        else:
+            names += [n for n, _ in own]
     return names
 
 

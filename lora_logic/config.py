@@ -39,6 +39,9 @@ class LoraConfig:
         "model.layers.0.self_attn.q_proj". Every target must match at least one layer.
     use_rslora: rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023), which keeps the
         update's magnitude steady as r grows.
+    modules_to_save: modules trained in full beside the LoRA (PEFT's modules_to_save), matched
+        by suffix as targets are: [embed_tokens, lm_head] for a new language's continued
+        pretraining (lora_logic/modules_to_save.py). None: the LoRA alone.
     """
 
     r: int = 16
@@ -46,6 +49,7 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
     use_rslora: bool = False
+    modules_to_save: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
@@ -71,15 +75,29 @@ class LoraConfig:
         self.target_modules = targets
         if not isinstance(self.use_rslora, bool):
             raise ValueError(f"lora.use_rslora must be true or false, got {self.use_rslora!r}")
+        if isinstance(self.modules_to_save, str):
+            self.modules_to_save = [self.modules_to_save]
+        if self.modules_to_save is not None:
+            saved = list(self.modules_to_save)
+            if not all(isinstance(m, str) and m.strip() for m in saved):
+                raise ValueError(f"lora.modules_to_save must be a list of module names, got {self.modules_to_save!r}")
+            both = sorted(set(saved) & set(targets))
+            if both:
+                raise ValueError(f"lora.modules_to_save {both} are LoRA targets too; a module is adapted by a LoRA "
+                                 "or trained in full, not both: remove it from one of the two lists")
+            self.modules_to_save = list(dict.fromkeys(saved)) or None
 
     @property
     def scaling(self) -> float:
         """The factor on B A x: alpha / r, or alpha / sqrt(r) with rsLoRA (PEFT's formula)."""
         return lora_scaling(self.alpha, self.r, self.use_rslora)
 
-    def to_peft_dict(self, base_model_name_or_path: str, revision: str | None = None) -> dict:
+    def to_peft_dict(self, base_model_name_or_path: str, revision: str | None = None,
+                     tied_embeddings: bool = False) -> dict:
         """The `adapter_config.json` PEFT and vLLM read; fields we do not use get PEFT's defaults.
-        revision: the base's Hub commit (PEFT loads the base at it)."""
+        revision: the base's Hub commit (PEFT loads the base at it); tied_embeddings: the modules
+        trained in full include a tied embedding and output layer, one weight (PEFT's
+        `ensure_weight_tying`, so that PEFT ties them again when it loads the adapter)."""
         return {
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
@@ -92,7 +110,8 @@ class LoraConfig:
             "fan_in_fan_out": False,
             "use_rslora": self.use_rslora,
             "use_dora": False,
-            "modules_to_save": None,
+            "modules_to_save": list(self.modules_to_save) if self.modules_to_save else None,
+            "ensure_weight_tying": tied_embeddings,
             "init_lora_weights": True,
             "inference_mode": True,
             "layers_to_transform": None,
@@ -113,8 +132,8 @@ class LoraConfig:
             "bias": ("none", None),
             "rank_pattern": ({}, None),
             "alpha_pattern": ({}, None),
-            "modules_to_save": (None, []),
             "layers_to_transform": (None,),
+            "trainable_token_indices": (None,),
         }
         for key, allowed in unsupported.items():
             if key in data and data[key] not in allowed:
@@ -136,6 +155,7 @@ class LoraConfig:
                 dropout=data.get("lora_dropout", 0.0),
                 target_modules=data["target_modules"],
                 use_rslora=data.get("use_rslora", False),
+                modules_to_save=data.get("modules_to_save") or None,
             )
         except KeyError as missing:
             raise ValueError(f"{source}: required field {missing} is missing") from None

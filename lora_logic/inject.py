@@ -10,6 +10,7 @@ from torch import nn
 from lora_logic.adapters import lora_modules
 from lora_logic.config import LoraConfig, adapter_set
 from lora_logic.layer import LoRALinear, share_input
+from lora_logic.modules_to_save import wrap_modules_to_save
 from lora_logic.quantized_linear import is_linear
 
 # The projections that a Hugging Face decoder calls on one tensor: attention's q, k and v on the
@@ -35,10 +36,15 @@ def inject_lora(model: nn.Module, adapters: LoraConfig | Mapping[str, LoraConfig
     before each adapter's init, and a layer's dropout salt is its index among that adapter's targets.
 
     Freezes every parameter of `model`, then makes only the new `lora_A`/`lora_B` weights
-    trainable. Raises `ValueError` when a target matches no `nn.Linear` (listing the Linear
-    names that do exist) and when `model` already has LoRA.
+    trainable, and the copies of an adapter's `modules_to_save` (lora_logic/modules_to_save.py:
+    one adapter only, refused side by side). Raises `ValueError` when a target matches no
+    `nn.Linear` (listing the Linear names that do exist) and when `model` already has LoRA.
     """
     adapters = adapter_set(adapters)
+    saving = [name for name, config in adapters.items() if config.modules_to_save]
+    if saving and len(adapters) > 1:
+        raise ValueError(f"lora.modules_to_save with adapters side by side ({', '.join(adapters)}): each adapter "
+                         "would need its own full copy of the modules; train such adapters one at a time")
     existing = [name for name, _ in lora_modules(model)]
     if existing:
         raise ValueError(
@@ -75,6 +81,8 @@ def inject_lora(model: nn.Module, adapters: LoraConfig | Mapping[str, LoraConfig
         torch.set_rng_state(rng)
         for salt, name in enumerate(targets[adapter]):  # each layer its own dropout masks
             wrapped[name].add_adapter(adapter, config, dropout_salt=salt)
+    for adapter in saving:
+        wrap_modules_to_save(model, adapters[adapter].modules_to_save, adapter)
     return to_wrap
 
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from lora_logic.adapters import lora_modules
+from lora_logic.modules_to_save import unload_modules_to_save
 
 
 def merge_lora(model: nn.Module) -> int:
@@ -54,11 +55,13 @@ def merge_and_unload(model: nn.Module) -> int:
     """Merge every LoRA update into its base layer, then put the plain `nn.Linear` back in
     the LoRA layer's place. Afterwards the model is an ordinary model again: its state dict
     has the original key names (what a merged export needs), and `inject_lora` can start a
-    fresh adapter on it. Returns how many layers were unloaded."""
+    fresh adapter on it. Modules trained in full (modules_to_save) are replaced by their trained
+    copies, in the base's dtype. Returns how many LoRA layers were unloaded."""
     merge_lora(model)
     modules = list(lora_modules(model))
     for name, module in modules:
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child_name, module.base_layer)
+    unload_modules_to_save(model)
     return len(modules)

@@ -74,6 +74,9 @@ class TrainConfig:
     micro_batch: sequences per replica per forward (the per-chip batch).
     grad_accum: micro-batches per optimizer step; global batch = micro_batch * grad_accum * replicas.
     lr: peak learning rate (AdamW, LoRA parameters only).
+    embedding_lr: the peak learning rate of the modules trained in full beside the LoRA
+        (lora.modules_to_save: the embeddings and output layer), on the same schedule; None: the
+        phase's lr. Unsloth's continued-pretraining guide takes it 2-10x smaller than lr.
     warmup_steps: linear warm-up from lr/warmup_steps (never 0: a zero LR is a separate XLA graph).
     min_lr_ratio: the cosine decay ends at lr * min_lr_ratio (> 0 for the same reason).
     weight_decay, betas, eps: AdamW's.
@@ -109,6 +112,7 @@ class TrainConfig:
     micro_batch: int = 4
     grad_accum: int = 1
     lr: float = 2e-4
+    embedding_lr: float | None = None
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0

@@ -11,6 +11,11 @@ eps added after the square root), with three differences that matter on XLA:
   the host);
 - `lr` may be a device tensor (the trainer reads it from a schedule table on the device).
 
+A parameter may take its own multiple of the learning rate (`lr_scales`: the modules trained in
+full beside the LoRA at train.embedding_lr, a second parameter group of torch's AdamW with the
+same schedule: its LR is lr * embedding_lr / peak lr at every step, as a LambdaLR scales each
+group's own LR), weight decay included.
+
 Adapters trained side by side (lora_logic/layer.py) share one optimizer in `groups`:
 each parameter belongs to a group (its adapter), and `lr`, `apply` and the step count are
 per group ([G] tensors), so each adapter steps, skips and warms up as an optimizer of its own
@@ -30,8 +35,10 @@ from utils.device_tensors import device_counter, device_zeros
 
 class MaskedAdamW:
     def __init__(self, params: list[torch.nn.Parameter], lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, groups: list[int] | None = None) -> None:
-        """groups: each parameter's group (0..G-1), for adapters side by side; None: one group."""
+                 weight_decay: float = 0.0, groups: list[int] | None = None,
+                 lr_scales: list[float] | None = None) -> None:
+        """groups: each parameter's group (0..G-1), for adapters side by side; None: one group.
+        lr_scales: each parameter's multiple of the LR; None: 1 for all."""
         self.params = list(params)
         self.sizes = [p.numel() for p in self.params]
         numbered = groups is None or sorted(set(groups)) == list(range(max(groups) + 1))
@@ -71,6 +78,14 @@ class MaskedAdamW:
         # is traced on the host each step: 8.6 of a 42 ms step on the small benchmark model).
         self.exp_avg_flat = device_zeros(sum(self.sizes), dtype, device)
         self.exp_avg_sq_flat = device_zeros(sum(self.sizes), dtype, device)
+        # Each parameter's LR multiple, in the flat order (data, not constants baked into the graph);
+        # None where all are 1: the update's graph is then what it was without them.
+        self.lr_scales = None
+        if lr_scales is not None and any(scale != 1 for scale in lr_scales):
+            if len(lr_scales) != len(self.params):
+                raise ValueError(f"lr_scales: one per parameter ({len(self.params)}), got {len(lr_scales)}")
+            self.lr_scales = torch.tensor([float(lr_scales[i]) for i in self.order],
+                                          dtype=self.steps.dtype).to(device)
 
     def _flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """One tensor per parameter, in parameter order -> the flat layout."""
@@ -122,6 +137,8 @@ class MaskedAdamW:
         flat_params = self._flatten(self.params)
         if self.weight_decay:
             update = update + flat_params * each(gate * lr * self.weight_decay)
+        if self.lr_scales is not None:
+            update = update * self.spread(self.lr_scales).to(update.dtype)
         self._write_back(flat_params - update)
         self.steps.copy_(steps.reshape(self.group_count))
 
@@ -145,7 +162,10 @@ class MaskedAdamW:
         would keep a vector as long as the LoRA on the device (8 bytes an element in int64)."""
         if self.param_group is None:
             return values
-        each_parameter = values[self.param_group]
+        return self.spread(values[self.param_group])
+
+    def spread(self, each_parameter: torch.Tensor) -> torch.Tensor:
+        """A value per parameter (in the flat order) on each of its flat elements."""
         starts = itertools.accumulate([0] + [count for _, count in self.blocks.values()])
         return torch.cat([each_parameter[start:start + count, None].expand(count, size).reshape(-1)
                           for start, (size, (_, count)) in zip(starts, self.blocks.items())])
@@ -175,7 +195,8 @@ class MaskedAdamW:
     def device_constants(self) -> list[torch.Tensor]:
         """What the update reads besides state and gradients: each parameter's row in its block,
         and side by side each parameter's group."""
-        return self.rows + ([] if self.param_group is None else [self.param_group])
+        return (self.rows + ([] if self.param_group is None else [self.param_group])
+                + ([] if self.lr_scales is None else [self.lr_scales]))
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [self.steps, self.exp_avg_flat, self.exp_avg_sq_flat]

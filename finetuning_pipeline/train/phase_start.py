@@ -50,9 +50,17 @@ from finetuning_pipeline.train.eval_loop import describe_eval, evaluate_loss, ev
 from finetuning_pipeline.train.phase_data import PhaseData
 from finetuning_pipeline.train.reference_logps import compute_reference_logps, kept_reference_logps
 from finetuning_pipeline.train.stepper import Stepper
-from lora_logic.adapters import adapter_groups, lora_modules, lora_parameters, only_adapter
+from lora_logic.adapters import (
+    adapter_groups,
+    is_saved_module_weight,
+    lora_modules,
+    lora_parameters,
+    named_lora_parameters,
+    only_adapter,
+)
 from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
 from lora_logic.inject import inject_lora
+from lora_logic.modules_to_save import saved_modules
 from utils.hub_models import model_dir
 
 # Replicas that are threads of one process (the TPU launcher: TPU v2/v3, the CPU rehearsal) share the
@@ -98,7 +106,7 @@ def preference_objective(model, settings: PreferenceConfig, continues: bool) -> 
     (REFERENCE_ADAPTER); otherwise the base the phase's adapter is on (BASE_REFERENCE)."""
     reference = BASE_REFERENCE
     if settings.reference == "auto" and continues and settings.loss not in REFERENCE_FREE:
-        for _, module in lora_modules(model):
+        for _, module in [*lora_modules(model), *saved_modules(model)]:  # (modules trained in full too)
             module.add_frozen_copy(DEFAULT_ADAPTER, REFERENCE_ADAPTER)
         reference = REFERENCE_ADAPTER
     return PreferenceObjective(PreferenceSettings(settings.loss, settings.beta), reference)
@@ -233,8 +241,12 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     model.train()
     # One optimizer; side by side, a group per adapter (adamw.py).
     groups = adapter_groups(model) if adapters else None
+    # The modules trained in full take train.embedding_lr: a multiple of the phase's LR schedule.
+    embedding_scale = (t.embedding_lr or config.lr(phase)) / config.lr(phase)
     optimizer = MaskedAdamW(lora_parameters(model), lr=config.lr(phase), betas=tuple(t.betas), eps=t.eps,
-                            weight_decay=t.weight_decay, groups=groups)
+                            weight_decay=t.weight_decay, groups=groups,
+                            lr_scales=[embedding_scale if is_saved_module_weight(n) else 1.0
+                                       for n, _ in named_lora_parameters(model)])
     if resume_from:
         load_optimizer_state(resume_from, model=model, optimizer=optimizer)
     start_step = data.resume(state, resume_from)

@@ -38,6 +38,25 @@ def test_matches_torch_adamw_over_several_steps():
     assert optimizer.steps.item() == 6
 
 
+def test_a_parameters_lr_multiple_is_torchs_second_parameter_group():
+    """lr_scales (train.embedding_lr: the modules trained in full beside the LoRA): torch's AdamW
+    with a second parameter group whose LR is that multiple of the first's at every step of the
+    schedule (a LambdaLR scales both alike), weight decay included."""
+    ours, theirs = make_params(dtype=torch.float64), make_params(dtype=torch.float64)
+    optimizer = MaskedAdamW(ours, lr=1e-2, weight_decay=0.1, lr_scales=[1.0, 0.25])
+    reference = torch.optim.AdamW([{"params": [theirs[0]]}, {"params": [theirs[1]]}], lr=1e-2, weight_decay=0.1)
+    for step in range(4):
+        set_grads(ours, step)
+        set_grads(theirs, step)
+        optimizer.lr = 1e-2 * (step + 1) / 4
+        reference.param_groups[0]["lr"], reference.param_groups[1]["lr"] = optimizer.lr, optimizer.lr * 0.25
+        optimizer.step()
+        reference.step()
+        for a, b in zip(ours, theirs):
+            assert_equal_in_exact_arithmetic(a, b, f"step {step}")
+    assert not torch.equal(ours[1], make_params(dtype=torch.float64)[1])
+
+
 def test_a_skipped_step_changes_nothing_even_with_nan_gradients():
     params = make_params()
     optimizer = MaskedAdamW(params, lr=1e-2, weight_decay=0.1)

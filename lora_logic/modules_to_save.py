@@ -1,0 +1,178 @@
+"""`ModulesToSave`: a module of the base trained in full beside the LoRA (PEFT's `modules_to_save`).
+
+Continued pretraining on a new language needs what a LoRA on the linear layers cannot change:
+the input embeddings and the output layer (`lora.modules_to_save: [embed_tokens, lm_head]`).
+Each such module keeps its frozen original and gains a trainable copy per adapter, PEFT's
+in-memory layout (`ModulesToSaveWrapper`: `original_module`, `modules_to_save[<adapter>]`), so a
+weight's name in the model is "<module path>.modules_to_save.<adapter>.weight", and in a saved
+adapter "<module path>.weight", as PEFT writes it.
+
+The copy is kept in at least fp32 (full precision, as the LoRA's own weights are, under a bf16
+or quantized base); the forward is the original module's own (Gemma's embedding scale, a
+Linear's bias), run with the copy's weights cast to the original's dtype: the same computation
+as the base's with other weights. The original stays for what needs the base: a preference
+phase's reference routed past the adapter (only_adapter), and unloading.
+
+Tied embeddings (Gemma, Qwen2-0.5B, Llama 3.2 1B: `lm_head.weight is embed_tokens.weight`): one
+trainable tensor, the input embedding's copy, shared by the output layer's, as PEFT ties them with
+`ensure_weight_tying` (which a saved adapter's config sets): trained once, a gradient from both
+uses. A tied model's embedding or output layer listed alone is the pair: training one and not the
+other would untie them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from utils.precision import at_least_fp32
+
+# PEFT's attribute names (peft/utils/other.py, ModulesToSaveWrapper).
+COPIES = "modules_to_save"
+
+
+class ModulesToSave(nn.Module):
+    """A base module and its trainable copies, one per adapter; rows go through the copy of the
+    adapter `groups` names (one adapter: side by side is refused at injection), or the original
+    when that adapter has none (BASE_REFERENCE routing, lora_logic/adapters.py only_adapter)."""
+
+    def __init__(self, original: nn.Module, adapters: list[str]) -> None:
+        super().__init__()
+        self.original_module = original
+        self.modules_to_save = nn.ModuleDict()
+        self.groups = list(adapters)
+
+    def add_adapter(self, name: str, tied_to: ModulesToSave | None = None) -> None:
+        """A trainable copy of the original for adapter `name`, in at least fp32; tied_to: the
+        wrapper whose copy's weight this one shares (a tied output layer: the input embedding's)."""
+        trained = copy.deepcopy(self.original_module)
+        for parameter in trained.parameters():
+            parameter.data = at_least_fp32(parameter.data).clone()
+        if tied_to is not None:
+            trained.weight = tied_to.modules_to_save[name].weight
+        trained.requires_grad_(True)
+        self.modules_to_save[name] = trained
+
+    def add_frozen_copy(self, source: str, name: str) -> None:
+        """Adapter `name`: a frozen copy of adapter `source`'s module (LoRALinear.add_frozen_copy's
+        counterpart: a preference phase's reference)."""
+        if name in self.modules_to_save:
+            raise ValueError(f"adapter {name!r}: already here")
+        frozen = copy.deepcopy(self.modules_to_save[source])
+        frozen.requires_grad_(False)
+        self.modules_to_save[name] = frozen
+
+    def trained(self) -> nn.Module | None:
+        """The copy the rows go through now, or None (the original's weights)."""
+        (name,) = self.groups
+        return self.modules_to_save[name] if name in self.modules_to_save else None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight the forward uses (as PEFT's wrapper offers): code that reads `lm_head.weight`."""
+        trained = self.trained()
+        return (trained or self.original_module).weight
+
+    def forward(self, *args, **kwargs):
+        trained = self.trained()
+        if trained is None:
+            return self.original_module(*args, **kwargs)
+        dtypes = {name: p.dtype for name, p in self.original_module.named_parameters()}
+        weights = {name: p.to(dtypes.get(name, p.dtype)) for name, p in trained.named_parameters()}
+        return functional_call(self.original_module, weights, args, kwargs, tie_weights=False)
+
+    def unloaded(self) -> nn.Module:
+        """The module to put back in the model: the trained copy, in the original's dtype and
+        frozen (a merged model's), or the original when no adapter has a copy."""
+        trained = self.trained()
+        if trained is None:
+            return self.original_module
+        dtype = self.original_module.weight.dtype
+        plain = copy.deepcopy(self.original_module)
+        with torch.no_grad():
+            for name, parameter in trained.named_parameters():
+                plain.get_parameter(name).copy_(parameter.to(dtype))
+        plain.requires_grad_(False)
+        return plain
+
+
+def saved_modules(model: nn.Module) -> list[tuple[str, ModulesToSave]]:
+    """(name, wrapper) of every ModulesToSave in `model`, in named_modules() order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, ModulesToSave)]
+
+
+def tied_output_layer(model: nn.Module) -> tuple[str, str] | None:
+    """(input embedding's name, output layer's name) when they share one weight, else None."""
+    getters = [getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)]
+    if not all(getters):
+        return None
+    embedding, head = (getter() for getter in getters)
+    if embedding is None or head is None or getattr(embedding, "weight", None) is not getattr(head, "weight", 0):
+        return None
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    return names[id(embedding)], names[id(head)]
+
+
+def wrap_modules_to_save(model: nn.Module, module_names: list[str], adapter: str) -> list[str]:
+    """Wrap the modules named in `module_names` (each matched by suffix, PEFT's rule) in
+    ModulesToSave with a trainable copy for `adapter`; returns the wrapped names. A tied
+    embedding and output layer are wrapped together, sharing one trainable weight (see above).
+    A name that matches nothing, or a module that holds no parameters, is a ValueError."""
+    from lora_logic.inject import matches_target
+
+    named = dict(model.named_modules())
+    chosen = []
+    for wanted in module_names:
+        found = [n for n in named if n and matches_target(n, wanted)]
+        if not found:
+            raise ValueError(f"lora.modules_to_save: {wanted!r} matches no module of {type(model).__name__}; name a "
+                             "module as target_modules does (e.g. embed_tokens, lm_head)")
+        chosen += [n for n in found if n not in chosen]
+    tied = tied_output_layer(model)
+    if tied and (tied[0] in chosen) != (tied[1] in chosen):
+        chosen += [n for n in tied if n not in chosen]
+    for name in chosen:
+        if not any(True for _ in named[name].parameters()):
+            raise ValueError(f"lora.modules_to_save: {name} holds no weights to train")
+    wrapped: dict[str, ModulesToSave] = {}
+    order = sorted(chosen, key=lambda n: (tied is not None and n == tied[1], list(named).index(n)))
+    for name in order:  # a tied output layer after its embedding: it shares the embedding's copy
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        wrapper = ModulesToSave(getattr(parent, child), [adapter])
+        wrapper.train(wrapper.original_module.training)
+        wrapper.add_adapter(adapter, tied_to=wrapped[tied[0]] if tied and name == tied[1] else None)
+        setattr(parent, child, wrapper)
+        wrapped[name] = wrapper
+    return [n for n in named if n in wrapped]
+
+
+def unload_modules_to_save(model: nn.Module) -> int:
+    """Put each wrapper's trained copy (ModulesToSave.unloaded) in its place; tied ones stay
+    tied. Returns how many were unloaded."""
+    wrappers = saved_modules(model)
+    tied = tied_wrappers(model)
+    plain: dict[int, nn.Module] = {}
+    for name, wrapper in wrappers:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        module = wrapper.unloaded()
+        if tied and wrapper is tied[1] and id(tied[0]) in plain:
+            module.weight = plain[id(tied[0])].weight
+        plain[id(wrapper)] = module
+        setattr(parent, child, module)
+    return len(wrappers)
+
+
+def tied_wrappers(model: nn.Module) -> tuple[ModulesToSave, ModulesToSave] | None:
+    """The input embedding's and output layer's wrappers when their trained copies share a weight."""
+    wrappers = [m for _, m in saved_modules(model)]
+    for first in wrappers:
+        for second in wrappers:
+            if first is not second and first.trained() is not None and second.trained() is not None \
+                    and first.trained().weight is second.trained().weight:
+                return first, second
+    return None
