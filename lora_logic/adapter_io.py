@@ -25,7 +25,7 @@ from torch import nn
 from lora_logic.adapters import adapter_names, lora_modules, lora_state_dict
 from lora_logic.config import DEFAULT_ADAPTER, LoraConfig, adapter_set
 from lora_logic.inject import inject_lora
-from lora_logic.modules_to_save import tied_wrappers
+from lora_logic.modules_to_save import ties_embeddings
 from utils.atomic_io import atomic_write_bytes, atomic_write_json
 
 CONFIG_NAME = "adapter_config.json"
@@ -51,7 +51,7 @@ def save_adapters(
     configs = adapter_set(configs)
     directories = _per_adapter(directories, list(configs))
     written = {}
-    tied = tied_wrappers(model) is not None
+    tied = ties_embeddings(model)
     for name, config in configs.items():
         tensors, copied = {}, set()
         for key, tensor in lora_state_dict(model, name).items():

@@ -27,7 +27,8 @@ from torch import nn
 
 from lora_logic.config import DEFAULT_ADAPTER
 from lora_logic.layer import LoRALinear
-from lora_logic.modules_to_save import COPIES, ModulesToSave, saved_modules
+from lora_logic.modules_to_save import COPIES, ModuleAdapter, saved_modules
+from lora_logic.trainable_tokens import DELTAS
 
 
 def stacks_lora(module: nn.Module) -> bool:
@@ -69,13 +70,14 @@ def adapter_of(parameter_name: str) -> str:
     """The adapter of a trainable weight, from its name ("...q_proj.lora_A.<adapter>.weight",
     "...embed_tokens.modules_to_save.<adapter>.weight")."""
     parts = parameter_name.split(".")
-    where = max(i for i, part in enumerate(parts) if part in ("lora_A", "lora_B", COPIES))
+    where = max(i for i, part in enumerate(parts) if part in ("lora_A", "lora_B", COPIES, DELTAS))
     return parts[where + 1]
 
 
 def is_saved_module_weight(parameter_name: str) -> bool:
-    """Whether a trainable weight is a module trained in full (modules_to_save), not a LoRA matrix."""
-    return f".{COPIES}." in f".{parameter_name}"
+    """Whether a trainable weight is an embedding's (modules_to_save, trainable token rows), not a
+    LoRA matrix: what train.embedding_lr trains at."""
+    return any(f".{part}." in f".{parameter_name}" for part in (COPIES, DELTAS))
 
 
 def _owned_trainable(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
@@ -85,7 +87,7 @@ def _owned_trainable(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[tu
     seen: set[int] = set()
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        if isinstance(module, (LoRALinear, ModulesToSave)):
+        if isinstance(module, (LoRALinear, ModuleAdapter)):
             own = [(prefix + n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
         elif stacks_lora(module):
             own = [(prefix + n, p) for n, p in module.stacked_lora_parameters()]
@@ -124,8 +126,8 @@ def lora_state_dict(model: nn.Module, adapter: str = DEFAULT_ADAPTER) -> dict[st
     state = {}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        if isinstance(module, ModulesToSave) and adapter in module.modules_to_save:
-            state.update({prefix + n: p.detach() for n, p in module.modules_to_save[adapter].named_parameters()})
+        if isinstance(module, ModuleAdapter):
+            state.update({prefix + n: t for n, t in module.saved_weights(adapter).items()})
         elif isinstance(module, LoRALinear) and adapter in module.lora_A:
             state[f"{prefix}lora_A.weight"] = module.lora_A[adapter].weight.detach()
             state[f"{prefix}lora_B.weight"] = module.lora_B[adapter].weight.detach()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +21,12 @@ DEFAULT_TARGET_MODULES = (
 # The name of a model's only adapter: PEFT's own ("default"), which it also strips from the keys
 # it saves, so a set of one adapter reads and writes as PEFT's single adapter does.
 DEFAULT_ADAPTER = "default"
+
+
+def matches_target(module_name: str, target: str) -> bool:
+    """PEFT's suffix rule: "q_proj" matches "q_proj" and "model.layers.0.self_attn.q_proj",
+    not "model.layers.0.self_attn.xq_proj"."""
+    return module_name == target or module_name.endswith("." + target)
 
 
 def lora_scaling(alpha: float, r: int, use_rslora: bool) -> float:
@@ -42,6 +49,9 @@ class LoraConfig:
     modules_to_save: modules trained in full beside the LoRA (PEFT's modules_to_save), matched
         by suffix as targets are: [embed_tokens, lm_head] for a new language's continued
         pretraining (lora_logic/modules_to_save.py). None: the LoRA alone.
+    trainable_token_indices: rows of the embeddings trained beside the LoRA (PEFT's
+        trainable_token_indices, lora_logic/trainable_tokens.py): a list of token ids (the input
+        embedding's rows; a tied output layer shares them), or {module name: ids}.
     """
 
     r: int = 16
@@ -50,6 +60,7 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
     use_rslora: bool = False
     modules_to_save: list[str] | None = None
+    trainable_token_indices: list[int] | dict[str, list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
@@ -86,6 +97,18 @@ class LoraConfig:
                 raise ValueError(f"lora.modules_to_save {both} are LoRA targets too; a module is adapted by a LoRA "
                                  "or trained in full, not both: remove it from one of the two lists")
             self.modules_to_save = list(dict.fromkeys(saved)) or None
+        rows = self.trainable_token_indices
+        if rows is not None:
+            lists = list(rows.values()) if isinstance(rows, dict) else [rows]
+            if not lists or not all(isinstance(ids, (list, tuple)) and ids and all(
+                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids) for ids in lists):
+                raise ValueError("lora.trainable_token_indices must be a list of token ids (>= 0), or {module name: "
+                                 f"[ids]}}, got {rows!r}")
+            if isinstance(rows, dict) and self.modules_to_save and set(rows) & set(self.modules_to_save):
+                raise ValueError(f"lora.trainable_token_indices and lora.modules_to_save both name "
+                                 f"{sorted(set(rows) & set(self.modules_to_save))}: train a module whole or by rows")
+            self.trainable_token_indices = ({k: list(v) for k, v in rows.items()} if isinstance(rows, dict)
+                                            else list(rows))
 
     @property
     def scaling(self) -> float:
@@ -112,6 +135,8 @@ class LoraConfig:
             "use_dora": False,
             "modules_to_save": list(self.modules_to_save) if self.modules_to_save else None,
             "ensure_weight_tying": tied_embeddings,
+            "trainable_token_indices": (copy.deepcopy(self.trainable_token_indices)
+                                        if self.trainable_token_indices is not None else None),
             "init_lora_weights": True,
             "inference_mode": True,
             "layers_to_transform": None,
@@ -133,7 +158,6 @@ class LoraConfig:
             "rank_pattern": ({}, None),
             "alpha_pattern": ({}, None),
             "layers_to_transform": (None,),
-            "trainable_token_indices": (None,),
         }
         for key, allowed in unsupported.items():
             if key in data and data[key] not in allowed:
@@ -156,6 +180,7 @@ class LoraConfig:
                 target_modules=data["target_modules"],
                 use_rslora=data.get("use_rslora", False),
                 modules_to_save=data.get("modules_to_save") or None,
+                trainable_token_indices=data.get("trainable_token_indices"),
             )
         except KeyError as missing:
             raise ValueError(f"{source}: required field {missing} is missing") from None

@@ -8,22 +8,17 @@ import torch
 from torch import nn
 
 from lora_logic.adapters import lora_modules
-from lora_logic.config import LoraConfig, adapter_set
+from lora_logic.config import LoraConfig, adapter_set, matches_target
 from lora_logic.layer import LoRALinear, share_input
 from lora_logic.modules_to_save import wrap_modules_to_save
 from lora_logic.quantized_linear import is_linear
+from lora_logic.trainable_tokens import wrap_trainable_tokens
 
 # The projections that a Hugging Face decoder calls on one tensor: attention's q, k and v on the
 # normed hidden states, the MLP's gate and up on its input. Wrapped siblings of one set share
 # their A product (lora_logic/layer.py, share_input); a model that feeds them different tensors
 # stays correct, each computing its own.
 SHARED_INPUT_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def matches_target(module_name: str, target: str) -> bool:
-    """PEFT's suffix rule: "q_proj" matches "q_proj" and "model.layers.0.self_attn.q_proj",
-    not "model.layers.0.self_attn.xq_proj"."""
-    return module_name == target or module_name.endswith("." + target)
 
 
 def inject_lora(model: nn.Module, adapters: LoraConfig | Mapping[str, LoraConfig]) -> list[str]:
@@ -41,10 +36,11 @@ def inject_lora(model: nn.Module, adapters: LoraConfig | Mapping[str, LoraConfig
     `nn.Linear` (listing the Linear names that do exist) and when `model` already has LoRA.
     """
     adapters = adapter_set(adapters)
-    saving = [name for name, config in adapters.items() if config.modules_to_save]
+    saving = [name for name, c in adapters.items() if c.modules_to_save or c.trainable_token_indices is not None]
     if saving and len(adapters) > 1:
-        raise ValueError(f"lora.modules_to_save with adapters side by side ({', '.join(adapters)}): each adapter "
-                         "would need its own full copy of the modules; train such adapters one at a time")
+        raise ValueError(f"lora.modules_to_save or trainable_token_indices with adapters side by side "
+                         f"({', '.join(adapters)}): each adapter would need its own copy of the embeddings; train "
+                         "such adapters one at a time")
     existing = [name for name, _ in lora_modules(model)]
     if existing:
         raise ValueError(
@@ -82,7 +78,10 @@ def inject_lora(model: nn.Module, adapters: LoraConfig | Mapping[str, LoraConfig
         for salt, name in enumerate(targets[adapter]):  # each layer its own dropout masks
             wrapped[name].add_adapter(adapter, config, dropout_salt=salt)
     for adapter in saving:
-        wrap_modules_to_save(model, adapters[adapter].modules_to_save, adapter)
+        if adapters[adapter].modules_to_save:
+            wrap_modules_to_save(model, adapters[adapter].modules_to_save, adapter)
+        if adapters[adapter].trainable_token_indices is not None:
+            wrap_trainable_tokens(model, adapters[adapter].trainable_token_indices, adapter)
     return to_wrap
 
 

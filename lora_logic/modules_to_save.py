@@ -28,22 +28,73 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from lora_logic.config import matches_target
 from utils.precision import at_least_fp32
 
 # PEFT's attribute names (peft/utils/other.py, ModulesToSaveWrapper).
 COPIES = "modules_to_save"
 
 
-class ModulesToSave(nn.Module):
-    """A base module and its trainable copies, one per adapter; rows go through the copy of the
-    adapter `groups` names (one adapter: side by side is refused at injection), or the original
-    when that adapter has none (BASE_REFERENCE routing, lora_logic/adapters.py only_adapter)."""
+class ModuleAdapter(nn.Module):
+    """A base module whose weights an adapter replaces, in full (ModulesToSave) or by rows
+    (lora_logic/trainable_tokens.py's TrainableTokens): it keeps the frozen `original_module`,
+    and rows go through the weights of the adapter `groups` names (one adapter: side by side is
+    refused at injection), or the original's when that adapter has none (BASE_REFERENCE routing,
+    lora_logic/adapters.py only_adapter). The forward is the original module's own (Gemma's
+    embedding scale, a Linear's bias) with the adapter's weights, in the original's dtype."""
 
     def __init__(self, original: nn.Module, adapters: list[str]) -> None:
         super().__init__()
         self.original_module = original
-        self.modules_to_save = nn.ModuleDict()
         self.groups = list(adapters)
+        self._tied_to: list[ModuleAdapter] = []  # (a list: not a submodule of this one)
+
+    @property
+    def tied_to(self) -> ModuleAdapter | None:
+        """The wrapper whose trained weights this one shares (a tied output layer: its input
+        embedding's), or None."""
+        return self._tied_to[0] if self._tied_to else None
+
+    def adapter_weights(self, name: str) -> dict[str, torch.Tensor] | None:
+        """{parameter name in the original: its value} under adapter `name`, or None (no weights of it)."""
+        raise NotImplementedError
+
+    def weights_now(self) -> dict[str, torch.Tensor] | None:
+        (name,) = self.groups
+        return self.adapter_weights(name)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight the forward uses (as PEFT's wrappers offer it): code that reads `lm_head.weight`."""
+        weights = self.weights_now()
+        return weights["weight"] if weights and "weight" in weights else self.original_module.weight
+
+    def forward(self, *args, **kwargs):
+        weights = self.weights_now()
+        if weights is None:
+            return self.original_module(*args, **kwargs)
+        return functional_call(self.original_module, weights, args, kwargs, tie_weights=False)
+
+    def unloaded(self) -> nn.Module:
+        """The module to put back in the model: the original holding the adapter's weights (a
+        merged model's), frozen, or the original itself when the adapter has none."""
+        weights = self.weights_now()
+        if weights is None:
+            return self.original_module
+        plain = copy.deepcopy(self.original_module)
+        with torch.no_grad():
+            for name, value in weights.items():
+                plain.get_parameter(name).copy_(value)
+        plain.requires_grad_(False)
+        return plain
+
+
+class ModulesToSave(ModuleAdapter):
+    """A base module and its trainable copies, one per adapter (PEFT's ModulesToSaveWrapper)."""
+
+    def __init__(self, original: nn.Module, adapters: list[str]) -> None:
+        super().__init__(original, adapters)
+        self.modules_to_save = nn.ModuleDict()
 
     def add_adapter(self, name: str, tied_to: ModulesToSave | None = None) -> None:
         """A trainable copy of the original for adapter `name`, in at least fp32; tied_to: the
@@ -53,6 +104,7 @@ class ModulesToSave(nn.Module):
             parameter.data = at_least_fp32(parameter.data).clone()
         if tied_to is not None:
             trained.weight = tied_to.modules_to_save[name].weight
+            self._tied_to = [tied_to]
         trained.requires_grad_(True)
         self.modules_to_save[name] = trained
 
@@ -70,38 +122,23 @@ class ModulesToSave(nn.Module):
         (name,) = self.groups
         return self.modules_to_save[name] if name in self.modules_to_save else None
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """The weight the forward uses (as PEFT's wrapper offers): code that reads `lm_head.weight`."""
-        trained = self.trained()
-        return (trained or self.original_module).weight
+    def adapter_weights(self, name: str) -> dict[str, torch.Tensor] | None:
+        if name not in self.modules_to_save:
+            return None
+        dtypes = {n: p.dtype for n, p in self.original_module.named_parameters()}
+        return {n: p.to(dtypes.get(n, p.dtype)) for n, p in self.modules_to_save[name].named_parameters()}
 
-    def forward(self, *args, **kwargs):
-        trained = self.trained()
-        if trained is None:
-            return self.original_module(*args, **kwargs)
-        dtypes = {name: p.dtype for name, p in self.original_module.named_parameters()}
-        weights = {name: p.to(dtypes.get(name, p.dtype)) for name, p in trained.named_parameters()}
-        return functional_call(self.original_module, weights, args, kwargs, tie_weights=False)
-
-    def unloaded(self) -> nn.Module:
-        """The module to put back in the model: the trained copy, in the original's dtype and
-        frozen (a merged model's), or the original when no adapter has a copy."""
-        trained = self.trained()
-        if trained is None:
-            return self.original_module
-        dtype = self.original_module.weight.dtype
-        plain = copy.deepcopy(self.original_module)
-        with torch.no_grad():
-            for name, parameter in trained.named_parameters():
-                plain.get_parameter(name).copy_(parameter.to(dtype))
-        plain.requires_grad_(False)
-        return plain
+    def saved_weights(self, name: str) -> dict[str, torch.Tensor]:
+        """Adapter `name`'s tensors as a saved adapter names them, relative to this module."""
+        if name not in self.modules_to_save:
+            return {}
+        return {n: p.detach() for n, p in self.modules_to_save[name].named_parameters()}
 
 
-def saved_modules(model: nn.Module) -> list[tuple[str, ModulesToSave]]:
-    """(name, wrapper) of every ModulesToSave in `model`, in named_modules() order."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, ModulesToSave)]
+def saved_modules(model: nn.Module) -> list[tuple[str, ModuleAdapter]]:
+    """(name, wrapper) of every ModuleAdapter (ModulesToSave, TrainableTokens) in `model`, in
+    named_modules() order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, ModuleAdapter)]
 
 
 def tied_output_layer(model: nn.Module) -> tuple[str, str] | None:
@@ -121,8 +158,6 @@ def wrap_modules_to_save(model: nn.Module, module_names: list[str], adapter: str
     ModulesToSave with a trainable copy for `adapter`; returns the wrapped names. A tied
     embedding and output layer are wrapped together, sharing one trainable weight (see above).
     A name that matches nothing, or a module that holds no parameters, is a ValueError."""
-    from lora_logic.inject import matches_target
-
     named = dict(model.named_modules())
     chosen = []
     for wanted in module_names:
@@ -151,28 +186,21 @@ def wrap_modules_to_save(model: nn.Module, module_names: list[str], adapter: str
 
 
 def unload_modules_to_save(model: nn.Module) -> int:
-    """Put each wrapper's trained copy (ModulesToSave.unloaded) in its place; tied ones stay
-    tied. Returns how many were unloaded."""
+    """Put each wrapper's module with the adapter's weights (ModuleAdapter.unloaded) in its
+    place; tied ones stay tied. Returns how many were unloaded."""
     wrappers = saved_modules(model)
-    tied = tied_wrappers(model)
     plain: dict[int, nn.Module] = {}
     for name, wrapper in wrappers:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         module = wrapper.unloaded()
-        if tied and wrapper is tied[1] and id(tied[0]) in plain:
-            module.weight = plain[id(tied[0])].weight
+        if wrapper.tied_to is not None and id(wrapper.tied_to) in plain:
+            module.weight = plain[id(wrapper.tied_to)].weight
         plain[id(wrapper)] = module
         setattr(parent, child, module)
     return len(wrappers)
 
 
-def tied_wrappers(model: nn.Module) -> tuple[ModulesToSave, ModulesToSave] | None:
-    """The input embedding's and output layer's wrappers when their trained copies share a weight."""
-    wrappers = [m for _, m in saved_modules(model)]
-    for first in wrappers:
-        for second in wrappers:
-            if first is not second and first.trained() is not None and second.trained() is not None \
-                    and first.trained().weight is second.trained().weight:
-                return first, second
-    return None
+def ties_embeddings(model: nn.Module) -> bool:
+    """Whether an adapter's weights of the input embedding are shared by the output layer."""
+    return any(wrapper.tied_to is not None for _, wrapper in saved_modules(model))
