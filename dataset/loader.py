@@ -30,7 +30,7 @@ from dataset.shards import arrays_of, open_split
 
 
 def open_prepared(directory: str | Path, *, fingerprint: str | None = None, seq_len: int | None = None,
-                  setting: str = "the run's seq_len") -> dict:
+                  setting: str = "the run's seq_len", new_tokens: list[str] | None = None) -> dict:
     """The manifest of a prepared dataset, checked against the run's tokenizer and, when given,
     seq_len (`setting` names where that seq_len is configured), and its shards against the
     manifest (every file there, of the blocks it counts), before any training starts."""
@@ -44,6 +44,7 @@ def open_prepared(directory: str | Path, *, fingerprint: str | None = None, seq_
             seq_len=manifest.get("seq_len") if seq_len is None else seq_len,
             source=str(Path(directory) / "manifest.json"),
             setting=setting,
+            new_tokens=new_tokens,
         )
     return manifest
 

@@ -46,9 +46,10 @@ def read_manifest(directory: str | Path) -> dict:
 
 
 def check_manifest(manifest: dict, *, fingerprint: str, seq_len: int, source: str = MANIFEST_NAME,
-                   setting: str = "the run's seq_len") -> None:
+                   setting: str = "the run's seq_len", new_tokens: list[str] | None = None) -> None:
     """Refuse shards that do not match the trainer's tokenizer or seq_len, naming both values
-    and `setting`, the config key the expected seq_len came from."""
+    and `setting`, the config key the expected seq_len came from. new_tokens: the run's
+    model.new_tokens (a tokenizer that differs by them is named so)."""
     if manifest.get("seq_len") != seq_len:
         raise DataError(
             f"{source}: shards were packed for seq_len {manifest.get('seq_len')}, but the run uses seq_len "
@@ -56,6 +57,15 @@ def check_manifest(manifest: dict, *, fingerprint: str, seq_len: int, source: st
             f"{setting}={manifest.get('seq_len')}"
         )
     theirs = manifest.get("tokenizer", {}).get("fingerprint")
+    prepared_with = manifest.get("tokenizer", {}).get("new_tokens") or []
+    if theirs != fingerprint and new_tokens is not None and prepared_with != list(new_tokens):
+        fix = (f"re-run prepare with --new-tokens {' '.join(new_tokens)}" if new_tokens
+               else "re-run prepare without --new-tokens")
+        raise DataError(
+            f"{source}: shards were tokenized with new tokens {prepared_with or 'none'}, but the run's "
+            f"model.new_tokens are {list(new_tokens) or 'none'}: the same words are other token ids; {fix}, or set "
+            f"model.new_tokens=[{','.join(prepared_with)}]"
+        )
     if theirs != fingerprint:
         raise DataError(
             f"{source}: shards were tokenized by tokenizer {theirs}, but the run's tokenizer is {fingerprint}; "

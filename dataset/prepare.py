@@ -46,7 +46,7 @@ from utils.atomic_io import atomic_write_json
 from utils.hub_models import HubModelError, resolve_model
 from utils.interrupts import report_interrupted, stop_signals_unwind
 from utils.output_guard import OutputConflict, claim_output, staged_directory
-from utils.tokenizer_loading import TokenizerError, load_tokenizer
+from utils.tokenizer_loading import TokenizerError, load_extended_tokenizer
 from utils.yaml_file import read_yaml_mapping
 
 FORMATS = (*RECORD_FORMATS, "hf", "auto")
@@ -91,6 +91,9 @@ class PrepareOptions:
     batch_size: records tokenized per batch (the tokenizer spreads a batch over all cores).
     force: replace an existing OUT that an earlier prepare wrote (never anything else, and OUT
         may never overlap an input or the tokenizer).
+    new_tokens: tokens added to the tokenizer before tokenizing (the run's model.new_tokens, in
+        the same order: utils/tokenizer_loading.add_new_tokens); the manifest's fingerprint covers
+        them, so a run without them refuses the data, and the other way round.
     """
 
     inputs: list[str] = field(default_factory=list)
@@ -112,6 +115,7 @@ class PrepareOptions:
     batch_size: int = 1024
     force: bool = False
     quiet: bool = False
+    new_tokens: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.inputs, str):
@@ -182,7 +186,7 @@ class Preparation:
         self.options = options
         tokenizer_dir = resolve_model(options.tokenizer).local_dir  # or a Hub id
         check_seq_len(options.seq_len, tokenizer_dir)
-        self.tokenizer = load_tokenizer(tokenizer_dir, "--tokenizer")
+        self.tokenizer = load_extended_tokenizer(tokenizer_dir, "--tokenizer", options.new_tokens, "--new-tokens")
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id  # the usual fallback; pads are masked anyway
@@ -417,6 +421,7 @@ class Preparation:
                 "bos_id": tok.bos_token_id,
                 "eos_id": tok.eos_token_id,
                 "pad_id": self.pad_id,
+                "new_tokens": list(self.options.new_tokens),
             },
             "sources": self.sources,
             "counts": {split: w.rows for split, w in self.writers.items()},
@@ -563,6 +568,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", dest="batch_size", type=int, help="records per tokenizer batch (default 1024)")
     parser.add_argument("--max-record-chars", dest="max_record_chars", type=int,
                         help="longest record accepted, in characters (default 4,000,000; memory ~100 bytes each)")
+    parser.add_argument("--new-tokens", dest="new_tokens", nargs="+", metavar="TOKEN",
+                        help="tokens added to the tokenizer first, after its vocabulary (the run's model.new_tokens, "
+                        "in the same order)")
     parser.add_argument("--force", action="store_true", default=None, help="replace an existing --out")
     parser.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
     return parser

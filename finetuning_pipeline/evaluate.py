@@ -35,6 +35,7 @@ from dataset.manifest import is_packed, tokenizer_fingerprint
 from dataset.shards import PREFERENCE, open_split
 from finetuning_pipeline.errors import run_command
 from finetuning_pipeline.model.loading import DTYPES, check_new_tokens, context_length, load_model
+from finetuning_pipeline.model.new_tokens import serving_tokenizer
 from finetuning_pipeline.model.preference_loss import (
     BASE_REFERENCE,
     LOSS_TYPES,
@@ -158,7 +159,7 @@ def evaluate(argv: list[str] | None) -> int:
         device = native_device(args.device, key="--device")  # before anything loads: a missing one is one line
     args.model = resolve_model(args.model).local_dir
     model, _ = load_model(args.model, args.adapter, DTYPES[args.dtype])
-    tokenizer = load_tokenizer(args.model, "--model")
+    tokenizer = load_tokenizer(*serving_tokenizer(args.model, args.adapter))
     manifest = open_prepared(args.data, fingerprint=tokenizer_fingerprint(tokenizer))
     preference = manifest.get("phase") == PREFERENCE
     if preference and args.loss not in REFERENCE_FREE and not (args.reference_adapter or args.reference):

@@ -23,6 +23,7 @@ import torch
 
 from finetuning_pipeline.errors import ModelLoadError, run_command
 from finetuning_pipeline.model.loading import DTYPES, check_new_tokens, context_length, load_model
+from finetuning_pipeline.model.new_tokens import serving_tokenizer
 from finetuning_pipeline.runtime.native.device import native_device
 from finetuning_pipeline.runtime.xla.device import on_the_host_only
 from utils.cli_types import non_negative_float, positive_int
@@ -37,7 +38,7 @@ def generate(model_dir: str, prompt: str, adapters: list[str] = (), max_new_toke
     # Adapters merged: inference needs one matmul per layer instead of three.
     model, _ = load_model(model_dir, list(adapters), DTYPES[dtype])
     model.eval().to(device or torch.device("cpu"))
-    tokenizer = load_tokenizer(model_dir, "--model")
+    tokenizer = load_tokenizer(*serving_tokenizer(model_dir, adapters))
     if plain or not tokenizer.chat_template:
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     else:

@@ -126,9 +126,10 @@ def read_adapter_weights(directory: str | os.PathLike) -> dict[str, tuple[torch.
                 break
         else:
             raise ValueError(f"{weights_path}: {key!r} is not a LoRA matrix (lora_A.weight / lora_B.weight): the "
-                             "adapter holds a module trained in full (lora.modules_to_save), which only a merged "
-                             "model carries; export it merged (python -m finetuning_pipeline.export --base ... "
-                             "--adapter ... --out ...)")
+                             "adapter holds embeddings trained beside the LoRA (lora.modules_to_save or "
+                             "trainable_token_indices), which only a merged model carries; export it merged "
+                             "(python -m finetuning_pipeline.export --base ... --adapter ... --out MERGED), and a "
+                             "GGUF from that (--format gguf --base MERGED)")
     pairs = {}
     for name, sides in modules.items():
         if set(sides) != {"A", "B"} or sides["A"].shape[0] != sides["B"].shape[1]:

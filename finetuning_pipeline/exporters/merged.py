@@ -10,6 +10,7 @@ import torch
 from finetuning_pipeline.model.lineage import lineage_with, write_lineage
 from finetuning_pipeline.model.loading import DTYPES as MODEL_DTYPES
 from finetuning_pipeline.model.loading import load_model, stored_dtype
+from finetuning_pipeline.model.new_tokens import serving_tokenizer
 from utils.output_guard import claim_output, mark_written_by, staged_directory
 from utils.tokenizer_loading import load_tokenizer
 
@@ -25,7 +26,7 @@ def export_merged(base: str, adapters: list[str], out: str, dtype: str = "auto",
     out_path = Path(out)
     inputs = {"--base": base, "--tokenizer": tokenizer, **{f"--adapter {a}": a for a in adapters}}
     claim_output(out_path, force=force, command=COMMAND, inputs=inputs)
-    loaded_tokenizer = load_tokenizer(tokenizer or base, "--tokenizer" if tokenizer else "--base")
+    loaded_tokenizer = load_tokenizer(*serving_tokenizer(base, adapters, tokenizer))  # (new tokens: an adapter's)
     # Read before loading: transformers' config then holds the dtype it was loaded in, not stored in.
     base_dtype = stored_dtype(base) or torch.float32
     # Merge in at least fp32 (each W0 + s B A is rounded once, into the output dtype, at save time).

@@ -15,6 +15,7 @@ import torch
 
 from finetuning_pipeline.errors import ModelLoadError
 from finetuning_pipeline.model.lineage import check_stack, trained_quantized
+from finetuning_pipeline.model.new_tokens import add_token_rows, token_rows_of
 from finetuning_pipeline.model.quantized_base import (
     NONE,
     cast_as_loaded,
@@ -149,7 +150,8 @@ def add_adapter(model, adapter: str | Path, *, merge: bool) -> dict[str, LoraCon
 
 
 def load_model(path: str | Path, adapters: list[str | Path] = (), dtype: torch.dtype = torch.float32,
-               keep_last: bool = False, warn=None, quantize: str = NONE):
+               keep_last: bool = False, warn=None, quantize: str = NONE, token_rows: tuple[int, int] | None = None,
+               tokenizer: str | Path | None = None):
     """The base in `path` with `adapters` merged in order. keep_last: the last adapter stays a
     trainable LoRA (not merged). Returns (model, the last adapter's set of one {DEFAULT_ADAPTER:
     its LoraConfig}, or None when none is kept).
@@ -158,6 +160,10 @@ def load_model(path: str | Path, adapters: list[str | Path] = (), dtype: torch.d
     merges (an adapter merges into the full-precision weights, as QLoRA users merge) and before
     the kept adapter wraps them.
 
+    token_rows: (first new id, how many) new tokens' rows the base gets first (new_tokens.py:
+    model.new_tokens); None: those an adapter's own tokenizer asks for (an adapter trained with new
+    tokens holds its tokenizer), against the base's tokenizer (`tokenizer`, default `path`).
+
     Each adapter must lie on what it was trained on (lineage.py): other adapters beneath it are
     a ModelLoadError; another base is a warning, to `warn` (default: stderr)."""
     warn = warn or (lambda message: print(message, file=sys.stderr, flush=True))
@@ -165,6 +171,10 @@ def load_model(path: str | Path, adapters: list[str | Path] = (), dtype: torch.d
     kept = adapters[-1:] if keep_last else []
     merged = adapters[:len(adapters) - len(kept)]
     model = load_base(path, dtype, quantize=NONE if merged else quantize)  # a merge needs the full weights
+    if token_rows is None and adapters:
+        token_rows = token_rows_of(tokenizer or path, adapters)
+    if token_rows is not None:
+        add_token_rows(model, *token_rows)  # before a merge: merged adapters may hold those rows
     for adapter in merged:
         fmt = trained_quantized(adapter)
         if fmt:

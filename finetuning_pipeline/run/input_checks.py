@@ -19,7 +19,7 @@ from finetuning_pipeline.model.loading import check_lora_rank, check_lora_target
 from finetuning_pipeline.run.run_layout import RunLayout
 from finetuning_pipeline.run_config import RunConfig
 from utils.hub_models import model_dir, resolve_model
-from utils.tokenizer_loading import load_tokenizer
+from utils.tokenizer_loading import load_extended_tokenizer
 
 
 def check_inputs(config: RunConfig, phases: list[int], *, machine: TargetMachine = TargetMachine()) -> None:
@@ -40,8 +40,9 @@ def check_inputs(config: RunConfig, phases: list[int], *, machine: TargetMachine
         mask_windows(model_config)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    tokenizer = load_tokenizer(config.model.tokenizer or files,
-                               "model.tokenizer" if config.model.tokenizer else "model.path")
+    tokenizer = load_extended_tokenizer(config.model.tokenizer or files,
+                                        "model.tokenizer" if config.model.tokenizer else "model.path",
+                                        config.model.new_tokens, "model.new_tokens")
     fingerprint = tokenizer_fingerprint(tokenizer)
     max_positions = getattr(model_config, "max_position_embeddings", None)
     lengths: dict[int, dict[str, int]] = {}
@@ -55,7 +56,7 @@ def check_inputs(config: RunConfig, phases: list[int], *, machine: TargetMachine
         if not Path(data).is_dir():
             raise ConfigError(f"{key}: {data} does not exist; run `python -m dataset.prepare ... --out {data}` first")
         manifest = open_prepared(data, fingerprint=fingerprint, seq_len=config.phase(phase).seq_len,
-                                 setting=f"phase{phase}.seq_len")
+                                 setting=f"phase{phase}.seq_len", new_tokens=config.model.new_tokens)
         kinds.setdefault(phase, {})[key] = manifest.get("phase") == PREFERENCE
         if len(set(kinds[phase].values())) > 1:  # adapters side by side share one loss
             pairs = [k for k, v in kinds[phase].items() if v]

@@ -55,6 +55,12 @@ class ModelConfig:
         7B-9B model fits one 16 GiB chip: "none" (default), "q8_0" or "q4_0" (ggml's formats, the
         values llama.cpp serves from a GGUF of that type) or "nf4" (QLoRA's). Embeddings, LM head
         and norms stay in `dtype`; the LoRA's A and B stay fp32. See lora_logic/quantize.py.
+    new_tokens: tokens the tokenizer lacks (a new language's words, special markers), added after
+        its vocabulary, as `dataset.prepare --new-tokens` adds them to the data's: their embedding
+        and output rows start at the mean of the others' (finetuning_pipeline/model/new_tokens.py)
+        and train beside the LoRA (lora.trainable_token_indices defaults to them, unless
+        lora.modules_to_save trains the whole matrices); each phase's adapter holds the extended
+        tokenizer. [] (default): none.
     """
 
     path: str = ""
@@ -64,6 +70,7 @@ class ModelConfig:
     activation_checkpointing: Checkpointing = False
     attention: Attention = "auto"
     quantize: Quantize = "none"
+    new_tokens: list[str] = field(default_factory=list)
 
 
 @dataclass

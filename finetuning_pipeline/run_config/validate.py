@@ -68,14 +68,14 @@ def validate(config: RunConfig) -> None:
     if t.embedding_lr is not None and not t.embedding_lr > 0:
         raise ConfigError(f"train.embedding_lr must be > 0 (unset: the phase's lr), got {t.embedding_lr}")
     embeddings = config.lora.modules_to_save or config.lora.trainable_token_indices is not None
-    if t.embedding_lr is not None and not embeddings:
-        raise ConfigError(f"train.embedding_lr={t.embedding_lr}: the learning rate of lora.modules_to_save and "
-                          "lora.trainable_token_indices, and neither is set; set one (e.g. lora.modules_to_save="
-                          "[embed_tokens,lm_head]) or unset it")
-    if embeddings and any(phase.adapters for phase in config.phases):
-        raise ConfigError("lora.modules_to_save or lora.trainable_token_indices with adapters side by side "
-                          "(phaseN.adapters): each adapter would need its own copy of the embeddings; train such "
-                          "adapters one at a time")
+    if t.embedding_lr is not None and not (embeddings or config.model.new_tokens):
+        raise ConfigError(f"train.embedding_lr={t.embedding_lr}: the learning rate of lora.modules_to_save, "
+                          "lora.trainable_token_indices and model.new_tokens' rows, and none is set; set one (e.g. "
+                          "lora.modules_to_save=[embed_tokens,lm_head]) or unset it")
+    if (embeddings or config.model.new_tokens) and any(phase.adapters for phase in config.phases):
+        raise ConfigError("lora.modules_to_save, lora.trainable_token_indices or model.new_tokens with adapters "
+                          "side by side (phaseN.adapters): each adapter would need its own copy of the embeddings; "
+                          "train such adapters one at a time")
     if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 0:
         raise ConfigError(f"train.loss_chunk_tokens must be >= 0 (0: full logits), got {t.loss_chunk_tokens}")
     if t.warmup_compiles_steps < 0:

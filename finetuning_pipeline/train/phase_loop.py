@@ -133,8 +133,11 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
                         eval_after: dict) -> dict:
     """The master's adapter, then the summary that marks the phase as done; returns the summary."""
     layout = p.layout
-    written = save_adapters(p.model, layout.adapters(p.number, list(p.lora_config)), p.lora_config, p.base_model,
-                            p.base_revision)
+    directories = layout.adapters(p.number, list(p.lora_config))
+    if p.tokenizer is not None:  # the extended tokenizer, before the adapter's config marks it written
+        for directory in directories.values():
+            p.tokenizer.save_pretrained(directory)
+    written = save_adapters(p.model, directories, p.lora_config, p.base_model, p.base_revision)
     for directory in written.values():
         write_lineage(directory, p.trained_on)
     summary = {

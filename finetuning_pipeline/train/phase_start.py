@@ -17,6 +17,7 @@ keeps (run/checkpointing.resume_keys) and the W&B run's config.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
 from lora_logic.inject import inject_lora
 from lora_logic.modules_to_save import saved_modules
 from utils.hub_models import model_dir
+from utils.tokenizer_loading import add_new_tokens, load_extended_tokenizer, load_tokenizer
 
 # Replicas that are threads of one process (the TPU launcher: TPU v2/v3, the CPU rehearsal) share the
 # host's RNGs (LoRA's init draws from torch's global generator) and transformers' lazy imports,
@@ -86,18 +88,41 @@ def build_model(model_settings: ModelConfig, adapters: dict[str, LoraConfig], *,
     merged: earlier phases' adapters folded into the base weights, in order; continued: the
     adapter this phase trains further (its own r/alpha/targets), or None to start `adapters`
     fresh (RunConfig.lineage says which, from the phases' `init`).
+    model.new_tokens: their rows added to the base first (new_tokens.py), and a fresh adapter that
+    trains no embeddings otherwise trains theirs (lora.trainable_token_indices).
     """
     dtype = DTYPES[model_settings.dtype]
     files = model_dir(model_settings.path, model_settings.revision)  # a Hub id: its snapshot, pinned by main.py
+    tokenizer_dir = model_settings.tokenizer or files
+    new_ids = []
+    if model_settings.new_tokens:
+        new_ids = add_new_tokens(load_tokenizer(tokenizer_dir, "model.tokenizer" if model_settings.tokenizer
+                                                else "model.path"), model_settings.new_tokens, "model.new_tokens")
     earlier = merged + ([continued] if continued else [])
     model, continued_config = load_model(files, earlier, dtype, keep_last=continued is not None,
-                                         quantize=model_settings.quantize)
+                                         quantize=model_settings.quantize, tokenizer=tokenizer_dir,
+                                         token_rows=(new_ids[0], len(new_ids)) if new_ids else None)
     if model_settings.activation_checkpointing:
         enable_activation_checkpointing(model, checkpointing_mode(model_settings.activation_checkpointing))
     if continued is not None:
         return model, continued_config
+    if new_ids:
+        adapters = {name: with_new_token_rows(config, model, new_ids) for name, config in adapters.items()}
     inject_lora(model, adapters)
     return model, adapters
+
+
+def with_new_token_rows(config: LoraConfig, model, new_ids: list[int]) -> LoraConfig:
+    """`config`, training the new tokens' rows where it trains no embeddings of its own: the input
+    embedding's and an untied output layer's (a tied one shares them)."""
+    if config.modules_to_save or config.trainable_token_indices is not None:
+        return config
+    names = {id(m): n for n, m in model.named_modules()}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    rows = list(new_ids)
+    if head is not None and head.weight is not embedding.weight:
+        rows = {names[id(embedding)]: list(new_ids), names[id(head)]: list(new_ids)}
+    return dataclasses.replace(config, trainable_token_indices=rows)
 
 
 def preference_objective(model, settings: PreferenceConfig, continues: bool) -> PreferenceObjective:
@@ -165,6 +190,7 @@ class Phase:
     quantized_base: dict | None  # model.quantize's decoder Linears (quantized_base.quantized_summary), or None
     activation_checkpointing: str | None  # the mode its decoder layers were checkpointed in (full, selective), or None
     objective: object = None  # a preference phase's loss (model/preference_loss.PreferenceObjective), or None
+    tokenizer: object = None  # the tokenizer model.new_tokens extended: written beside the adapter; else None
 
     def evaluate(self) -> dict:
         """The eval loss; side by side, each adapter's on its own data (alone on every row), and
@@ -280,7 +306,11 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
                                                      config.model.revision), config.model.quantize, config.model.dtype),
               accepted_changes={**state.get("accepted_changes", {}), **(accepted_changes or {})},
               adapters={name: config.adapter_max_steps(phase, name) for name in adapters}, quantized_base=quantized,
-              activation_checkpointing=checkpointing_mode(config.model.activation_checkpointing), objective=objective)
+              activation_checkpointing=checkpointing_mode(config.model.activation_checkpointing), objective=objective,
+              tokenizer=load_extended_tokenizer(config.model.tokenizer or model_dir(config.model.path,
+                                                                                    config.model.revision),
+                                                "model.tokenizer", config.model.new_tokens, "model.new_tokens")
+              if config.model.new_tokens else None)
     if p.eval_before is None:
         p.eval_before = p.evaluate()
         p.logger.log_eval(0, p.eval_before)

@@ -1,0 +1,177 @@
+"""A new language's phase 1: the embeddings and the output layer trained in full beside the LoRA
+(lora.modules_to_save, train.embedding_lr), end to end on XLA:CPU in float64: phase 1, then
+phase 2 continuing the same adapter (its modules trained further), shared by the tests below.
+
+Claims: the step with the modules is one captured graph (no compile after warm-up, no host
+sync); the adapter on disk is in PEFT's layout with the modules' weights, which moved from the
+base's (at train.embedding_lr, the LoRA at train.lr); a run resumed from a checkpoint is the
+uninterrupted one bitwise (the modules' AdamW moments included); the merged export is a plain
+model whose logits are the adapter's."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tolerances import assert_equal_in_exact_arithmetic
+from trainer_helpers import adapter_tensors, train_losses, write_run_config
+
+from finetuning_pipeline import main
+from finetuning_pipeline.exporters.merged import export_merged
+from finetuning_pipeline.model.loading import load_model
+from finetuning_pipeline.run.checkpointing import complete_checkpoints
+
+SAVED = ["embed_tokens", "lm_head"]
+SECTIONS = {"model": {"dtype": "float64"}, "lora": {"r": 8, "alpha": 16, "modules_to_save": SAVED},
+            "train": {"max_steps": 6, "embedding_lr": 2e-3}, "eval": {"every": 3, "max_batches": 2},
+            "checkpoint": {"every": 3, "keep": 2}, "logging": {"every": 1, "progress_bar": False, "tensorboard": False}}
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model_dir, data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("modules_to_save")
+    config = write_run_config(root / "run.yaml", tiny_model_dir, data, root / "out", **SECTIONS)
+    assert main.main(["--config", str(config), "--phase", "all"]) == 0
+    return {"config": config, "out": root / "out", "model": tiny_model_dir}
+
+
+def test_the_modules_train_beside_the_lora_in_one_graph_and_are_saved_in_peft_layout(run):
+    base = load_file(run["model"] / "model.safetensors")
+    for phase in (1, 2):
+        summary = json.loads((run["out"] / f"phase{phase}" / "summary.json").read_text())
+        assert summary["compiles_after_warmup"] == 0 and summary["host_syncs_per_step"] == 0, summary
+        config = json.loads((run["out"] / f"phase{phase}" / "adapter" / "adapter_config.json").read_text())
+        assert config["modules_to_save"] == SAVED
+        tensors = adapter_tensors(run["out"], phase)
+        for key, base_key in (("model.embed_tokens.weight", "model.embed_tokens.weight"),
+                              ("lm_head.weight", "lm_head.weight")):
+            trained = tensors[f"base_model.model.{key}"]
+            assert trained.shape == base[base_key].shape and not torch.equal(trained, base[base_key].to(trained.dtype))
+    # Phase 2 continued them: its modules moved on from phase 1's.
+    first, second = adapter_tensors(run["out"], 1), adapter_tensors(run["out"], 2)
+    assert not torch.equal(first["base_model.model.lm_head.weight"], second["base_model.model.lm_head.weight"])
+
+
+def test_a_resumed_run_is_the_uninterrupted_one_bitwise(run, tmp_path):
+    checkpoint = complete_checkpoints(run["out"] / "phase1" / "checkpoints")[0]
+    assert checkpoint.name.endswith("00000003")
+    out = tmp_path / "out"
+    assert main.main(["--config", str(run["config"]), "--phase", "1", f"output_dir={out}",
+                      "--resume", str(checkpoint)]) == 0
+    assert json.loads((out / "phase1" / "summary.json").read_text())["resumed_from_step"] == 3
+    assert train_losses(out) == train_losses(run["out"])[3:]
+    ours, theirs = adapter_tensors(out), adapter_tensors(run["out"])
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_the_merged_export_is_a_plain_model_with_the_adapters_logits(run, tmp_path):
+    """Exported from the base stored in float64 (the run's own weights, exactly: it trained on the
+    fp32 base read in float64), so the merge is float64's and the bound float64's."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "base64"
+    shutil.copytree(run["model"], base)
+    AutoModelForCausalLM.from_pretrained(run["model"], dtype=torch.float64).save_pretrained(base)
+    adapters = [str(run["out"] / "phase2" / "adapter")]  # (phase 2 continued phase 1's)
+    ids = torch.randint(1, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    adapted, _ = load_model(base, adapters, torch.float64, keep_last=True, warn=lambda message: None)
+    export_merged(str(base), adapters, str(tmp_path / "merged"), warn=lambda message: None)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float64)
+    assert not any(".modules_to_save." in name for name, _ in merged.named_parameters())
+    with torch.no_grad():
+        expected = adapted.eval()(input_ids=ids, use_cache=False).logits
+        assert_equal_in_exact_arithmetic(merged.eval()(input_ids=ids, use_cache=False).logits, expected,
+                                         "the merged model's logits")
+    assert not math.isnan(float(expected.sum()))
+
+
+NEW_TOKENS = ["Vizitatorii", "anotimpurile", "<|ro|>"]
+
+
+@pytest.fixture(scope="module")
+def new_tokens_run(tiny_model_dir, data, tmp_path_factory):
+    """Phase 1 with model.new_tokens on data prepared with them (float64): their rows trained by
+    default (lora.trainable_token_indices), the input embedding's and the output layer's."""
+    from trainer_helpers import SEQ_LEN
+
+    from dataset.prepare import PrepareOptions, prepare
+    from dataset.samples import DOMAIN_TEXT
+
+    root = tmp_path_factory.mktemp("new_tokens")
+    prepare(PrepareOptions(inputs=[str(DOMAIN_TEXT)], tokenizer=str(tiny_model_dir), seq_len=SEQ_LEN,
+                           out=str(root / "text"), quiet=True, new_tokens=NEW_TOKENS))
+    sections = {**SECTIONS, "lora": {"r": 8, "alpha": 16}, "model": {"dtype": "float64", "new_tokens": NEW_TOKENS},
+                "phase1": {"data": str(root / "text")}}
+    config = write_run_config(root / "run.yaml", tiny_model_dir, data, root / "out", **sections)
+    assert main.main(["--config", str(config), "--phase", "1"]) == 0
+    return {"config": config, "out": root / "out", "model": tiny_model_dir, "data": data}
+
+
+def test_new_tokens_rows_train_beside_the_lora_and_the_adapter_holds_its_tokenizer(new_tokens_run):
+    from transformers import AutoTokenizer
+
+    out = new_tokens_run["out"]
+    summary = json.loads((out / "phase1" / "summary.json").read_text())
+    assert summary["compiles_after_warmup"] == 0 and summary["host_syncs_per_step"] == 0
+    adapter = out / "phase1" / "adapter"
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    base_tokens = len(AutoTokenizer.from_pretrained(new_tokens_run["model"]))
+    ids = list(range(base_tokens, base_tokens + len(NEW_TOKENS)))
+    assert tokenizer.convert_tokens_to_ids(NEW_TOKENS) == ids
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["trainable_token_indices"] == {"model.embed_tokens": ids, "lm_head": ids}
+    tensors = adapter_tensors(out)
+    rows = {k: v for k, v in tensors.items() if "trainable_tokens_delta" in k}
+    assert sorted(rows) == ["base_model.model.lm_head.token_adapter.trainable_tokens_delta",
+                            "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"]
+    base = load_file(new_tokens_run["model"] / "model.safetensors")
+    mean = base["model.embed_tokens.weight"][:base_tokens].to(torch.float64).mean(0)
+    embedding_rows = rows["base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"]
+    assert embedding_rows.shape == (len(NEW_TOKENS), mean.shape[0])
+    # Rows of tokens in the data moved from where they started (the mean); "<|ro|>" is in no text.
+    moved = [not torch.allclose(row, mean.to(row.dtype), rtol=0, atol=1e-12) for row in embedding_rows]
+    assert moved == [True, True, False]
+
+
+def test_data_prepared_without_the_new_tokens_is_refused_in_one_line(new_tokens_run, capsys):
+    data = new_tokens_run["data"]
+    code = main.main(["--config", str(new_tokens_run["config"]), "--phase", "1", f"phase1.data={data[1]}",
+                      "--resume", "never", "--force"])
+    err = capsys.readouterr().err
+    assert code == 2 and "tokenized with new tokens none, but the run's model.new_tokens are" in err, err
+    assert "re-run prepare with --new-tokens Vizitatorii anotimpurile <|ro|>" in err
+
+
+def test_peft_and_the_merged_export_serve_the_new_tokens_as_the_adapter(new_tokens_run, tmp_path):
+    """PEFT on the base grown to the extended tokenizer (any rows there: the adapter's replace them)
+    and the merged export (a plain model and its extended tokenizer) give the adapter's logits."""
+    import shutil
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter = new_tokens_run["out"] / "phase1" / "adapter"
+    base = tmp_path / "base64"
+    shutil.copytree(new_tokens_run["model"], base)
+    AutoModelForCausalLM.from_pretrained(new_tokens_run["model"], dtype=torch.float64).save_pretrained(base)
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    ids = tokenizer("Vizitatorii vin aici în toate anotimpurile <|ro|>", return_tensors="pt").input_ids
+    assert set(tokenizer.convert_tokens_to_ids(NEW_TOKENS)) <= set(ids[0].tolist())
+    ours, _ = load_model(base, [str(adapter)], torch.float64, keep_last=True, warn=lambda message: None)
+    theirs = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
+    theirs.resize_token_embeddings(len(tokenizer))
+    theirs = PeftModel.from_pretrained(theirs, adapter)
+    export_merged(str(base), [str(adapter)], str(tmp_path / "merged"), warn=lambda message: None)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float64)
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "merged")) == len(tokenizer)
+    with torch.no_grad():
+        expected = ours.eval()(input_ids=ids, use_cache=False).logits
+        assert expected.shape[-1] == len(tokenizer)
+        for name, model in (("PEFT", theirs), ("the merged model", merged)):
+            assert_equal_in_exact_arithmetic(model.eval()(input_ids=ids, use_cache=False).logits, expected,
+                                             f"{name}'s logits")
