@@ -1,25 +1,30 @@
-"""A new language's phase 1: the embeddings and the output layer trained in full beside the LoRA
-(lora.modules_to_save, train.embedding_lr), end to end on XLA:CPU in float64: phase 1, then
-phase 2 continuing the same adapter (its modules trained further), shared by the tests below.
+"""A new language's phase 1: the embeddings and the output layer trained beside the LoRA, end to
+end on XLA:CPU in float64. Two shared runs: the whole matrices (lora.modules_to_save, at
+train.embedding_lr; phase 2 continues them), and new tokens' rows (model.new_tokens on data
+prepared with --new-tokens: their rows trained by default, lora.trainable_token_indices).
 
-Claims: the step with the modules is one captured graph (no compile after warm-up, no host
-sync); the adapter on disk is in PEFT's layout with the modules' weights, which moved from the
-base's (at train.embedding_lr, the LoRA at train.lr); a run resumed from a checkpoint is the
-uninterrupted one bitwise (the modules' AdamW moments included); the merged export is a plain
-model whose logits are the adapter's."""
+Claims: the step is one captured graph (no compile after warm-up, no host sync); the adapter on
+disk is in PEFT's layout with the embeddings' weights or rows, which moved from where they
+started (the new rows from the mean of the others), and holds the extended tokenizer; a run
+resumed from a checkpoint is the uninterrupted one bitwise (their AdamW moments included); data
+prepared without the new tokens is refused in one line; PEFT (on the base grown to the extended
+tokenizer) and the merged export (a plain model and tokenizer) give the adapter's logits, and
+llama.cpp on the merged model's GGUF tokenizes the new tokens and computes transformers' logits."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 from tolerances import assert_equal_in_exact_arithmetic
 from trainer_helpers import adapter_tensors, train_losses, write_run_config
 
-from finetuning_pipeline import main
+from finetuning_pipeline import export, main
 from finetuning_pipeline.exporters.merged import export_merged
 from finetuning_pipeline.model.loading import load_model
 from finetuning_pipeline.run.checkpointing import complete_checkpoints
@@ -55,7 +60,9 @@ def test_the_modules_train_beside_the_lora_in_one_graph_and_are_saved_in_peft_la
     assert not torch.equal(first["base_model.model.lm_head.weight"], second["base_model.model.lm_head.weight"])
 
 
-def test_a_resumed_run_is_the_uninterrupted_one_bitwise(run, tmp_path):
+@pytest.mark.parametrize("which", ["run", "new_tokens_run"])
+def test_a_resumed_run_is_the_uninterrupted_one_bitwise(which, request, tmp_path):
+    run = request.getfixturevalue(which)
     checkpoint = complete_checkpoints(run["out"] / "phase1" / "checkpoints")[0]
     assert checkpoint.name.endswith("00000003")
     out = tmp_path / "out"
@@ -175,3 +182,22 @@ def test_peft_and_the_merged_export_serve_the_new_tokens_as_the_adapter(new_toke
         for name, model in (("PEFT", theirs), ("the merged model", merged)):
             assert_equal_in_exact_arithmetic(model.eval()(input_ids=ids, use_cache=False).logits, expected,
                                              f"{name}'s logits")
+    # llama.cpp on the merged model's GGUF: the new tokens are tokens of its vocabulary, and its
+    # logits are transformers' (tests/finetuning_pipeline/exporters/test_gguf_llama_cpp.py's bound).
+    llama_cpp = pytest.importorskip("llama_cpp") if not os.environ.get("REQUIRE_LLAMA_CPP") else \
+        __import__("llama_cpp")
+    assert export.main(["--format", "gguf", "--outtype", "f32", "--base", str(tmp_path / "merged"),
+                        "--out", str(tmp_path / "merged.gguf")]) == 0
+    served = llama_cpp.Llama(str(tmp_path / "merged.gguf"), n_ctx=64, n_batch=64, logits_all=True, verbose=False,
+                             n_threads=2, type_k=0, type_v=0, flash_attn=False, seed=0)
+    try:
+        text = "În toate anotimpurile <|ro|> Vizitatorii vin aici"  # (a word first: llama.cpp's leading space)
+        assert served.tokenize((" " + text).encode(), add_bos=False, special=True) == \
+            tokenizer(text, add_special_tokens=False).input_ids
+        served.eval(ids[0].tolist())
+        logits = torch.from_numpy(np.array(served.scores[:ids.shape[1]])).double()
+    finally:
+        served.close()
+    merged32 = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        assert_equal_in_exact_arithmetic(logits, merged32(input_ids=ids).logits[0], "llama.cpp's logits", 1e-4)
