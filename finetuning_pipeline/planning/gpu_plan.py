@@ -107,7 +107,7 @@ def native_memory(shape: ModelShape, inputs: PlanInputs, devices: int) -> dict[s
     per_lora = LORA_BYTES + (DDP_BUCKET_BYTES if inputs.mode == "dp" and devices > 1 else 0)
     logit_tokens = min(tokens, inputs.loss_chunk) if inputs.loss_chunk else tokens
     return {"weights": native_weight_bytes(shape, inputs, devices),
-            "lora_and_optimizer": lora * per_lora,
+            "lora_and_optimizer": (lora + inputs.embedding_params) * per_lora,
             "activations": checkpointed if inputs.checkpointing else without,
             "logits": logit_tokens * shape.vocab * NATIVE_LOGIT_BYTES_PER_ENTRY + tokens * shape.hidden * 2 * FP32,
             "activations_without_checkpointing": without, "activations_with_checkpointing": checkpointed}

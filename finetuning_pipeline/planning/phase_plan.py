@@ -168,7 +168,36 @@ def plan_inputs(config: RunConfig, phase: int, mode: str | None = None, devices:
                       compile_s_fixed=measured.get("compile_s_fixed", config.tpu.compile_s_fixed),
                       compile_s_scanned=measured.get("compile_s_scanned", config.tpu.compile_s_scanned),
                       rows_per_item=2 if preference is not None else 1,
-                      reference_forward=preference is not None and not preference.precompute_reference)
+                      reference_forward=preference is not None and not preference.precompute_reference,
+                      **trained_embeddings(config, model_config))
+
+
+def trained_embeddings(config: RunConfig, model_config) -> dict:
+    """PlanInputs' embedding_params, output_layer_trained and new_token_rows_params: the weights
+    trained beside the LoRA (lora.modules_to_save's embed_tokens and lm_head whole, a tied pair
+    once; lora.trainable_token_indices' rows; by default the new tokens' rows), from the config
+    alone (the vocabulary grown by model.new_tokens at most)."""
+    if model_config is None:
+        return {}
+    hidden, lora = model_config.hidden_size, config.lora
+    vocab = model_config.vocab_size + len(config.model.new_tokens)
+    tied = bool(getattr(model_config, "tie_word_embeddings", False))
+    saved = {name.rsplit(".", 1)[-1] for name in lora.modules_to_save or []}
+    whole = {"embed_tokens", "lm_head"} & saved
+    if tied and whole:
+        whole = {"embed_tokens"}  # one weight: the pair trained once
+    rows_each = 1 if tied else 2
+    new_rows = len(config.model.new_tokens) * hidden * rows_each
+    rows = lora.trainable_token_indices
+    if rows is None:
+        row_params = 0 if lora.modules_to_save else new_rows
+    elif isinstance(rows, dict):
+        shared = [name for name in rows if tied and name.endswith("lm_head")]  # a tied output layer's: the embedding's
+        row_params = sum(len(ids) for name, ids in rows.items() if name not in shared) * hidden
+    else:
+        row_params = len(rows) * hidden  # a list: the input embedding's rows (PEFT's; a tied head shares them)
+    return {"embedding_params": len(whole) * vocab * hidden + row_params,
+            "output_layer_trained": "lm_head" in saved or (tied and bool(whole)), "new_token_rows_params": new_rows}
 
 
 def layers_scanned(config: RunConfig, model_config, mode: str | None = None) -> bool:

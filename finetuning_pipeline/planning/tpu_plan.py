@@ -11,6 +11,8 @@ HBM per device (a chip, or a v3 TensorCore), each term an estimate with its assu
   backward: docs/quantized-base.md; how many XLA on a TPU holds at once is assumed);
 - LoRA and optimizer: fp32 master weights, gradients and AdamW's two moments (16 bytes per
   LoRA parameter), replicated in both modes (see finetuning_pipeline/distributed/parallel.py);
+  the embeddings trained beside the LoRA (lora.modules_to_save's whole matrices, a tied pair
+  once; trained token rows) the same 16 bytes a weight, replicated too;
 - activations of one micro-batch kept for the backward: per layer and token, the hidden-size
   and MLP-size tensors a decoder layer saves, the attention score and probability matrices
   (XLA's attention materialises [heads, seq_len] per token), and the LoRA dropout masks when
@@ -29,6 +31,7 @@ gradients only, no weight gradients): 4N with N the matmul parameters (lm_head i
 embeddings not); attention 12 * layers * seq_len * width (QK^T and AV on the full square the
 masked kernel computes, forward plus twice that backward); the LoRA branch 6 * r * (in + out)
 per adapted layer. Activation checkpointing adds one more forward (2N + 4 * layers * seq_len * width).
+An output layer trained whole adds its weight gradient, 2 * hidden * vocab a token.
 
 Adapters side by side (PlanInputs.adapters = K): each micro-batch holds micro_batch rows of
 each adapter, so activations, logits and FLOPs are those of K * micro_batch rows, and each
@@ -119,6 +122,7 @@ class ModelShape:
     head_dim: int
     vocab: int
     total_params: int  # every parameter, counted on a weightless model (biases, norms, ties included)
+    tied_embeddings: bool = False  # the output layer's weight is the input embedding's
     # What transformers runs the attention with where nothing chooses for it (the native runtime):
     # "sdpa" (torch's kernel), or "eager" (Gemma 2 for its soft-capping: [heads, seq_len] scores kept).
     attn_implementation: str = "sdpa"
@@ -134,7 +138,8 @@ class ModelShape:
         params, attention, extra_norms = weightless_model_facts(config)
         return cls(layers=config.num_hidden_layers, hidden=config.hidden_size, intermediate=config.intermediate_size,
                    **heads_of(config), vocab=config.vocab_size, total_params=params, attn_implementation=attention,
-                   extra_norm_inputs=extra_norms, attention_masks=len(mask_windows(config)))
+                   extra_norm_inputs=extra_norms, attention_masks=len(mask_windows(config)),
+                   tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
 
     @property
     def q_width(self) -> int:
@@ -218,6 +223,12 @@ class PlanInputs:
     # reference's forward (no backward) in the step unless its log-probabilities are precomputed.
     rows_per_item: int = 1
     reference_forward: bool = False
+    # Weights trained beside the LoRA (lora.modules_to_save's matrices, trained token rows), the
+    # output layer among them whole (its weight gradient each token), and what the new tokens'
+    # rows alone would be (the cheap alternative to the whole matrices).
+    embedding_params: int = 0
+    output_layer_trained: bool = False
+    new_token_rows_params: int = 0
 
     @property
     def rows(self) -> int:
@@ -236,7 +247,8 @@ def tpu_memory(shape: ModelShape, inputs: PlanInputs, devices: int) -> dict[str,
     checkpointed = tokens * (shape.layers * shape.hidden * act_bytes + per_layer)
     logit_tokens = min(tokens, inputs.loss_chunk) if inputs.loss_chunk else tokens
     return {"weights": weight_bytes(shape, inputs, devices),
-            "lora_and_optimizer": shape.lora_params(inputs.lora_r, inputs.lora_targets) * 16 * inputs.adapters,
+            "lora_and_optimizer": (shape.lora_params(inputs.lora_r, inputs.lora_targets) * inputs.adapters
+                                   + inputs.embedding_params) * 16,
             "activations": checkpointed if inputs.checkpointing else without,
             "logits": logit_tokens * shape.vocab * LOGIT_BYTES_PER_ENTRY,
             "activations_without_checkpointing": without, "activations_with_checkpointing": checkpointed}
@@ -264,6 +276,8 @@ def plan(shape: ModelShape, tpu: Slice, inputs: PlanInputs, memory=tpu_memory) -
     per_token = flops_per_token(shape, inputs.seq_len, inputs.lora_r, inputs.lora_targets, inputs.checkpointing)
     if inputs.loss_chunk and tokens > inputs.loss_chunk:
         per_token += 2 * shape.hidden * shape.vocab  # each chunk's projection again in the backward
+    if inputs.output_layer_trained:  # its weight gradient, which a frozen output layer skips
+        per_token += 2 * shape.hidden * shape.vocab
     if inputs.reference_forward:  # a forward is about a third of a step's (its backward: two)
         per_token += flops_per_token(shape, inputs.seq_len, inputs.lora_r, inputs.lora_targets) / 3
     step_flops = per_token * global_tokens
@@ -339,6 +353,12 @@ def suggestions(shape: ModelShape, tpu: Slice, inputs: PlanInputs, memory=tpu_me
     to keep the global batch), and combinations; and the base quantized (8 bits, else 4), alone
     or with those."""
     candidates = fitting_changes(shape, tpu, inputs, memory)
+    if inputs.embedding_params > inputs.new_token_rows_params:
+        # The whole embedding matrices off: the new tokens' rows (model.new_tokens) then train alone
+        # (lora.trainable_token_indices), or none: a fraction of the copies and their AdamW state.
+        rows_only = dataclasses.replace(inputs, embedding_params=inputs.new_token_rows_params,
+                                        output_layer_trained=False)
+        candidates += fitting_changes(shape, tpu, rows_only, memory, {"lora.modules_to_save": None})
     # The base stored in fewer bits than now: 8 if that is enough, else 4 (q4_0 and nf4: one size).
     for fmt in {"none": ("q8_0", "q4_0"), "q8_0": ("q4_0",)}.get(inputs.quantize, ()):
         quantized = fitting_changes(shape, tpu, dataclasses.replace(inputs, quantize=fmt), memory,

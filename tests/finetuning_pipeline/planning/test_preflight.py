@@ -283,3 +283,30 @@ def test_a_preference_phase_is_planned_as_two_rows_a_pair_and_its_references_for
     assert plans["pairs"]["flops_per_token"] == pytest.approx(plans["text"]["flops_per_token"] * 4 / 3)
     assert plans["pairs"]["flops_per_step"] == pytest.approx(plans["text"]["flops_per_step"] * 2 * 4 / 3)
     assert plans["precomputed"]["flops_per_step"] == pytest.approx(plans["text"]["flops_per_step"] * 2)
+
+
+def test_trained_embeddings_are_planned_and_their_rows_named_where_the_whole_matrices_do_not_fit(tmp_path):
+    """Mistral-7B on one v5e chip (q8_0): its two 32,768 x 4,096 matrices trained whole
+    (lora.modules_to_save) are 268M weights, 16 bytes each (fp32 copy, gradient, AdamW's two
+    moments): 4.0 GiB more, past the chip; the plan names the new tokens' rows alone, which fit.
+    Gemma 3's tied pair is one weight, planned once."""
+    new = ["model.new_tokens=[Brașovului,Clujului]"]
+    _, rows = run_preflight(tmp_path / "rows", MISTRAL_ON_ONE_CHIP, "model.quantize=q8_0", *new)
+    code, whole = run_preflight(tmp_path / "whole", MISTRAL_ON_ONE_CHIP, "model.quantize=q8_0", *new,
+                                "lora.modules_to_save=[embed_tokens,lm_head]", "train.embedding_lr=2e-5")
+    inputs = whole["phases"]["phase1"]["inputs"]
+    vocab = 32_768 + 2
+    assert inputs["embedding_params"] == 2 * vocab * 4096 and inputs["output_layer_trained"]
+    assert rows["phases"]["phase1"]["inputs"]["embedding_params"] == inputs["new_token_rows_params"] == 2 * 2 * 4096
+    extra = whole["phases"]["phase1"]["hbm_breakdown_gib"]["lora_and_optimizer"] - \
+        rows["phases"]["phase1"]["hbm_breakdown_gib"]["lora_and_optimizer"]
+    assert extra == pytest.approx((2 * vocab * 4096 - 4 * 4096) * 16 / 2**30, abs=1e-3)
+    assert rows["fits"] and code == 1 and not whole["fits"]
+    assert {"lora.modules_to_save": None} in [s["overrides"] for s in whole["phases"]["phase1"]["to_fit"]]
+    assert whole["phases"]["phase1"]["step_time_s"] > rows["phases"]["phase1"]["step_time_s"]  # lm_head's gradient
+    config = tmp_path / "gemma.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": "models/gemma-3-270m"}, "tpu": {"type": "v5e-1"},
+                                      "lora": {"modules_to_save": ["embed_tokens", "lm_head"]},
+                                      "phase1": {"data": str(tmp_path / "none"), "seq_len": 512}}))
+    _, tied = run_preflight(tmp_path / "gemma", config)
+    assert tied["phases"]["phase1"]["inputs"]["embedding_params"] == 262_144 * 640
