@@ -74,6 +74,12 @@ def adapter_of(parameter_name: str) -> str:
     return parts[where + 1]
 
 
+def is_whole_module_weight(parameter_name: str) -> bool:
+    """Whether a trainable weight is a module trained whole (modules_to_save's copy): as large as
+    the base's own matrix, so sharded as it is under fsdp."""
+    return f".{COPIES}." in f".{parameter_name}"
+
+
 def is_saved_module_weight(parameter_name: str) -> bool:
     """Whether a trainable weight is an embedding's (modules_to_save, trainable token rows), not a
     LoRA matrix: what train.embedding_lr trains at."""

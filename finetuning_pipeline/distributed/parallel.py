@@ -64,6 +64,11 @@ class Parallel:
         """Mark trainer state (LoRA parameters, optimizer state, counters) whole on every chip of a
         sharded program: nothing to mark where each process holds its own."""
 
+    def shard_optimizer_state(self, tensors: list[torch.Tensor]) -> None:
+        """Split the optimizer's flat moments over the chips of a sharded program (embeddings
+        trained whole: runtime/xla/spmd.py); where each process holds its own, they stay whole."""
+        self.replicate(tensors)
+
     def input_sharding(self):
         """How a host batch is split over this process's chips: None, it goes to one device."""
         return None

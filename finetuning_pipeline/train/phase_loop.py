@@ -32,6 +32,7 @@ from finetuning_pipeline.train.adapter_results import weighted_mean
 from finetuning_pipeline.train.phase_start import Phase, start_phase
 from finetuning_pipeline.train.run_ahead import RunAheadBound
 from lora_logic.adapter_io import save_adapters
+from lora_logic.adapters import is_whole_module_weight
 from utils.atomic_io import atomic_write_json
 from utils.device_tensors import to_host
 
@@ -129,6 +130,14 @@ def finish_phase(p: Phase, step: int, last_loss) -> PhaseResult:
     return PhaseResult(p.number, summary=summary)
 
 
+def parallel_summary(p: Phase) -> dict:
+    """The summary's `parallel`: the mode and mesh, the base's sharded tensors and, where embeddings
+    train whole under fsdp, their sharded copies (and how XLA holds the optimizer's moments)."""
+    trained = sum(is_whole_module_weight(name) for name in p.parallelized.sharded)
+    return {**p.parallel.describe(), "sharded_base_parameters": len(p.parallelized.sharded) - trained,
+            **({"sharded_trained_parameters": trained} if trained else {})}
+
+
 def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label_tokens, timing: dict,
                         eval_after: dict) -> dict:
     """The master's adapter, then the summary that marks the phase as done; returns the summary."""
@@ -168,7 +177,7 @@ def write_phase_outputs(p: Phase, step: int, final_state: dict, last_loss, label
         "host_syncs_counted": "every step" if p.runtime.counts_host_syncs_each_step else "one step",
         "wall_time_s": round(p.guard.elapsed(), 2),
         "world_size": p.parallel.world,
-        "parallel": {**p.parallel.describe(), "sharded_base_parameters": len(p.parallelized.sharded)},
+        "parallel": parallel_summary(p),
         "attention": p.model.config._attn_implementation,
         "scanned_layers": p.parallelized.scanned_layers,
         "compiled_layers": p.parallelized.compiled_layers,  # each by torch.compile (native runtime.compile)

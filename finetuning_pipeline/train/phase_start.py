@@ -54,6 +54,7 @@ from finetuning_pipeline.train.stepper import Stepper
 from lora_logic.adapters import (
     adapter_groups,
     is_saved_module_weight,
+    is_whole_module_weight,
     lora_modules,
     lora_parameters,
     named_lora_parameters,
@@ -316,8 +317,12 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
         p.logger.log_eval(0, p.eval_before)
     if parallel.master and p.eval_before["loss"] is None:
         print(f"phase {phase}: {describe_eval(p.eval_before)}; the summary will have no eval loss", flush=True)
-    parallel.replicate(optimizer.params + optimizer.state_tensors() + optimizer.device_constants()
-                       + stepper.device_state() + monitor.device_state())
+    moments = optimizer.state_tensors()[1:]  # (the flat exp_avg and exp_avg_sq)
+    whole = any(is_whole_module_weight(name) for name, _ in named_lora_parameters(model))
+    parallel.replicate(optimizer.params + optimizer.state_tensors()[:1] + (moments if not whole else [])
+                       + optimizer.device_constants() + stepper.device_state() + monitor.device_state())
+    if whole:  # embeddings trained whole: their AdamW state split over the chips (runtime/xla/spmd.py)
+        parallel.shard_optimizer_state(moments)
     # A resumed run's checkpoint was copied into parameters and optimizer state: run those
     # copies now, or they would join step 1's graph and make it a graph of its own.
     runtime.step_boundary()

@@ -74,6 +74,23 @@ def test_a_resumed_run_is_the_uninterrupted_one_bitwise(which, request, tmp_path
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
+def test_fsdp_shards_the_copies_and_their_adamw_state_and_equals_one_device(run, tmp_path):
+    """parallel.mode=fsdp over 2 virtual chips (a process of its own: SPMD is process-wide), the
+    same global batch: the trainable copies sharded as the base's matrices, the optimizer's moments
+    split over the chips as XLA holds them, and the run of one device within float64's bound."""
+    from native_helpers import assert_runs_equal
+    from trainer_helpers import train_in_fresh_process
+
+    out = tmp_path / "out"
+    done = train_in_fresh_process(run["config"], "--phase", "1", f"output_dir={out}", "parallel.mode=fsdp",
+                                  "train.micro_batch=2", env={"CPU_NUM_DEVICES": "2"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    parallel = json.loads((out / "phase1" / "summary.json").read_text())["parallel"]
+    assert parallel["sharded_trained_parameters"] == 2 and parallel["sharded_base_parameters"] == 16, parallel
+    assert parallel["optimizer_state_sharding"] == ["{devices=[2]0,1}"] * 2, parallel
+    assert_runs_equal(out, run["out"], [1])
+
+
 def test_the_merged_export_is_a_plain_model_with_the_adapters_logits(run, tmp_path):
     """Exported from the base stored in float64 (the run's own weights, exactly: it trained on the
     fp32 base read in float64), so the merge is float64's and the bound float64's."""

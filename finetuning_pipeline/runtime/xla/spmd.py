@@ -8,7 +8,11 @@ XLA's SPMD partitioner inserts the all-gathers of weights and the reductions of 
 host instead of one per chip. The LoRA parameters, their gradients and the optimizer state are
 replicated: they are small (under 1% of a 7B model at r 16), a replicated update needs no
 collective, and a replicated tensor is whole on every host, so saving gathers the real trained
-values by construction.
+values by construction. Embeddings trained whole beside the LoRA (lora.modules_to_save) are not
+small (Mistral-7B's two matrices: 268M weights, Gemma 3's far more): their trainable copies are
+sharded as the base's matrices are, and the optimizer's moments along `fsdp` too, so no chip
+holds their whole AdamW state (shard_optimizer_state); saving gathers them (a device-to-host copy
+of a sharded tensor is the whole tensor).
 """
 
 from __future__ import annotations
@@ -18,7 +22,16 @@ from dataclasses import dataclass
 import torch
 
 from finetuning_pipeline.distributed.parallel import BATCH_AXES, Parallel, decoder_layers, replicated, shard_spec
+from lora_logic.adapters import is_whole_module_weight
 from lora_logic.quantized_linear import QuantizedLinear
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether an XLA tensor carries a sharding other than replicated."""
+    import torch_xla
+
+    spec = torch_xla._XLAC._get_xla_sharding_spec(tensor)
+    return bool(spec) and "replicated" not in spec
 
 
 @dataclass
@@ -46,7 +59,8 @@ class SpmdParallel(Parallel):
             for name, param in list(module.named_parameters(recurse=False)):
                 if id(param) not in moved:
                     on_device = torch.nn.Parameter(param.detach().to(device), requires_grad=param.requires_grad)
-                    spec = shard_spec(param, self.fsdp_size()) if not param.requires_grad else None
+                    whole_trained = param.requires_grad and is_whole_module_weight(f"{module_name}.{name}")
+                    spec = shard_spec(param, self.fsdp_size()) if not param.requires_grad or whole_trained else None
                     if spec is not None:
                         sharded.append(f"{module_name}.{name}")
                     xs.mark_sharding(on_device, self.mesh, spec or replicated(param))
@@ -92,7 +106,21 @@ class SpmdParallel(Parallel):
         import torch_xla.distributed.spmd as xs
 
         for tensor in tensors:
+            if is_sharded(tensor):  # a trained embedding place_model sharded keeps its sharding
+                continue
             xs.mark_sharding(tensor, self.mesh, replicated(tensor))
+
+    def shard_optimizer_state(self, tensors: list[torch.Tensor]) -> None:
+        """The optimizer's flat moments split along `fsdp` (each chip 1/F of them): where embeddings
+        are trained whole, most of the state is theirs. Replicated on an fsdp axis of one chip."""
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+
+        for tensor in tensors:
+            spec = ("fsdp",) if self.fsdp_size() > 1 and tensor.dim() == 1 else replicated(tensor)
+            xs.mark_sharding(tensor, self.mesh, spec)
+        # As XLA holds them (the summary reports it): e.g. "{devices=[2]0,1}", each chip half.
+        self.optimizer_state_sharding = [torch_xla._XLAC._get_xla_sharding_spec(t) for t in tensors]
 
     def input_sharding(self):
         """For the data loader: each host's batch is its slice of the global batch, split on the
@@ -102,4 +130,7 @@ class SpmdParallel(Parallel):
         return xs.ShardingSpec(self.mesh, (BATCH_AXES, None), minibatch=True)
 
     def describe(self) -> dict:
-        return {**super().describe(), "mesh": dict(zip(self.mesh.axis_names, self.mesh.mesh_shape))}
+        described = {**super().describe(), "mesh": dict(zip(self.mesh.axis_names, self.mesh.mesh_shape))}
+        if getattr(self, "optimizer_state_sharding", None):
+            described["optimizer_state_sharding"] = self.optimizer_state_sharding
+        return described
