@@ -51,7 +51,7 @@ DEMO_ANSWER := Județul Brașov se află în Transilvania.
 PHASE_DEPS := $(if $(filter $(DEMO_CONFIG),$(CONFIG)),$(DEMO_DATA),)
 
 # phase1, phase2, ... are a pattern rule (below): make skips pattern rules for .PHONY targets.
-.PHONY: help setup setup-native llama-cpp test test-fast test-native lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-lora-cost bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load bench-gguf-export bench-stop bench-preference clean
+.PHONY: help setup setup-native llama-cpp test test-fast test-native lint tiny-model demo-data demo preflight tpu-check bench bench-train bench-host bench-lora-cost bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load bench-gguf-export bench-stop bench-preference bench-embeddings clean
 
 help:
 	@echo "make setup       create .venv with the xla extra (torch 2.9.0 + torch_xla 2.9.0) and test tools"
@@ -84,6 +84,7 @@ help:
 	@echo "make bench-gguf-export     the host memory of export --format gguf on a 675M model (about a minute)"
 	@echo "make bench-stop  from SIGTERM to a complete checkpoint with steps slow on the device (under a minute)"
 	@echo "make bench-preference  a DPO step (reference in the step, or precomputed) vs an SFT step on the same tokens"
+	@echo "make bench-embeddings  phase 1 with the LoRA alone, + the whole embeddings, + new tokens' rows: held-out loss, memory"
 	@echo "make clean       remove outputs/ and caches (keeps .venv)"
 
 setup: $(STAMP)
@@ -190,7 +191,7 @@ tpu-check: $(STAMP) $(PHASE_DEPS)
 	$(BIN)/python -m finetuning_pipeline.tpu_check --config $(CONFIG) $(ARGS)
 
 bench: bench-train bench-host bench-lora-cost bench-prepare bench-memory bench-side-by-side bench-quantized bench-quantized-load \
-	bench-gguf-export bench-stop bench-preference
+	bench-gguf-export bench-stop bench-preference bench-embeddings
 
 bench-train: $(STAMP)
 	$(BIN)/python -m benchmarks.train_bench
@@ -224,6 +225,9 @@ bench-stop: $(STAMP)
 
 bench-preference: $(STAMP)
 	$(BIN)/python -m benchmarks.preference_bench
+
+bench-embeddings: $(STAMP)
+	$(BIN)/python -m benchmarks.embeddings_bench
 
 clean:
 	rm -rf outputs .pytest_cache
