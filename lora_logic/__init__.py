@@ -11,6 +11,7 @@ on first use (PEP 562), so reading a LoraConfig needs no torch. The modules:
   layer.py       LoRALinear: a frozen nn.Linear with its adapters (one, or several side by side)
   inject.py      inject_lora: wrap a model's target layers
   modules_to_save.py  ModulesToSave: a module trained in full beside the LoRA (embeddings, output layer)
+  trainable_tokens.py  TrainableTokens: some rows of the embeddings trained beside the LoRA (new tokens)
   adapters.py    the model's adapters: names, weights by name, state dicts, only_adapter
   adapter_io.py  save_adapters / load_adapters in PEFT's layout; read an adapter without a model
   merge.py       merge_lora, unmerge_lora, merge_and_unload

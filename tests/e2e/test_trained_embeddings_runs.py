@@ -9,7 +9,8 @@ started (the new rows from the mean of the others), and holds the extended token
 resumed from a checkpoint is the uninterrupted one bitwise (their AdamW moments included); data
 prepared without the new tokens is refused in one line; PEFT (on the base grown to the extended
 tokenizer) and the merged export (a plain model and tokenizer) give the adapter's logits, and
-llama.cpp on the merged model's GGUF tokenizes the new tokens and computes transformers' logits."""
+llama.cpp on the merged model's GGUF tokenizes the new tokens and computes transformers' logits;
+fsdp (the copies and their AdamW state sharded) and 2 torchrun processes equal one device."""
 
 from __future__ import annotations
 
@@ -74,20 +75,27 @@ def test_a_resumed_run_is_the_uninterrupted_one_bitwise(which, request, tmp_path
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-def test_fsdp_shards_the_copies_and_their_adamw_state_and_equals_one_device(run, tmp_path):
-    """parallel.mode=fsdp over 2 virtual chips (a process of its own: SPMD is process-wide), the
-    same global batch: the trainable copies sharded as the base's matrices, the optimizer's moments
-    split over the chips as XLA holds them, and the run of one device within float64's bound."""
+@pytest.mark.parametrize("how", ["fsdp over 2 chips", "2 processes (torchrun)"])
+def test_fsdp_and_replicas_equal_one_device_fsdp_sharding_the_copies_and_their_adamw_state(run, how, tmp_path):
+    """The same global batch over 2 devices: parallel.mode=fsdp over 2 virtual chips (a process of
+    its own: SPMD is process-wide), the trainable copies sharded as the base's matrices and the
+    optimizer's moments split over the chips as XLA holds them; or 2 torchrun processes, the
+    embeddings' gradients summed with the LoRA's through gloo. Either: the run of one device within
+    float64's bound."""
     from native_helpers import assert_runs_equal
+    from replica_helpers import torchrun
     from trainer_helpers import train_in_fresh_process
 
     out = tmp_path / "out"
-    done = train_in_fresh_process(run["config"], "--phase", "1", f"output_dir={out}", "parallel.mode=fsdp",
-                                  "train.micro_batch=2", env={"CPU_NUM_DEVICES": "2"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    parallel = json.loads((out / "phase1" / "summary.json").read_text())["parallel"]
-    assert parallel["sharded_trained_parameters"] == 2 and parallel["sharded_base_parameters"] == 16, parallel
-    assert parallel["optimizer_state_sharding"] == ["{devices=[2]0,1}"] * 2, parallel
+    arguments = ["--phase", "1", f"output_dir={out}", "train.micro_batch=2"]
+    if how.startswith("fsdp"):
+        done = train_in_fresh_process(run["config"], *arguments, "parallel.mode=fsdp", env={"CPU_NUM_DEVICES": "2"})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        parallel = json.loads((out / "phase1" / "summary.json").read_text())["parallel"]
+        assert parallel["sharded_trained_parameters"] == 2 and parallel["sharded_base_parameters"] == 16, parallel
+        assert parallel["optimizer_state_sharding"] == ["{devices=[2]0,1}"] * 2, parallel
+    else:
+        torchrun(2, run["config"], *arguments)
     assert_runs_equal(out, run["out"], [1])
 
 
