@@ -10,7 +10,8 @@ resumed from a checkpoint is the uninterrupted one bitwise (their AdamW moments 
 prepared without the new tokens is refused in one line; PEFT (on the base grown to the extended
 tokenizer) and the merged export (a plain model and tokenizer) give the adapter's logits, and
 llama.cpp on the merged model's GGUF tokenizes the new tokens and computes transformers' logits;
-fsdp (the copies and their AdamW state sharded) and 2 torchrun processes equal one device."""
+fsdp (the copies and their AdamW state sharded) and 2 torchrun processes equal one device; a LoRA
+GGUF or a combination of such an adapter is refused in one line."""
 
 from __future__ import annotations
 
@@ -226,3 +227,14 @@ def test_peft_and_the_merged_export_serve_the_new_tokens_as_the_adapter(new_toke
     merged32 = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     with torch.no_grad():
         assert_equal_in_exact_arithmetic(logits, merged32(input_ids=ids).logits[0], "llama.cpp's logits", 1e-4)
+
+
+@pytest.mark.parametrize("how", [["--format", "gguf", "--adapter-only"], ["--combine", "linear"]])
+def test_a_lora_gguf_or_a_combination_of_such_an_adapter_is_refused_in_one_line(run, how, tmp_path, capsys):
+    """llama.cpp's LoRA format and a weighted combination hold LoRA matrices only: refused, naming
+    the merged export (then a GGUF of it), with nothing written."""
+    adapter = str(run["out"] / "phase1" / "adapter")
+    code = export.main(["--base", str(run["model"]), "--adapter", adapter, "--out", str(tmp_path / "out"), *how])
+    err = capsys.readouterr().err
+    assert code == 2 and "only a merged model carries; export it merged" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()

@@ -93,21 +93,28 @@ def test_peft_loads_our_adapter_and_computes_our_logits_and_gradients(family, dt
     assert (embedding.trained().weight is head.trained().weight) == tied
 
 
+def saved_by_peft(family: str, peft_config, directory) -> torch.nn.Module:
+    """PEFT's float64 model of `family` under `peft_config`, its trainable weights moved (B, the
+    embeddings' copies or rows) as after training, saved to `directory`; returned in eval mode."""
+    theirs = peft.get_peft_model(base(family, torch.float64), peft_config)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, parameter in theirs.named_parameters():
+            if parameter.requires_grad and "lora_A" not in name:
+                parameter.add_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * 0.1)
+    theirs.save_pretrained(directory)
+    return theirs.eval()
+
+
 def test_we_load_an_adapter_peft_saved_tied_or_not(tmp_path):
     for family in ("llama", "gemma2"):  # untied, tied
         peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=list(SAVED),
                                       ensure_weight_tying=family == "gemma2", task_type="CAUSAL_LM")
-        theirs = peft.get_peft_model(base(family, torch.float64), peft_config)
-        generator = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for name, parameter in theirs.named_parameters():
-                if parameter.requires_grad and "lora_A" not in name:
-                    parameter.add_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * 0.1)
-        theirs.save_pretrained(tmp_path / family)
+        theirs = saved_by_peft(family, peft_config, tmp_path / family)
         ours = base(family, torch.float64)
         load_adapters(ours, tmp_path / family)
         with torch.no_grad():
-            assert_equal_in_exact_arithmetic(ours(**inputs()).logits, theirs.eval()(**inputs()).logits,
+            assert_equal_in_exact_arithmetic(ours(**inputs()).logits, theirs(**inputs()).logits,
                                              f"{family}: PEFT's logits")
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from model_families import FAMILIES
 from safetensors.torch import load_file
-from test_modules_to_save import BOUNDS, base, inputs, loss_and_grads, trained
+from test_modules_to_save import BOUNDS, base, inputs, loss_and_grads, saved_by_peft, trained
 from tolerances import assert_equal_in_exact_arithmetic
 
 from lora_logic.adapter_io import load_adapters, save_adapters
@@ -68,17 +68,11 @@ def test_we_load_an_adapter_peft_saved_and_the_merged_model_is_the_adapters(tmp_
     for family in ("mistral", "gemma3"):  # untied, tied
         peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=list(ROWS),
                                       task_type="CAUSAL_LM")
-        theirs = peft.get_peft_model(base(family, torch.float64), peft_config)
-        generator = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for name, parameter in theirs.named_parameters():
-                if parameter.requires_grad and "lora_A" not in name:
-                    parameter.add_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * 0.1)
-        theirs.save_pretrained(tmp_path / family)
+        theirs = saved_by_peft(family, peft_config, tmp_path / family)
         ours = base(family, torch.float64)
         load_adapters(ours, tmp_path / family)
         with torch.no_grad():
-            expected = theirs.eval()(**inputs()).logits
+            expected = theirs(**inputs()).logits
             assert_equal_in_exact_arithmetic(ours.eval()(**inputs()).logits, expected, f"{family}: PEFT's logits")
             merge_and_unload(ours)
             assert not any(isinstance(m, TrainableTokens) for m in ours.modules())
