@@ -11,7 +11,8 @@ prepared without the new tokens is refused in one line; PEFT (on the base grown 
 tokenizer) and the merged export (a plain model and tokenizer) give the adapter's logits, and
 llama.cpp on the merged model's GGUF tokenizes the new tokens and computes transformers' logits;
 fsdp (the copies and their AdamW state sharded) and 2 torchrun processes equal one device; a LoRA
-GGUF or a combination of such an adapter is refused in one line."""
+GGUF or a combination of such an adapter is refused in one line; a merging phase starts where the
+phase before ended."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from tolerances import assert_equal_in_exact_arithmetic
 from trainer_helpers import adapter_tensors, train_losses, write_run_config
@@ -238,3 +240,19 @@ def test_a_lora_gguf_or_a_combination_of_such_an_adapter_is_refused_in_one_line(
     err = capsys.readouterr().err
     assert code == 2 and "only a merged model carries; export it merged" in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_merging_phase_starts_where_the_phase_before_ended(run, tmp_path):
+    """phase2.init=merge on phase 1's own data: the trained embeddings replace the base's, a fresh
+    adapter (and fresh copies of the merged embeddings) starts there, so phase 2's first evaluation
+    is phase 1's last within float64's bound."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(run["out"] / "phase1", out / "phase1")
+    config = yaml.safe_load(run["config"].read_text())
+    assert main.main(["--config", str(run["config"]), "--phase", "2", f"output_dir={out}", "phase2.init=merge",
+                      f"phase2.data={config['phase1']['data']}", "train.max_steps=1"]) == 0
+    first, second = (json.loads((out / f"phase{n}" / "summary.json").read_text()) for n in (1, 2))
+    assert second["merged_adapters"] == [str(out / "phase1" / "adapter")]
+    assert_equal_in_exact_arithmetic(second["eval_loss_before"], first["eval_loss_after"], "the merged start")
