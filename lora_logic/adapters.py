@@ -80,7 +80,7 @@ def is_whole_module_weight(parameter_name: str) -> bool:
     return f".{COPIES}." in f".{parameter_name}"
 
 
-def is_saved_module_weight(parameter_name: str) -> bool:
+def is_embedding_weight(parameter_name: str) -> bool:
     """Whether a trainable weight is an embedding's (modules_to_save, trainable token rows), not a
     LoRA matrix: what train.embedding_lr trains at."""
     return any(f".{part}." in f".{parameter_name}" for part in (COPIES, DELTAS))

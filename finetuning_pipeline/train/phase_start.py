@@ -53,7 +53,7 @@ from finetuning_pipeline.train.reference_logps import compute_reference_logps, k
 from finetuning_pipeline.train.stepper import Stepper
 from lora_logic.adapters import (
     adapter_groups,
-    is_saved_module_weight,
+    is_embedding_weight,
     is_whole_module_weight,
     lora_modules,
     lora_parameters,
@@ -272,7 +272,7 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     embedding_scale = (t.embedding_lr or config.lr(phase)) / config.lr(phase)
     optimizer = MaskedAdamW(lora_parameters(model), lr=config.lr(phase), betas=tuple(t.betas), eps=t.eps,
                             weight_decay=t.weight_decay, groups=groups,
-                            lr_scales=[embedding_scale if is_saved_module_weight(n) else 1.0
+                            lr_scales=[embedding_scale if is_embedding_weight(n) else 1.0
                                        for n, _ in named_lora_parameters(model)])
     if resume_from:
         load_optimizer_state(resume_from, model=model, optimizer=optimizer)
