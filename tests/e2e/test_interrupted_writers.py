@@ -17,8 +17,11 @@ from dataset.samples import DOMAIN_TEXT
 # argv[1]: "module.attribute" to patch; the patched call signals the process, then does its work.
 # The command runs as `python -m` runs it (as __main__), or, with as_main off, as its main() called
 # from here (for a patch in the command's own module, which __main__ would not see).
+# (SIGINT's handler is taken back first: a test run started in the background inherits SIGINT
+# ignored, as every background job does, and the command would rightly keep ignoring it.)
 SIGNAL_MID_WRITE = """
 import importlib, os, runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 where, sig, as_main, command, *argv = sys.argv[1:]
 module_name, _, name = where.rpartition(".")
 module = importlib.import_module(module_name)
