@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from dataset.encode import IGNORE_INDEX
 from finetuning_pipeline.model.attention_choice import kernel_masks, segment_ids, uses_kernel
 from finetuning_pipeline.model.attention_masks import attention_masks
+from lora_logic.modules_to_save import ModuleAdapter
 from utils.device_ops import ops_for
 from utils.precision import at_least_fp32
 
@@ -149,9 +150,27 @@ def _piece_loss(head, processing, hidden: torch.Tensor, targets: torch.Tensor) -
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def _projected_loss(processing, hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    logits = process_logits(at_least_fp32(hidden @ weight.t()), *processing)
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def _checkpointed_chunks(head, processing, hidden, targets, columns) -> torch.Tensor:
     """Any other head (a LoRA-wrapped or trainable lm_head): each chunk of `columns` positions
-    checkpointed. Exact, but on XLA the chunks share one graph, which does not bound their memory."""
+    checkpointed. Exact, but on XLA the chunks share one graph, which does not bound their memory.
+    An output layer trained beside the LoRA (lora_logic/modules_to_save.py, trainable_tokens.py:
+    a bias-free Linear whose weight the adapter gives) has that weight made once, the fp32 copy
+    cast or the trained rows copied in, and each chunk's projection reads it: not once a chunk."""
+    if isinstance(head, ModuleAdapter) and isinstance(head.original_module, torch.nn.Linear) \
+            and head.original_module.bias is None:
+        weight = head.weight  # (a graph input of each checkpointed chunk: its gradient reaches the adapter's)
+        piece = functools.partial(_projected_loss, processing)
+        recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        checkpointed = functools.partial(ops_for(hidden).checkpoint, piece)
+        losses = [(checkpointed if recompute else piece)(hidden[:, start:start + columns].flatten(0, 1),
+                                                          targets[:, start:start + columns].flatten(), weight)
+                  for start in range(0, hidden.shape[1], columns)]
+        return torch.stack(losses).sum()
     piece = functools.partial(_piece_loss, head, processing)
     recompute = torch.is_grad_enabled() and hidden.requires_grad
     checkpointed = functools.partial(ops_for(hidden).checkpoint, piece)  # (XLA: behind a barrier, not merged away)

@@ -165,6 +165,34 @@ def test_a_lora_wrapped_lm_head_takes_checkpointed_chunks_with_the_same_loss():
     assert_same_loss_and_grads((loss, grads), (expected, expected_grads))
 
 
+@pytest.mark.parametrize("trained", ["modules_to_save", "trainable_token_indices"])
+def test_an_output_layer_trained_beside_the_lora_makes_its_weight_once_for_all_chunks(trained, monkeypatch):
+    """The output layer trained whole or by rows (lora_logic/modules_to_save.py, trainable_tokens.py)
+    under the chunked loss: the loss and every gradient (the LoRA's, the copies' or rows') as with
+    the full logits, and its weight made once for the 5 chunks, not once a chunk."""
+    from lora_logic.adapters import named_lora_parameters
+    from lora_logic.modules_to_save import ModuleAdapter
+
+    model = AutoModelForCausalLM.from_config(FAMILIES["llama"]()).double()
+    torch.manual_seed(0)
+    setting = ({"modules_to_save": ["embed_tokens", "lm_head"]} if trained == "modules_to_save"
+               else {"trainable_token_indices": {"embed_tokens": [3, 9], "lm_head": [3, 9, 40]}})
+    inject_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj"], **setting))
+    with torch.no_grad():
+        for name, parameter in named_lora_parameters(model):
+            if "lora_A" not in name:
+                parameter.add_(torch.randn_like(parameter) * 0.05)
+    data = batch(packed=False)
+    expected, expected_grads = loss_and_grads(model, lambda: ours(model, data, False))
+    made = []
+    real = ModuleAdapter.weights_now
+    monkeypatch.setattr(ModuleAdapter, "weights_now", lambda self: made.append(self) or real(self))
+    loss, grads = loss_and_grads(model, lambda: ours(model, data, False, loss_chunk=13))  # 64 tokens: 5 chunks
+    assert made.count(model.get_output_embeddings()) == 1
+    assert len(grads) == len(named_lora_parameters(model)) == len(expected_grads)
+    assert_same_loss_and_grads((loss, grads), (expected, expected_grads))
+
+
 # -- Pallas kernels' inputs, checked on a CPU through a reference of their semantics --------
 def flash_covers(family: str) -> bool:
     """flash attention has no window and no soft-cap: only such families can take it."""
