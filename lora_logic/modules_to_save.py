@@ -117,11 +117,6 @@ class ModulesToSave(ModuleAdapter):
         frozen.requires_grad_(False)
         self.modules_to_save[name] = frozen
 
-    def trained(self) -> nn.Module | None:
-        """The copy the rows go through now, or None (the original's weights)."""
-        (name,) = self.groups
-        return self.modules_to_save[name] if name in self.modules_to_save else None
-
     def adapter_weights(self, name: str) -> dict[str, torch.Tensor] | None:
         if name not in self.modules_to_save:
             return None

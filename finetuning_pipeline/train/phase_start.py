@@ -64,7 +64,7 @@ from lora_logic.config import DEFAULT_ADAPTER, LoraConfig
 from lora_logic.inject import inject_lora
 from lora_logic.modules_to_save import saved_modules
 from utils.hub_models import model_dir
-from utils.tokenizer_loading import add_new_tokens, load_extended_tokenizer, load_tokenizer
+from utils.tokenizer_loading import load_extended_tokenizer
 
 # Replicas that are threads of one process (the TPU launcher: TPU v2/v3, the CPU rehearsal) share the
 # host's RNGs (LoRA's init draws from torch's global generator) and transformers' lazy imports,
@@ -81,7 +81,7 @@ def seed_everything(seed: int) -> None:
 
 
 def build_model(model_settings: ModelConfig, adapters: dict[str, LoraConfig], *, merged: list[Path],
-                continued: Path | None):
+                continued: Path | None, tokenizer=None):
     """The base model (on CPU) with this phase's set of adapters; returns (model, {adapter: config}).
 
     adapters: the phase's adapters, {name: config} (RunConfig.adapters): one, or several trained
@@ -89,16 +89,14 @@ def build_model(model_settings: ModelConfig, adapters: dict[str, LoraConfig], *,
     merged: earlier phases' adapters folded into the base weights, in order; continued: the
     adapter this phase trains further (its own r/alpha/targets), or None to start `adapters`
     fresh (RunConfig.lineage says which, from the phases' `init`).
-    model.new_tokens: their rows added to the base first (new_tokens.py), and a fresh adapter that
-    trains no embeddings otherwise trains theirs (lora.trainable_token_indices).
+    tokenizer: the tokenizer model.new_tokens extended (extended_tokenizer), or None: their rows
+    added to the base first (new_tokens.py), and a fresh adapter that trains no embeddings
+    otherwise trains theirs (lora.trainable_token_indices).
     """
     dtype = DTYPES[model_settings.dtype]
     files = model_dir(model_settings.path, model_settings.revision)  # a Hub id: its snapshot, pinned by main.py
     tokenizer_dir = model_settings.tokenizer or files
-    new_ids = []
-    if model_settings.new_tokens:
-        new_ids = add_new_tokens(load_tokenizer(tokenizer_dir, "model.tokenizer" if model_settings.tokenizer
-                                                else "model.path"), model_settings.new_tokens, "model.new_tokens")
+    new_ids = tokenizer.convert_tokens_to_ids(model_settings.new_tokens) if tokenizer is not None else []
     earlier = merged + ([continued] if continued else [])
     model, continued_config = load_model(files, earlier, dtype, keep_last=continued is not None,
                                          quantize=model_settings.quantize, tokenizer=tokenizer_dir,
@@ -111,6 +109,17 @@ def build_model(model_settings: ModelConfig, adapters: dict[str, LoraConfig], *,
         adapters = {name: with_new_token_rows(config, model, new_ids) for name, config in adapters.items()}
     inject_lora(model, adapters)
     return model, adapters
+
+
+def extended_tokenizer(model_settings: ModelConfig):
+    """The run's tokenizer extended by model.new_tokens (written beside each phase's adapter), or
+    None without new tokens."""
+    if not model_settings.new_tokens:
+        return None
+    files = model_dir(model_settings.path, model_settings.revision)
+    return load_extended_tokenizer(model_settings.tokenizer or files,
+                                   "model.tokenizer" if model_settings.tokenizer else "model.path",
+                                   model_settings.new_tokens, "model.new_tokens")
 
 
 def with_new_token_rows(config: LoraConfig, model, new_ids: list[int]) -> LoraConfig:
@@ -240,7 +249,8 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
     data = PhaseData(config.data_dirs(phase), train=t, eval=config.eval, parallel=parallel, phase=phase)
     with HOST_BUILD:
         seed_everything(t.seed + phase)
-        model, lora_config = build_model(config.model, config.adapters(phase),
+        tokenizer = extended_tokenizer(config.model)
+        model, lora_config = build_model(config.model, config.adapters(phase), tokenizer=tokenizer,
                                          merged=[layout.adapter(n) for n in merged],
                                          continued=layout.adapter(continued) if continued else None)
         # A preference phase's reference: the adapter as the phase starts (before a checkpoint's
@@ -308,10 +318,7 @@ def start_phase(config: RunConfig, phase: int, parallel: Parallel, device, resum
               accepted_changes={**state.get("accepted_changes", {}), **(accepted_changes or {})},
               adapters={name: config.adapter_max_steps(phase, name) for name in adapters}, quantized_base=quantized,
               activation_checkpointing=checkpointing_mode(config.model.activation_checkpointing), objective=objective,
-              tokenizer=load_extended_tokenizer(config.model.tokenizer or model_dir(config.model.path,
-                                                                                    config.model.revision),
-                                                "model.tokenizer", config.model.new_tokens, "model.new_tokens")
-              if config.model.new_tokens else None)
+              tokenizer=tokenizer)
     if p.eval_before is None:
         p.eval_before = p.evaluate()
         p.logger.log_eval(0, p.eval_before)

@@ -90,7 +90,7 @@ def test_peft_loads_our_adapter_and_computes_our_logits_and_gradients(family, dt
         assert_equal_in_exact_arithmetic(grads[name], their_grads[name], f"{name}'s gradient", BOUNDS[dtype])
     # Tied: one trained weight, its gradient from the embedding's use and the output layer's.
     embedding, head = ours.get_input_embeddings(), ours.get_output_embeddings()
-    assert (embedding.trained().weight is head.trained().weight) == tied
+    assert (embedding.modules_to_save["default"].weight is head.modules_to_save["default"].weight) == tied
 
 
 def saved_by_peft(family: str, peft_config, directory) -> torch.nn.Module:
@@ -138,8 +138,9 @@ def test_a_tied_models_embedding_alone_trains_the_pair_and_the_bf16_base_keeps_i
     model = base("gemma2", torch.bfloat16)
     inject_lora(model, LoraConfig(r=4, alpha=8, modules_to_save=["embed_tokens"]))
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    assert isinstance(head, ModulesToSave) and embedding.trained().weight is head.trained().weight
-    assert embedding.trained().weight.dtype == torch.float32
+    copies = [module.modules_to_save["default"].weight for module in (embedding, head)]
+    assert isinstance(head, ModulesToSave) and copies[0] is copies[1]
+    assert embedding.modules_to_save["default"].weight.dtype == torch.float32
     assert embedding.original_module.weight.dtype == torch.bfloat16
     assert model(**inputs()).logits.dtype == torch.bfloat16
     trainable = [n for n, _ in named_lora_parameters(model) if "modules_to_save" in n]
