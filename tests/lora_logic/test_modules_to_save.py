@@ -164,3 +164,33 @@ def test_what_cannot_hold_them_says_so(tmp_path):
     inject_lora(plain, LoraConfig(r=4, alpha=8))
     with pytest.raises(ValueError, match="2 unexpected: base_model.model.lm_head.weight; base_model.model.model.embed"):
         load_adapters(plain, tmp_path)
+
+
+def test_under_a_quantized_base_the_copies_stay_full_precision_and_compute_the_dequantized_models_loss():
+    """model.quantize stores the decoder Linears quantized; the embeddings and output layer stay
+    whole, so their copies are the base's values in fp32, and the loss and the copies' gradients
+    are those of the same model with the dequantized weights put back as plain Linears."""
+    from finetuning_pipeline.model.quantized_base import quantize_base
+    from lora_logic.quantized_linear import QuantizedLinear
+
+    quantized = base("llama", torch.float64)
+    quantize_base(quantized, "q8_0")
+    plain = copy.deepcopy(quantized)
+    for name, module in list(plain.named_modules()):
+        if isinstance(module, QuantizedLinear):
+            parent, _, child = name.rpartition(".")
+            linear = torch.nn.Linear(module.in_features, module.out_features, bias=False, dtype=torch.float64)
+            linear.weight.data = module.dequantized_weight().to(torch.float64)
+            setattr(plain.get_submodule(parent), child, linear)
+    results = []
+    for model in (quantized, plain):
+        torch.manual_seed(1)  # the same LoRA A on both
+        inject_lora(model, lora_config("llama"))
+        trained(model)
+        assert type(model.lm_head.original_module) is torch.nn.Linear
+        results.append(loss_and_grads(model.train()))
+    assert any(isinstance(m, QuantizedLinear) for m in quantized.modules())
+    (logits, grads), (plain_logits, plain_grads) = results
+    assert_equal_in_exact_arithmetic(logits, plain_logits, "logits over the quantized base")
+    for name in grads:
+        assert_equal_in_exact_arithmetic(grads[name], plain_grads[name], f"{name}'s gradient")
